@@ -1,0 +1,81 @@
+"""Cache size per token per layer for the three ways of caching attention state.
+
+* ``MHA``: textbook multi-head attention with the same heads: ``2 * H * v_head_dim`` (K and V per head).
+* ``CD``: MLA with the decompressed per-head cache: ``H * (qk_nope + qk_rope + v_head_dim)``.
+* ``latent``: MLA's cache: ``kv_lora_rank + qk_rope_head_dim`` (``c_kv`` and the shared ``k_pe``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import MLAConfig
+
+BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class CacheRow:
+    """One way of caching: elements per token per layer and the ratio to the latent cache."""
+
+    kind: str
+    formula: str
+    elements: int
+    ratio_to_latent: float
+
+    def bytes(self, dtype: str) -> int:
+        """Bytes per token per layer in ``dtype`` (``fp32`` or ``bf16``)."""
+        return self.elements * BYTES[dtype]
+
+
+def cache_rows(config: MLAConfig) -> list[CacheRow]:
+    """The MHA, CD and latent rows for ``config``."""
+    c = config
+    h = c.num_attention_heads
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    mha = 2 * h * c.v_head_dim
+    cd = h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    return [
+        CacheRow("MHA", f"2*H*v_head_dim = 2*{h}*{c.v_head_dim}", mha, mha / latent),
+        CacheRow("CD", f"H*(qk_nope+qk_rope+v) = {h}*({c.qk_nope_head_dim}+{c.qk_rope_head_dim}+{c.v_head_dim})",
+                 cd, cd / latent),
+        CacheRow("latent", f"kv_lora_rank+qk_rope = {c.kv_lora_rank}+{c.qk_rope_head_dim}", latent, 1.0),
+    ]
+
+
+def format_inspect(config: MLAConfig) -> str:
+    """A human-readable summary of ``config``: dimensions, derived constants and the cache table."""
+    c = config
+    lines = [f"preset {c.name} ({c.model_type})", ""]
+    dims = [
+        ("hidden_size", c.hidden_size), ("num_hidden_layers", c.num_hidden_layers),
+        ("num_attention_heads", c.num_attention_heads), ("q_lora_rank", c.q_lora_rank or "none (q_proj)"),
+        ("kv_lora_rank", c.kv_lora_rank), ("qk_nope_head_dim", c.qk_nope_head_dim),
+        ("qk_rope_head_dim", c.qk_rope_head_dim), ("v_head_dim", c.v_head_dim),
+        ("vocab_size", c.vocab_size), ("intermediate_size", c.intermediate_size),
+        ("rope_theta", c.rope_theta), ("rms_norm_eps", c.rms_norm_eps),
+    ]
+    if c.rope_scaling is not None:
+        y = c.rope_scaling
+        dims.append(("rope_scaling", f"yarn factor={y.factor:g} original_max_position_embeddings="
+                                     f"{y.original_max_position_embeddings} beta_fast={y.beta_fast:g} "
+                                     f"beta_slow={y.beta_slow:g} mscale={y.mscale:g} mscale_all_dim={y.mscale_all_dim:g}"))
+    if c.is_moe:
+        dims.append(("moe", f"{c.n_routed_experts} routed + {c.n_shared_experts} shared experts of "
+                            f"{c.moe_intermediate_size}, top-{c.num_experts_per_tok}, {c.topk_method}/{c.scoring_func}, "
+                            f"first {c.first_k_dense_replace} layer(s) dense"))
+    dims += [("qk_head_dim", c.qk_head_dim), ("absorbed query / latent row width", c.latent_dim),
+             ("softmax_scale", f"{c.softmax_scale:.8f}")]
+    width = max(len(k) for k, _ in dims)
+    lines += [f"  {k:<{width}}  {v}" for k, v in dims]
+    lines += ["", "cache per token per layer:",
+              f"  {'cache':<7} {'elements':>9} {'fp32 B':>9} {'bf16 B':>9} {'x latent':>9}  formula"]
+    for row in cache_rows(c):
+        lines.append(f"  {row.kind:<7} {row.elements:>9} {row.bytes('fp32'):>9} {row.bytes('bf16'):>9} "
+                     f"{row.ratio_to_latent:>9.2f}  {row.formula}")
+    latent = cache_rows(c)[-1]
+    per_tok = latent.bytes("bf16") * c.num_hidden_layers
+    lines += ["", f"latent cache, all {c.num_hidden_layers} layers: {per_tok / 1024:.1f} KiB/token (bf16); "
+                  f"{per_tok * c.max_position_embeddings / 2**30:.2f} GiB for one sequence of "
+                  f"{c.max_position_embeddings} tokens"]
+    return "\n".join(lines)

@@ -1,0 +1,402 @@
+"""Model dimensions: one frozen dataclass with DeepSeek's own field names.
+
+``MLAConfig`` describes a DeepSeek-V2/V3 style decoder: the Multi-Head Latent Attention
+dimensions, the optional YaRN rope scaling, the MLP/MoE sizes. It is built from a preset
+(``export/<name>.toml``, section ``[model]``) or from a Hugging Face ``config.json``.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN attention-temperature correction ``0.1 * mscale * ln(scale) + 1`` (1 when scale <= 1)."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling, as in DeepSeek's ``rope_scaling`` block.
+
+    Attributes:
+        factor: context extension factor ``s`` (40 for DeepSeek-V2/V3).
+        original_max_position_embeddings: the pre-extension context (4096).
+        beta_fast: high-frequency boundary of the ramp, in rotations (32).
+        beta_slow: low-frequency boundary of the ramp, in rotations (1).
+        mscale: mscale used for the cos/sin amplitude (``attention_factor``).
+        mscale_all_dim: mscale used for the softmax scale; 0 disables the scale correction.
+        attention_factor: explicit cos/sin amplitude; None derives it as transformers does.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ConfigError(
+                f"rope_scaling needs beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}"
+            )
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Amplitude applied to cos and sin, as transformers derives it.
+
+        ``attention_factor`` when given; else ``mscale(s, mscale) / mscale(s, mscale_all_dim)`` when both are
+        non-zero (1.0 for the published DeepSeek configs); else ``mscale(s)``.
+        """
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        return yarn_get_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """Multiplier of the softmax scale: ``mscale(s, mscale_all_dim)**2`` (1 when mscale_all_dim is 0)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Dimensions of a DeepSeek-style MLA decoder (field names as in DeepSeek's config.json).
+
+    Attributes:
+        name: a label (the preset name, or the checkpoint's folder name).
+        model_type: ``deepseek_v2`` or ``deepseek_v3``; selects the MoE routing.
+        vocab_size: number of token ids.
+        hidden_size: model width D.
+        intermediate_size: width of the dense SwiGLU MLP.
+        num_hidden_layers: number of decoder layers.
+        num_attention_heads: number of query heads H.
+        q_lora_rank: rank of the query compression, or None for a plain ``q_proj``.
+        kv_lora_rank: width r of the cached latent ``c_kv`` (512 in DeepSeek).
+        qk_nope_head_dim: per-head query/key width without rope (128).
+        qk_rope_head_dim: width of the decoupled rope key ``k_pe``, shared by all heads (64).
+        v_head_dim: per-head value width (128).
+        rope_theta: rope base.
+        rope_scaling: YaRN parameters, or None for plain rope.
+        rms_norm_eps: epsilon of every RMSNorm.
+        max_position_embeddings: the longest context the model was configured for.
+        moe_intermediate_size: width of one routed (and shared) expert.
+        n_routed_experts: number of routed experts; None for a dense model.
+        n_shared_experts: number of always-on shared experts (their MLP is this many experts wide).
+        num_experts_per_tok: experts chosen per token (top-k).
+        first_k_dense_replace: the first k layers use the dense MLP.
+        n_group: expert groups for group-limited routing.
+        topk_group: groups kept per token.
+        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3).
+        scoring_func: ``softmax`` (V2) or ``sigmoid`` (V3).
+        routed_scaling_factor: multiplier of the routed experts' weights.
+        norm_topk_prob: V3 only: normalise the chosen weights to sum to one.
+        tie_word_embeddings: lm_head shares the embedding matrix.
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    model_type: str = "deepseek_v3"
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    # mixture of experts (None: every layer is dense)
+    moe_intermediate_size: int | None = None
+    n_routed_experts: int | None = None
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "max_position_embeddings"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{self.name}: {f} must be a positive integer, got {value!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ConfigError(f"{self.name}: q_lora_rank must be a positive integer or absent, got {self.q_lora_rank!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{self.name}: qk_rope_head_dim must be even (rope rotates pairs), got {self.qk_rope_head_dim}")
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"{self.name}: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError(f"{self.name}: rms_norm_eps and rope_theta must be positive")
+        if self.n_routed_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        n = self.n_routed_experts
+        if not isinstance(n, int) or n <= 0:
+            raise ConfigError(f"{self.name}: n_routed_experts must be a positive integer or absent, got {n!r}")
+        if not self.moe_intermediate_size or self.moe_intermediate_size <= 0:
+            raise ConfigError(f"{self.name}: a MoE model needs a positive moe_intermediate_size")
+        if not 1 <= self.num_experts_per_tok <= n:
+            raise ConfigError(f"{self.name}: num_experts_per_tok must be in 1..{n}, got {self.num_experts_per_tok}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ConfigError(f"{self.name}: first_k_dense_replace must be in 0..num_hidden_layers")
+        if self.n_group <= 0 or n % self.n_group:
+            raise ConfigError(f"{self.name}: n_routed_experts ({n}) must be a multiple of n_group ({self.n_group})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"{self.name}: topk_group must be in 1..n_group ({self.n_group}), got {self.topk_group}")
+        if self.topk_method not in ROUTING_METHODS:
+            raise ConfigError(f"{self.name}: topk_method must be one of {ROUTING_METHODS}, got {self.topk_method!r}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(f"{self.name}: scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if (self.topk_method == "noaux_tc") != (self.scoring_func == "sigmoid"):
+            raise ConfigError(f"{self.name}: topk_method 'noaux_tc' goes with scoring_func 'sigmoid' (V3), "
+                              f"the others with 'softmax' (V2); got {self.topk_method!r} with {self.scoring_func!r}")
+        if self.n_shared_experts < 0:
+            raise ConfigError(f"{self.name}: n_shared_experts must be >= 0")
+
+    # derived dimensions -------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: ``qk_nope_head_dim + qk_rope_head_dim`` (192)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached row: ``kv_lora_rank + qk_rope_head_dim`` (576): c_kv first, then k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2`` under YaRN."""
+        scale = self.qk_head_dim ** -0.5
+        if self.rope_scaling is not None:
+            scale *= self.rope_scaling.softmax_mscale
+        return scale
+
+    @property
+    def is_moe(self) -> bool:
+        """True when some layers use routed experts."""
+        return self.n_routed_experts is not None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """True when layer ``index`` uses the MoE block rather than the dense MLP."""
+        return self.is_moe and index >= self.first_k_dense_replace
+
+    def replace(self, **changes: Any) -> "MLAConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON/TOML friendly); ``rope_scaling`` becomes a nested dict or is dropped."""
+        out = dataclasses.asdict(self)
+        if out["rope_scaling"] is None:
+            del out["rope_scaling"]
+        if out["q_lora_rank"] is None:
+            del out["q_lora_rank"]
+        if out["moe_intermediate_size"] is None:
+            del out["moe_intermediate_size"]
+        if out["n_routed_experts"] is None:
+            del out["n_routed_experts"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "MLAConfig":
+        """Build from a dict that uses exactly this class's field names; unknown keys are an error.
+
+        Args:
+            data: field values; ``rope_scaling`` may be a dict with ``type = "yarn"``.
+            source: where the dict came from, for error messages.
+        """
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}")
+        if "rope_scaling" in data and data["rope_scaling"] is not None:
+            data["rope_scaling"] = _yarn_from_mapping(data["rope_scaling"], source)
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # pragma: no cover - guarded above
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
+    if isinstance(raw, YarnScaling):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: rope_scaling must be a table, got {raw!r}")
+    raw = dict(raw)
+    kind = raw.pop("type", None) or raw.pop("rope_type", None)
+    raw.pop("rope_theta", None)
+    if kind in (None, "default"):
+        if any(k in raw for k in ("factor", "original_max_position_embeddings")):
+            raise ConfigError(f"{source}: rope_scaling has YaRN fields but no type = \"yarn\"")
+        return None
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported (only 'yarn' and none)")
+    allowed = {f.name for f in dataclasses.fields(YarnScaling)}
+    if raw.pop("truncate", True) is not True:
+        raise ConfigError(f"{source}: rope_scaling truncate=false is not supported")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{source}: unknown rope_scaling field(s) {', '.join(unknown)}")
+    for needed in ("factor", "original_max_position_embeddings"):
+        if needed not in raw:
+            raise ConfigError(f"{source}: rope_scaling of type yarn needs {needed}")
+    values = {k: (int(v) if k == "original_max_position_embeddings" else float(v)) for k, v in raw.items()}
+    return YarnScaling(**values)
+
+
+# Hugging Face config.json --------------------------------------------------------------
+# Keys that configure the model's semantics and are read into MLAConfig.
+_HF_DIRECT = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps",
+    "max_position_embeddings", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+    "num_experts_per_tok", "first_k_dense_replace", "n_group", "topk_group", "topk_method",
+    "scoring_func", "routed_scaling_factor", "norm_topk_prob", "tie_word_embeddings",
+)
+# Keys whose value we check, because a value other than the expected one changes the math.
+_HF_EXPECTED = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False, None),
+    "mlp_bias": (False, None),
+    "rope_interleave": (True, None),
+    "attention_dropout": (0, 0.0, None),
+}
+# Keys that carry no semantics for the forward pass (metadata, generation, training, parallelism).
+_HF_IGNORED = {
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
+    "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "pretraining_tp", "ep_size",
+    "num_key_value_heads", "num_nextn_predict_layers", "num_mtp_layers", "moe_layer_freq", "aux_loss_alpha",
+    "seq_aux", "quantization_config", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
+    "rope_parameters", "output_router_logits", "router_aux_loss_coef", "id2label", "label2id",
+    "_name_or_path", "name_or_path", "return_dict", "output_hidden_states", "output_attentions",
+    "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "tie_encoder_decoder", "problem_type", "tokenizer_class", "task_specific_params", "finetuning_task",
+    "prefix", "sep_token_id", "decoder_start_token_id", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
+    "cross_attention_hidden_size", "mlp_layer_types", "layer_types", "max_window_layers",
+    "sliding_window", "use_sliding_window", "bos_token", "eos_token", "rope_type", "index_topk",
+}
+
+
+def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
+    """Read a Hugging Face DeepSeek-V2/V3 ``config.json`` (a path, a folder holding one, or a dict).
+
+    Both the older ``rope_theta`` + ``rope_scaling`` spelling and transformers 5's
+    ``rope_parameters`` are read. A setting that changes the math in a way this package does
+    not implement (``hidden_act`` other than silu, attention bias, non-interleaved rope) is an
+    error; metadata keys are ignored.
+
+    Raises:
+        ConfigError: unreadable file, missing field, unsupported setting, inconsistent value.
+    """
+    if isinstance(source, Mapping):
+        raw, label = dict(source), name or "config.json"
+    else:
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no Hugging Face config at {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable JSON config ({exc})") from None
+        label = str(path)
+        name = name or path.parent.name
+    model_type = raw.get("model_type", "deepseek_v3")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"{label}: model_type {model_type!r} is not a DeepSeek-V2/V3 model")
+    for key, allowed in _HF_EXPECTED.items():
+        if key in raw and raw[key] not in allowed:
+            raise ConfigError(f"{label}: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
+    heads = raw.get("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads")
+    if kv_heads is not None and heads is not None and kv_heads != heads:
+        raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and "qk_rope_head_dim" in raw and head_dim != raw["qk_rope_head_dim"]:
+        # transformers writes head_dim = qk_rope_head_dim (the rope width); anything else is inconsistent
+        raise ConfigError(f"{label}: head_dim ({head_dim}) differs from qk_rope_head_dim ({raw['qk_rope_head_dim']})")
+    unknown = sorted(k for k in raw if k not in _HF_DIRECT and k not in _HF_EXPECTED and k not in _HF_IGNORED)
+    fields: dict[str, Any] = {k: raw[k] for k in _HF_DIRECT if k in raw and raw[k] is not None}
+    if fields.get("q_lora_rank") == 0:  # DeepSeek's own configs write 0 for "no query compression"
+        del fields["q_lora_rank"]
+    rope_theta, rope_scaling = _hf_rope(raw, label)
+    fields.update(model_type=model_type, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                  name=name or label)
+    if model_type == "deepseek_v3" and "n_routed_experts" in fields:
+        fields.setdefault("scoring_func", "sigmoid")
+        fields.setdefault("topk_method", "noaux_tc")
+    if fields.get("n_routed_experts") is None:
+        for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+                  "n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor",
+                  "norm_topk_prob"):
+            fields.pop(k, None)
+    config = MLAConfig.from_dict(fields, source=label)
+    if unknown:
+        import warnings
+
+        warnings.warn(f"{label}: ignored unknown config.json key(s): {', '.join(unknown)}", stacklevel=2)
+    return config
+
+
+def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | None]:
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    if params is not None and scaling is not None and params != scaling:
+        # transformers 5 keeps both in sync when it writes; two different blocks are ambiguous
+        merged = dict(params)
+        for k, v in scaling.items():
+            if k in merged and merged[k] != v and k not in ("type", "rope_type"):
+                raise ConfigError(f"{label}: rope_parameters and rope_scaling disagree on {k}")
+        scaling = None
+    block = dict(params if params is not None else (scaling or {}))
+    theta = block.pop("rope_theta", None)
+    if theta is None:
+        theta = raw.get("rope_theta", 10000.0)
+    yarn = _yarn_from_mapping(block, label) if block else None
+    return float(theta), yarn

@@ -1,0 +1,92 @@
+"""Functional cache policies: how a layer's new rows meet its past cache, and which slots a query sees.
+
+The cache is never module state: each step takes the past cache in and returns the present one, so a
+model built on these exports to ONNX with the cache as explicit inputs and outputs.
+
+* :class:`ConcatCache`: ``past [..., P, C]`` in, ``present [..., P+S, C]`` out (``P`` may be 0).
+* :class:`StaticCache`: a fixed-capacity ``[..., T_max, C]`` buffer; the ``S`` new rows of sequence ``b``
+  are written at ``write_indices[b]`` and the rest is left as is (ONNX ``TensorScatter``, in place in
+  ONNX Runtime when input and output share a buffer). Slot ``t`` holds position ``t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CacheCapacityError
+
+
+@torch.library.custom_op("mla_deploy::tensor_scatter", mutates_args=())
+def tensor_scatter(past: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """ONNX ``TensorScatter`` (opset 24, axis -2, linear): ``past`` with ``update`` written at ``write_indices``.
+
+    Args:
+        past: ``[B, ..., T_max, C]``.
+        update: ``[B, ..., S, C]`` (same leading axes).
+        write_indices: ``[B]`` int64, the first slot written for each batch row.
+    Returns:
+        ``[B, ..., T_max, C]``.
+    """
+    steps = update.shape[-2]
+    if bool((write_indices < 0).any()) or bool((write_indices + steps > past.shape[-2]).any()):
+        raise CacheCapacityError(
+            f"cache capacity {past.shape[-2]} exceeded: writing {steps} row(s) at {write_indices.tolist()}")
+    lead = (1,) * (past.dim() - 1)
+    idx = write_indices.view(-1, *lead) + torch.arange(steps, device=past.device).view(*lead[1:], steps, 1)
+    return past.scatter(-2, idx.expand(update.shape), update)
+
+
+@tensor_scatter.register_fake
+def _tensor_scatter_fake(past, update, write_indices):
+    return torch.empty_like(past)
+
+
+class ConcatCache:
+    """A growing cache (HF convention): present = concat(past, new) along the sequence axis (-2).
+
+    Args:
+        key_valid: optional ``[B, P+S]`` (nonzero = a real token), Hugging Face's ``attention_mask``;
+            padded slots (of shorter sequences in a batch) are never attended. None: all valid.
+    """
+
+    def __init__(self, key_valid: torch.Tensor | None = None):
+        self.key_valid = key_valid
+
+    def update(self, past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Args: past ``[..., P, C]``, new ``[..., S, C]``. Returns: ``[..., P+S, C]``."""
+        return torch.cat((past, new), dim=-2)
+
+    def mask(self, seq_len: int, past: torch.Tensor) -> torch.Tensor:
+        """Which slots each new query may attend: ``[B or 1, 1, S, P+S]`` bool.
+
+        Slot order is time order, so a query at slot ``P+i`` sees slots ``<= P+i`` that are valid.
+        """
+        past_len = past.shape[-2]
+        q = torch.arange(seq_len, device=past.device) + past_len  # [S]
+        k = torch.arange(seq_len + past_len, device=past.device)  # [T]
+        visible = (k.unsqueeze(0) <= q.unsqueeze(1)).unsqueeze(0).unsqueeze(0)  # [1, 1, S, T]
+        if self.key_valid is not None:
+            visible = visible & (self.key_valid != 0).unsqueeze(1).unsqueeze(1)  # [B, 1, S, T]
+        return visible
+
+
+class StaticCache:
+    """A fixed-capacity cache written in place at per-sequence offsets.
+
+    Args:
+        write_indices: ``[B]`` int64: the number of valid rows of each sequence before this step, which is
+            where its new rows go and the position of its first new token.
+    """
+
+    def __init__(self, write_indices: torch.Tensor):
+        self.write_indices = write_indices
+
+    def update(self, past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Args: past ``[B, ..., T_max, C]``, new ``[B, ..., S, C]``. Returns: ``[B, ..., T_max, C]``."""
+        return tensor_scatter(past, new, self.write_indices)
+
+    def mask(self, seq_len: int, past: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, S, T_max]`` bool: slot ``t`` is visible to new token ``i`` iff ``t <= write_indices[b] + i``."""
+        q = self.write_indices.unsqueeze(1) + torch.arange(seq_len, device=past.device)  # [B, S]
+        k = torch.arange(past.shape[-2], device=past.device)  # [T_max]
+        return (k.view(1, 1, -1) <= q.unsqueeze(-1)).unsqueeze(1)

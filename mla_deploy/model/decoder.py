@@ -1,0 +1,154 @@
+"""A DeepSeek-style decoder built from an :class:`~mla_deploy.config.MLAConfig`.
+
+embedding -> [RMSNorm -> MLA -> residual -> RMSNorm -> SwiGLU MLP or MoE -> residual] x L -> RMSNorm -> lm_head.
+State-dict keys equal those of Hugging Face's ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``
+(``model.layers.{i}.self_attn.kv_b_proj.weight``, ...), so their weights load without renaming.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..config import MLAConfig
+from .cache import ConcatCache
+from .layers import MLP, MoE, RMSNorm
+from .mla import ABSORBED_FORMS, FORMS, AbsorbedMLAttention, MLAttention
+from .rope import RotaryEmbedding
+
+
+def make_attention(config: MLAConfig, form: str) -> nn.Module:
+    """The attention module of ``form`` (one of ``CD``, ``CC``, ``A_CC``, ``A_CC_ME``)."""
+    if form not in FORMS:
+        raise ValueError(f"unknown attention form {form!r}; choose one of {FORMS}")
+    return AbsorbedMLAttention(config, form) if form in ABSORBED_FORMS else MLAttention(config, form)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, config: MLAConfig, index: int, form: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = make_attention(config, form)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config) if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, past, cache):
+        """Args: x ``[B, S, D]`` and the attention's arguments. Returns: ``[B, S, D]`` and the present cache."""
+        h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), present
+
+
+class MLAModel(nn.Module):
+    """The decoder stack (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, config: MLAConfig, form: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, form) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class MLAForCausalLM(nn.Module):
+    """DeepSeek-style causal LM with MLA, functional cache.
+
+    Args:
+        config: the dimensions.
+        form: the attention form of every layer (``CD``, ``CC``, ``A_CC``, ``A_CC_ME``).
+    """
+
+    def __init__(self, config: MLAConfig, form: str = "CC"):
+        super().__init__()
+        self.config = config
+        self.model = MLAModel(config, form)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def form(self) -> str:
+        """The attention form of the layers."""
+        return self.model.layers[0].self_attn.form
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: Sequence, cache=None):
+        """Run ``S`` new tokens of each sequence.
+
+        Args:
+            input_ids: ``[B, S]`` int64.
+            position_ids: ``[B, S]`` int64, the absolute position of each new token.
+            past: one cache per layer, in the form's layout (see :meth:`empty_cache`).
+            cache: a :class:`~mla_deploy.model.cache.ConcatCache` (default) or ``StaticCache`` policy.
+        Returns:
+            logits ``[B, S, vocab_size]`` and the list of present caches.
+        """
+        cache = ConcatCache() if cache is None else cache
+        if len(past) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} layer caches, got {len(past)}")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(position_ids)
+        first = past[0][0] if isinstance(past[0], (tuple, list)) else past[0]
+        mask = cache.mask(input_ids.shape[1], first)
+        presents = []
+        for layer, layer_past in zip(self.model.layers, past):
+            x, present = layer(x, cos, sin, mask, layer_past, cache)
+            presents.append(present)
+        return self.lm_head(self.model.norm(x)), presents
+
+    def empty_cache(self, batch: int, length: int = 0, static: bool = False,
+                    dtype: torch.dtype | None = None, device=None) -> list:
+        """Zero caches for every layer.
+
+        Args:
+            batch: B.
+            length: rows (``P`` for concat, the capacity ``T_max`` for static).
+            static: the static layout: latent ``[B, 1, T_max, C]``; CD ``[B, H, T_max, .]``.
+        Returns:
+            per layer: latent ``[B, length, C]`` (``[B, 1, length, C]`` static), or for CD
+            ``(k [B, H, length, dn+dr], v [B, H, length, dv])``.
+        """
+        c = self.config
+        dtype = dtype or self.lm_head.weight.dtype
+        device = device or self.lm_head.weight.device
+        if self.form == "CD":
+            h = c.num_attention_heads
+            return [(torch.zeros(batch, h, length, c.qk_head_dim, dtype=dtype, device=device),
+                     torch.zeros(batch, h, length, c.v_head_dim, dtype=dtype, device=device))
+                    for _ in range(c.num_hidden_layers)]
+        shape = (batch, 1, length, c.latent_dim) if static else (batch, length, c.latent_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, std: float = 0.02, seed: int = 0) -> nn.Module:
+    """Fill every parameter with random values: matrices ``N(0, std)``, norm scales ``1 + N(0, 0.1)``.
+
+    With ``std`` large (e.g. 0.3) mistakes in the attention cannot hide behind small activations.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("inv_freq"):
+            continue
+        if tensor.dim() == 1:
+            base = 0.0 if name.endswith("bias") else 1.0
+            tensor.copy_(base + 0.1 * torch.randn(tensor.shape, generator=gen))
+        else:
+            tensor.copy_(std * torch.randn(tensor.shape, generator=gen))
+    return model
+
+
+def build_model(config: MLAConfig, form: str = "CC", std: float = 0.02, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> MLAForCausalLM:
+    """An :class:`MLAForCausalLM` with random weights (see :func:`init_random_`), in eval mode.
+
+    The weights are drawn for the original form and rewritten into ``form``, so every form built
+    with the same ``seed`` computes the same function.
+    """
+    from .absorb import convert_form
+
+    model = init_random_(MLAForCausalLM(config, "CC"), std=std, seed=seed)
+    return convert_form(model, form).to(dtype).eval()

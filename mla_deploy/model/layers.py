@@ -1,0 +1,126 @@
+"""The non-attention parts of a DeepSeek decoder layer: RMSNorm, SwiGLU MLP, MoE with shared experts.
+
+Parameter names match Hugging Face transformers' DeepSeek-V2/V3 modules (its in-memory MoE layout:
+``experts.gate_up_proj [E, 2*I, D]`` and ``experts.down_proj [E, D, I]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MLAConfig
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32 (as DeepSeek and transformers)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x ``[..., dim]``. Returns: ``[..., dim]`` in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x ``[..., D]``. Returns: ``[..., D]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice of DeepSeek-V2 (softmax; greedy or group-limited) and V3 (sigmoid, noaux_tc)."""
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        assert config.n_routed_experts is not None
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if config.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: x ``[T, D]``. Returns: weights ``[T, k]`` float32 and expert indices ``[T, k]`` int64."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        groups = (c.n_group, c.n_routed_experts // c.n_group)
+        if c.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.unflatten(-1, groups).topk(2, dim=-1).values.sum(-1)  # [T, G]
+            choice = _keep_groups(choice, group_scores, c.topk_group, groups, float("-inf"))
+            idx = choice.topk(c.num_experts_per_tok, dim=-1).indices
+            weights = scores.gather(-1, idx)
+            if c.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        else:
+            scores = logits.softmax(-1)
+            if c.topk_method == "group_limited_greedy":
+                group_scores = scores.unflatten(-1, groups).amax(-1)  # [T, G]
+                scores = _keep_groups(scores, group_scores, c.topk_group, groups, 0.0)
+            weights, idx = scores.topk(c.num_experts_per_tok, dim=-1)
+        return weights * c.routed_scaling_factor, idx
+
+
+def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, keep: int, groups: tuple[int, int],
+                 fill: float) -> torch.Tensor:
+    """Set the scores of experts outside the ``keep`` best groups to ``fill``. scores ``[T, E]``."""
+    top = group_scores.topk(keep, dim=-1).indices  # [T, keep]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, top, True)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, *groups).flatten(-2)  # [T, E]
+    return scores.masked_fill(~expert_mask, fill)
+
+
+class Experts(nn.Module):
+    """The routed experts, stored stacked: ``gate_up_proj [E, 2*I, D]`` (gate rows first), ``down_proj [E, D, I]``."""
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, combined with the routing weights (standard ops, no loop).
+
+        Args: x ``[T, D]``; weights, idx ``[T, k]``. Returns: ``[T, D]``.
+        """
+        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
+        dense = dense.scatter_add(-1, idx, weights)  # [T, E]
+        gate, up = torch.einsum("td,eid->tei", x, self.gate_up_proj).chunk(2, dim=-1)  # [T, E, I] each
+        h = F.silu(gate) * up * dense.to(x.dtype).unsqueeze(-1)
+        return torch.einsum("tei,edi->td", h, self.down_proj)
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts (``moe_intermediate_size * n_shared_experts`` wide)."""
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x ``[B, S, D]``. Returns: ``[B, S, D]``."""
+        flat = x.flatten(0, -2)  # [T, D]
+        weights, idx = self.gate(flat)
+        out = self.experts(flat, weights, idx).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,78 @@
+"""Rotary position embedding as DeepSeek applies it: adjacent pairs, optional YaRN.
+
+DeepSeek's weights rotate the pairs ``(x[2i], x[2i+1])`` of the rope slice (``q_pe``, ``k_pe``) by
+the angle ``position * inv_freq[i]``. The rotated vector keeps that interleaved layout, so the
+``k_pe`` written to the latent cache is in DeepSeek's own order (as in DeepSeek-V2's HF code; V3's HF
+code stores it de-interleaved, which changes no score).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import MLAConfig, YarnScaling
+
+
+def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling) -> torch.Tensor:
+    """YaRN inverse frequencies ``[dim/2]``: interpolated below the ramp, extrapolated above it."""
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (yarn.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: extrapolate (high frequency), 0: interpolate (low frequency)
+    return interpolation * (1.0 - keep) + extrapolation * keep
+
+
+def inv_freq_for(config: MLAConfig) -> torch.Tensor:
+    """The inverse frequencies ``[qk_rope_head_dim / 2]`` for ``config`` (plain or YaRN)."""
+    dim = config.qk_rope_head_dim
+    if config.rope_scaling is None:
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return yarn_inv_freq(dim, config.rope_theta, config.rope_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Maps positions to ``(cos, sin)``, each ``[B, S, qk_rope_head_dim / 2]`` in float32.
+
+    Under YaRN, cos and sin carry the amplitude ``rope_scaling.cos_sin_scale`` (1.0 for the published
+    DeepSeek configs), as transformers applies it.
+    """
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq_for(config), persistent=False)
+        self.amplitude = 1.0 if config.rope_scaling is None else config.rope_scaling.cos_sin_scale
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: position_ids ``[B, S]`` int64. Returns: cos, sin ``[B, S, d/2]`` float32."""
+        angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, d/2]
+        cos, sin = angles.cos(), angles.sin()
+        if self.amplitude != 1.0:
+            cos, sin = cos * self.amplitude, sin * self.amplitude
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of the last axis.
+
+    Args:
+        x: ``[..., d]`` with ``d`` even; pairs are ``(x[2i], x[2i+1])``.
+        cos, sin: broadcastable to ``[..., d/2]`` (float32).
+    Returns:
+        ``[..., d]`` in ``x``'s dtype, pairs still interleaved.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # [..., d/2, 2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # [..., d/2, 2]
+    return rotated.flatten(-2).to(x.dtype)

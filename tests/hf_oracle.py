@@ -1,0 +1,50 @@
+"""Build tiny Hugging Face DeepSeek-V2/V3 models with transformers itself, as a test oracle."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_config(version: int, q_lora_rank: int | None = 32, yarn: bool = False, moe: bool = True, layers: int = 2):
+    """A tiny transformers DeepseekV{2,3}Config (num_key_value_heads set to the head count, EOS disabled)."""
+    import transformers
+
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-6,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1 if moe else layers, n_group=4, topk_group=2, tie_word_embeddings=False,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
+    if version == 3:
+        cfg = transformers.DeepseekV3Config(**common, rope_parameters=rope, routed_scaling_factor=2.5,
+                                            norm_topk_prob=True, num_nextn_predict_layers=0)
+    else:
+        cfg = transformers.DeepseekV2Config(**common, rope_parameters=rope, topk_method="group_limited_greedy",
+                                            routed_scaling_factor=16.0)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@torch.no_grad()
+def hf_model(version: int, seed: int = 0, std: float = 0.3, **kw):
+    """A tiny random transformers DeepSeek model in float32 eval mode, weights drawn N(0, std)."""
+    import transformers
+
+    cfg = hf_config(version, **kw)
+    cls = transformers.DeepseekV3ForCausalLM if version == 3 else transformers.DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if "inv_freq" in name or "original_inv_freq" in name:
+            continue
+        if p.dim() == 1:
+            p.copy_((0.0 if "bias" in name else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model
