@@ -7,8 +7,9 @@ is a :class:`~mla_deploy.errors.ConfigError`, never silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,138 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-SECTIONS = ("model",)
+SECTIONS = ("model", "export", "build", "validate")
+
+
+def _check_keys(section: str, data: dict, cls, source: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{source} [{section}]: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """``[export]``: how the ONNX graphs are made.
+
+    Attributes:
+        precision: ``fp32``, ``fp16`` or ``bf16``; the ONNX carries this dtype (TensorRT 11 reads precision from it).
+        cache_mode: ``concat`` (growing cache) or ``static`` (fixed capacity, written in place).
+        max_cache_length: capacity of the static cache (tokens per sequence).
+        prefill_form: attention form of the prefill graph (``CC`` re-expands K/V: cheaper for long prompts).
+        decode_form: attention form of the decode graph (``A_CC`` or ``A_CC_ME``).
+        opset: ONNX opset (static mode needs >= 24 for ``TensorScatter``).
+        external_data_threshold: graphs whose weights exceed this many bytes keep them in a side file.
+        seed: seed of the random weights of a preset export (checkpoint exports use the checkpoint's).
+        init_std: standard deviation of those random weights.
+    """
+
+    precision: str = "fp32"
+    cache_mode: str = "concat"
+    max_cache_length: int = 256
+    prefill_form: str = "CC"
+    decode_form: str = "A_CC"
+    opset: int = 24
+    external_data_threshold: int = 1 << 30
+    seed: int = 0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        from .io_spec import CACHE_MODES, PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"[export] precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ConfigError(f"[export] cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        if self.max_cache_length < 2:
+            raise ConfigError("[export] max_cache_length must be at least 2")
+        if self.prefill_form not in ("CD", "CC", "A_CC", "A_CC_ME") or self.prefill_form == "CD":
+            raise ConfigError(f"[export] prefill_form must be CC, A_CC or A_CC_ME, got {self.prefill_form!r}")
+        if self.decode_form not in ("A_CC", "A_CC_ME"):
+            raise ConfigError(f"[export] decode_form must be A_CC or A_CC_ME, got {self.decode_form!r}")
+        if not self.init_std > 0:
+            raise ConfigError("[export] init_std must be positive")
+        if self.opset < 18 or (self.cache_mode == "static" and self.opset < 24):
+            raise ConfigError(f"[export] opset {self.opset} is too old (>= 18; >= 24 for the static cache)")
+
+
+def _range(name: str, value) -> tuple[int, int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise ConfigError(f"[build] {name} must be [min, opt, max] integers, got {value!r}")
+    lo, opt, hi = value
+    if not 0 <= lo <= opt <= hi:
+        raise ConfigError(f"[build] {name} needs 0 <= min <= opt <= max, got {list(value)}")
+    return lo, opt, hi
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """``[build]``: TensorRT optimisation profiles, each as ``[min, opt, max]``.
+
+    Attributes:
+        batch: batch size range (both graphs).
+        prompt_length: prefill ``sequence_length`` range.
+        past_length: concat mode: ``past_sequence_length`` range of the decode graph (the prefill profile
+            uses ``[0, 0, max]``); static mode uses ``[export] max_cache_length`` instead.
+        workspace_mib: builder workspace limit.
+    """
+
+    batch: tuple[int, int, int] = (1, 1, 4)
+    prompt_length: tuple[int, int, int] = (1, 16, 128)
+    past_length: tuple[int, int, int] = (1, 128, 256)
+    workspace_mib: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prompt_length", "past_length"):
+            object.__setattr__(self, name, _range(name, getattr(self, name)))
+        if self.batch[0] < 1 or self.prompt_length[0] < 1:
+            raise ConfigError("[build] batch and prompt_length ranges must start at 1 or more")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Absolute and relative tolerance of one precision."""
+
+    atol: float
+    rtol: float
+
+
+DEFAULT_TOLERANCES = {"fp32": Tolerance(1e-4, 1e-4), "fp16": Tolerance(2e-2, 2e-2), "bf16": Tolerance(5e-2, 5e-2)}
+
+
+@dataclass(frozen=True)
+class ValidateSettings:
+    """``[validate]``: the validation trajectory and tolerances.
+
+    Attributes:
+        batch: batch size of the trajectory.
+        prompt_length: prefill length.
+        decode_steps: teacher-forced decode steps after the prefill.
+        seed: seed of the random prompt ids.
+        tolerance: per precision (``[validate.tolerance.fp32] atol = ..., rtol = ...``).
+    """
+
+    batch: int = 2
+    prompt_length: int = 7
+    decode_steps: int = 8
+    seed: int = 0
+    tolerance: dict = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.prompt_length < 1 or self.decode_steps < 0:
+            raise ConfigError("[validate] batch and prompt_length must be >= 1, decode_steps >= 0")
+        merged = dict(DEFAULT_TOLERANCES)
+        for key, value in dict(self.tolerance).items():
+            if key not in DEFAULT_TOLERANCES:
+                raise ConfigError(f"[validate.tolerance] unknown precision {key!r}")
+            if isinstance(value, Tolerance):
+                merged[key] = value
+                continue
+            if not isinstance(value, dict) or set(value) - {"atol", "rtol"}:
+                raise ConfigError(f"[validate.tolerance.{key}] takes atol and rtol only")
+            merged[key] = Tolerance(float(value.get("atol", merged[key].atol)), float(value.get("rtol", merged[key].rtol)))
+        object.__setattr__(self, "tolerance", merged)
 
 
 @dataclass(frozen=True)
@@ -31,11 +163,27 @@ class Recipe:
         name: the preset name (the file's stem).
         model: the model's dimensions.
         source: the file the recipe was read from.
+        export: ``[export]`` settings.
+        build: ``[build]`` TensorRT profiles.
+        validate: ``[validate]`` trajectory and tolerances.
     """
 
     name: str
     model: MLAConfig
     source: str
+    export: ExportSettings = field(default_factory=ExportSettings)
+    build: BuildSettings = field(default_factory=BuildSettings)
+    validate: ValidateSettings = field(default_factory=ValidateSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as plain data (for manifests and ``--dump-recipe``)."""
+        validate = asdict(self.validate)
+        return {"name": self.name, "source": self.source, "model": self.model.to_dict(),
+                "export": asdict(self.export), "build": asdict(self.build), "validate": validate}
+
+    def replace(self, **changes: Any) -> "Recipe":
+        """A copy with whole sections replaced."""
+        return dataclasses.replace(self, **changes)
 
 
 def presets_dir() -> Path:
@@ -86,4 +234,14 @@ def recipe_from_dict(data: dict[str, Any], source: str, default_name: str) -> Re
     model = dict(data["model"])
     model.setdefault("name", default_name)
     config = MLAConfig.from_dict(model, source=f"{source} [model]")
-    return Recipe(name=config.name, model=config, source=source)
+    sections = {}
+    for key, cls in (("export", ExportSettings), ("build", BuildSettings), ("validate", ValidateSettings)):
+        raw = dict(data.get(key, {}))
+        _check_keys(key, raw, cls, source)
+        try:
+            sections[key] = cls(**raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source} [{key}]: {exc}") from None
+    return Recipe(name=config.name, model=config, source=source, **sections)
