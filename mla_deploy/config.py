@@ -229,6 +229,8 @@ class MLAConfig:
         out = dataclasses.asdict(self)
         if out["rope_scaling"] is None:
             del out["rope_scaling"]
+        else:
+            out["rope_scaling"] = {"type": "yarn", **{k: v for k, v in out["rope_scaling"].items() if v is not None}}
         if out["q_lora_rank"] is None:
             del out["q_lora_rank"]
         if out["moe_intermediate_size"] is None:

@@ -54,3 +54,10 @@ __all__ = [
     "RuntimeMissingError",
     "AccuracyError",
 ]
+
+
+class InputError(MLADeployError):
+    """A value handed to mla-deploy is out of range (a token id outside the vocabulary, ...)."""
+
+
+__all__.append("InputError")

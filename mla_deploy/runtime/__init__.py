@@ -1,0 +1,1 @@
+"""Runtimes that execute exported artifacts."""
