@@ -48,3 +48,35 @@ def hf_model(version: int, seed: int = 0, std: float = 0.3, **kw):
         else:
             p.copy_(std * torch.randn(p.shape, generator=gen))
     return model
+
+
+def ours_from_hf(hf, form: str = "CC"):
+    """Our MLAForCausalLM with ``hf``'s weights: ``from_hf_config(config dict)``, then the HF state dict loaded
+    with ``strict=True`` into the original form, then rewritten into ``form``."""
+    from mla_deploy import from_hf_config
+    from mla_deploy.model import MLAForCausalLM, convert_form
+
+    model = MLAForCausalLM(from_hf_config(hf.config.to_dict()), "CC").eval()
+    model.load_state_dict(hf.state_dict(), strict=True)
+    return convert_form(model, form) if form != "CC" else model
+
+
+@torch.no_grad()
+def hf_run_chunks(hf, ids: torch.Tensor, chunks) -> tuple[list[torch.Tensor], object]:
+    """Feed ``ids [B, N]`` through ``hf`` chunk by chunk from position 0 with its DynamicCache.
+
+    Returns: the logits of each chunk and the final cache (``cache.layers[i].keys`` / ``.values``).
+    """
+    past, outs, start = None, [], 0
+    for n in chunks:
+        pos = torch.arange(start, start + n).expand(ids.shape[0], n)
+        out = hf(input_ids=ids[:, start:start + n], position_ids=pos, past_key_values=past, use_cache=True)
+        outs.append(out.logits)
+        past, start = out.past_key_values, start + n
+    return outs, past
+
+
+def causal_mask(batch: int, seq: int, dtype=torch.float32) -> torch.Tensor:
+    """Additive causal mask ``[B, 1, S, S]`` (0 visible, dtype min hidden), as HF's eager attention takes it."""
+    hidden = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    return torch.zeros(batch, 1, seq, seq, dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)

@@ -1,0 +1,171 @@
+"""MLAConfig and from_hf_config: Hugging Face config.json in both rope spellings, and clear ConfigErrors."""
+
+from __future__ import annotations
+
+import copy
+import math
+import json
+import warnings
+
+import pytest
+
+from mla_deploy import MLAConfig, YarnScaling, from_hf_config, load_recipe
+from mla_deploy.errors import ConfigError
+
+# deepseek-ai/DeepSeek-V3 config.json as published (transformers 4.x spelling: rope_theta + rope_scaling.type)
+V3_CONFIG_JSON = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33.1",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def _v5_spelling(raw: dict) -> dict:
+    """The same config as transformers 5 writes it: one rope_parameters block with rope_type and rope_theta."""
+    out = copy.deepcopy(raw)
+    block = out.pop("rope_scaling")
+    block["rope_type"] = block.pop("type")
+    block["rope_theta"] = float(out.pop("rope_theta"))
+    out["rope_parameters"] = block
+    return out
+
+
+def _load_quietly(source) -> MLAConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no key of a real config.json may be silently unknown
+        return from_hf_config(source, name="deepseek-v3")
+
+
+@pytest.mark.parametrize("spelling", ["rope_theta+rope_scaling", "rope_parameters"])
+def test_published_v3_config_json_equals_preset(spelling):
+    """DeepSeek-V3's published config.json, in either rope spelling, reads to the deepseek-v3 preset."""
+    raw = V3_CONFIG_JSON if spelling == "rope_theta+rope_scaling" else _v5_spelling(V3_CONFIG_JSON)
+    assert _load_quietly(raw) == load_recipe("deepseek-v3").model
+
+
+def test_both_spellings_agree_on_yarn_values():
+    """rope_theta and every YaRN field come through either spelling (spot check of non-default values)."""
+    raw = copy.deepcopy(V3_CONFIG_JSON)
+    raw["rope_theta"] = 50000
+    raw["rope_scaling"].update(factor=8, mscale=0.707, mscale_all_dim=0.5, beta_fast=16)
+    old, new = _load_quietly(raw), _load_quietly(_v5_spelling(raw))
+    assert old == new
+    assert old.rope_theta == 50000.0
+    assert old.rope_scaling == YarnScaling(factor=8.0, original_max_position_embeddings=4096, beta_fast=16.0,
+                                           beta_slow=1.0, mscale=0.707, mscale_all_dim=0.5)
+
+
+def test_q_lora_rank_zero_or_null_means_plain_q_proj():
+    """DeepSeek writes q_lora_rank null (V2-Lite) or 0: both mean no query compression."""
+    for value in (None, 0):
+        assert _load_quietly({**V3_CONFIG_JSON, "q_lora_rank": value}).q_lora_rank is None
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
+def test_transformers_save_pretrained_config_loads(tmp_path, version, yarn):
+    """A config.json written by transformers' own save_pretrained loads (folder or file) with its values."""
+    pytest.importorskip("transformers")
+    import hf_oracle
+
+    hf = hf_oracle.hf_config(version, yarn=yarn)
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in raw
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = from_hf_config(tmp_path)
+        assert from_hf_config(tmp_path / "config.json") == config
+    assert config.name == tmp_path.name
+    assert config.model_type == f"deepseek_v{version}"
+    for field in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group",
+                  "topk_group", "routed_scaling_factor"):
+        assert getattr(config, field) == getattr(hf, field), field
+    if yarn:
+        assert (config.rope_scaling.factor, config.rope_scaling.mscale, config.rope_scaling.mscale_all_dim) == (
+            8.0, 0.707, 1.0)
+    else:
+        assert config.rope_scaling is None
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param({"num_key_value_heads": 1}, r"num_key_value_heads \(1\) must equal num_attention_heads \(128\)",
+                 id="kv_heads"),
+    pytest.param({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported", id="hidden_act"),
+    pytest.param({"qk_rope_head_dim": 63}, "qk_rope_head_dim must be even", id="odd_rope_dim"),
+    pytest.param({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling type 'linear' is not supported",
+                 id="rope_type"),
+    pytest.param({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'",
+                 id="rope_type_dynamic"),
+    pytest.param({"topk_group": 9}, r"topk_group must be in 1..n_group \(8\), got 9", id="topk_group_gt_n_group"),
+    pytest.param({"n_group": 7}, r"must be a multiple of n_group \(7\)", id="n_group_divides"),
+    pytest.param({"num_experts_per_tok": 300}, "num_experts_per_tok must be in 1..256", id="topk_gt_experts"),
+    pytest.param({"rope_interleave": False}, "rope_interleave=False is not supported", id="rope_interleave"),
+    pytest.param({"attention_bias": True}, "attention_bias=True is not supported", id="attention_bias"),
+    pytest.param({"model_type": "llama"}, "not a DeepSeek-V2/V3 model", id="model_type"),
+    pytest.param({"kv_lora_rank": None}, r"missing field\(s\) kv_lora_rank", id="missing_field"),
+])
+def test_hf_config_errors(change, message):
+    """An unsupported or inconsistent config.json is a ConfigError with a one-line message naming the key."""
+    raw = {**V3_CONFIG_JSON, **change}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ConfigError, match=message) as info:
+        from_hf_config(raw)
+    assert "\n" not in str(info.value)
+
+
+def test_unreadable_hf_config(tmp_path):
+    """A folder without config.json, or one that is not JSON, is a ConfigError."""
+    with pytest.raises(ConfigError, match="no Hugging Face config"):
+        from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable JSON config"):
+        from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even", id="odd_rope_dim"),
+    pytest.param({"topk_group": 3}, r"topk_group must be in 1..n_group \(2\)", id="topk_group_gt_n_group"),
+    pytest.param({"topk_method": "noaux_tc"}, "noaux_tc' goes with scoring_func 'sigmoid'", id="method_vs_scoring"),
+    pytest.param({"model_type": "deepseek_v4"}, "model_type must be one of", id="model_type"),
+    pytest.param({"q_lora_rank": 0}, "q_lora_rank must be a positive integer", id="q_lora_zero"),
+])
+def test_mla_config_validation(change, message):
+    """MLAConfig itself rejects inconsistent values (here on a small MoE config) with a ConfigError."""
+    base = load_recipe("tiny").model.replace(n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=2,
+                                             n_group=2, topk_group=1)
+    with pytest.raises(ConfigError, match=message):
+        base.replace(**change)
+
+
+def test_replace_rejects_unknown_fields():
+    """replace() with a misspelt field is a ConfigError, not a silent no-op."""
+    with pytest.raises(ConfigError, match="unknown config field"):
+        load_recipe("tiny").model.replace(kv_lora_rnak=8)
+
+
+def test_yarn_scale_properties():
+    """YaRN: softmax scale multiplier mscale(s, mscale_all_dim)**2; cos/sin amplitude mscale ratio (1 for V3)."""
+    v3 = load_recipe("deepseek-v3").model.rope_scaling
+    assert v3.cos_sin_scale == pytest.approx(1.0)
+    assert v3.softmax_mscale == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    odd = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=1.0)
+    assert odd.cos_sin_scale == pytest.approx(0.921042, abs=1e-6)  # value measured with transformers
+    assert YarnScaling(factor=40.0, original_max_position_embeddings=4096).softmax_mscale == 1.0
