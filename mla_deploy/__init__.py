@@ -20,6 +20,7 @@ _LAZY = {
     "build_model": "mla_deploy.model",
     "convert_form": "mla_deploy.model",
     "MLAForCausalLM": "mla_deploy.model",
+    "load_checkpoint": "mla_deploy.checkpoint",
 }
 
 __all__ = ["MLAConfig", "YarnScaling", "from_hf_config", "MLADeployError", "Recipe", "load_recipe",

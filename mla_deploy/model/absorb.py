@@ -5,7 +5,8 @@
   tensor is unchanged.
 * :func:`convert_to_absorbed` swaps every :class:`~mla_deploy.model.mla.MLAttention` for an
   :class:`~mla_deploy.model.mla.AbsorbedMLAttention` holding those weights.
-* :func:`absorb` does both and returns the model.
+* :func:`absorb` does both and returns the model; given a transformers DeepSeek-V2/V3 model it returns an
+  absorbed :class:`~mla_deploy.model.decoder.MLAForCausalLM` sharing that model's tensors.
 """
 
 from __future__ import annotations
@@ -104,11 +105,35 @@ def convert_to_absorbed(model: nn.Module, form: str = "A_CC") -> nn.Module:
     return convert_form(model, form)
 
 
+HF_DEEPSEEK_CLASSES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def is_hf_deepseek(model: object) -> bool:
+    """True for a transformers ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (transformers not imported):
+    by class name, or a ``PreTrainedModel`` with an ``lm_head`` whose ``config.model_type`` is deepseek_v2/v3."""
+    if type(model).__name__ in HF_DEEPSEEK_CLASSES:
+        return True
+    bases = {cls.__name__ for cls in type(model).__mro__}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return "PreTrainedModel" in bases and hasattr(model, "lm_head") and model_type in ("deepseek_v2", "deepseek_v3")
+
+
 def absorb(model: nn.Module, form: str = "A_CC") -> nn.Module:
-    """Rewrite ``model`` into the absorbed form in place and return it (outputs unchanged up to rounding).
+    """The absorbed form of ``model`` (outputs unchanged up to rounding).
 
     Args:
-        model: an :class:`~mla_deploy.model.decoder.MLAForCausalLM` (or any module holding MLA attention).
+        model: an :class:`~mla_deploy.model.decoder.MLAForCausalLM` (or any module holding MLA attention),
+            rewritten in place and returned; or a transformers ``DeepseekV2ForCausalLM`` /
+            ``DeepseekV3ForCausalLM``, left untouched: a new ``MLAForCausalLM`` is returned that shares the
+            HF model's tensors (same storage; only ``kv_b_proj.weight [H*(dn+dv), r]`` is split into new
+            ``w_uk [H, dn, r]`` and ``w_uv [H, dv, r]``), so an in-place change to one is seen by the other.
+            It computes the same logits as the HF model.
         form: ``A_CC`` (concatenated 576-wide scores) or ``A_CC_ME`` (summed score terms).
     """
+    if form not in ABSORBED_FORMS:
+        raise ValueError(f"absorbed form must be one of {ABSORBED_FORMS}, got {form!r}")
+    if is_hf_deepseek(model):
+        from ..checkpoint import from_hf_model
+
+        return from_hf_model(model, form)
     return convert_to_absorbed(model, form)

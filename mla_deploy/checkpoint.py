@@ -1,0 +1,441 @@
+"""Import Hugging Face DeepSeek-V2/V3 checkpoints (safetensors only) into :class:`MLAForCausalLM`.
+
+:func:`load_checkpoint` reads ``config.json`` (:func:`~mla_deploy.config.from_hf_config`) and the
+``*.safetensors`` shards named by ``model.safetensors.index.json`` (or a lone ``model.safetensors``),
+builds the model on the meta device and fills it one tensor at a time from the memory-mapped files,
+so the peak memory is about the model's size, not twice it. Pickled checkpoints (``.bin``, ``.pt``)
+are refused: loading them can run arbitrary code.
+
+Every tensor of the checkpoint is accounted for. On-disk names equal our state-dict keys, except:
+
+* routed experts, stored one per expert (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``),
+  are stacked into the fused ``experts.gate_up_proj [E, 2I, D]`` and ``experts.down_proj [E, D, I]``
+  (table :data:`EXPERT_MAP`);
+* DeepSeek-V3's multi-token-prediction layers ``model.layers.{L}..{L+n-1}.*`` (``L`` = num_hidden_layers,
+  ``n`` = num_nextn_predict_layers) and the tensors of :data:`IGNORED` are skipped and listed in the
+  :class:`LoadReport`;
+* float8 weights with a ``<name>_scale_inv`` block scale (DeepSeek-V3's own release) are dequantised.
+
+A tensor the model does not use, a missing tensor or a wrong shape is a :class:`CheckpointError`.
+:func:`from_hf_model` wraps an in-memory transformers model instead, sharing its tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import MLAConfig, from_hf_config
+from .errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+SCALE_SUFFIX = "_scale_inv"
+# On-disk per-expert projection -> (our fused parameter under ``mlp.experts``, row block in it).
+# gate_up_proj[e] is [2I, D]: the gate rows are block 0, the up rows block 1; down_proj[e] is [D, I].
+EXPERT_MAP: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+_EXPERT_NAME = re.compile(r"(?P<prefix>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+# Tensors a checkpoint may carry that the model recomputes: pattern -> why they are skipped.
+IGNORED: dict[re.Pattern, str] = {re.compile(r".*rotary_emb\.(original_)?inv_freq"): "rope frequencies (recomputed)"}
+# Kept in float32 whatever the dtype, as transformers does (the V3 routing bias).
+KEEP_FP32 = ("e_score_correction_bias",)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_FP8 = ("F8_E4M3", "F8_E5M2")
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_REOPEN_BYTES = 256 << 20  # re-map a file after reading this much from it, releasing the pages already copied out
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint` read and what it skipped.
+
+    Attributes:
+        path: the checkpoint folder.
+        files: the safetensors files read.
+        dtype: the dtype of the loaded weights.
+        used: number of on-disk tensors loaded (block scales not counted).
+        dequantized: how many of them were float8 and dequantised.
+        skipped: reason -> on-disk names that were deliberately not loaded (MTP layers, rope buffers, tied lm_head).
+        bytes_on_disk: total size of the files.
+    """
+
+    path: str
+    files: list[str]
+    dtype: torch.dtype
+    used: int = 0
+    dequantized: int = 0
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    bytes_on_disk: int = 0
+
+    def summary(self) -> str:
+        """One line, e.g. ``loaded 53 tensors (bfloat16) from 1 file(s), 0.5 MB; skipped: 12 MTP layer tensors``."""
+        skipped = "; ".join(f"{len(v)} {k}" for k, v in self.skipped.items()) or "none"
+        fp8 = f", {self.dequantized} dequantised from fp8" if self.dequantized else ""
+        return (f"loaded {self.used} tensors ({str(self.dtype).removeprefix('torch.')}{fp8}) from "
+                f"{len(self.files)} file(s), {self.bytes_on_disk / 1e6:.1f} MB; skipped: {skipped}")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One tensor on disk."""
+
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors spelling: "BF16", "F8_E4M3", ...
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where an on-disk tensor goes: ``target[expert]`` rows of ``block`` (or the whole ``target``)."""
+
+    target: str
+    expert: int | None = None
+    block: int | None = None
+
+
+def load_checkpoint(path: str | Path, form: str = "CC", dtype: torch.dtype | str | None = None):
+    """Load a Hugging Face DeepSeek-V2/V3 checkpoint folder into an :class:`MLAForCausalLM` in ``form``.
+
+    Args:
+        path: the folder with ``config.json`` and the safetensors file(s) (or one of those files).
+        form: the attention form (``CD``, ``CC``, ``A_CC``, ``A_CC_ME``); absorbed forms split ``kv_b_proj``.
+        dtype: weight dtype (a torch dtype or ``"bf16"``, ``"fp16"``, ``"fp32"``); None keeps the
+            checkpoint's dtype, or bfloat16 for a float8 checkpoint. ``e_score_correction_bias`` stays float32.
+    Returns:
+        the model in eval mode on the CPU, with ``model.load_report`` (a :class:`LoadReport`).
+    Raises:
+        CheckpointError: no safetensors file, pickles only, a tensor unknown, missing or of the wrong shape.
+        ConfigError: an unreadable or unsupported ``config.json``, a bad ``form`` or ``dtype``.
+    """
+    from .model import MLAForCausalLM, convert_form
+    from .model.mla import FORMS
+
+    if form not in FORMS:
+        raise ConfigError(f"unknown attention form {form!r}; choose one of {', '.join(FORMS)}")
+    folder, files = checkpoint_files(path)
+    config = from_hf_config(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    sources = _read_headers(files)
+    with torch.device("meta"):
+        model = MLAForCausalLM(config, "CC")
+    targets = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del targets["lm_head.weight"]  # the same parameter as model.embed_tokens.weight
+    plan, scales, skipped = _plan(sources, targets, config, raw)
+    dtype = _resolve_dtype(dtype, sources)
+    report = LoadReport(str(folder), [f.name for f in files], dtype, skipped=skipped,
+                        bytes_on_disk=sum(f.stat().st_size for f in files))
+    state = _fill(targets, plan, scales, dtype, _block_size(raw), report)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    _assign(model, state)
+    model = convert_form(model, form).eval()
+    model.load_report = report
+    log.info("%s: %s", folder, report.summary())
+    return model
+
+
+def from_hf_model(hf_model: nn.Module, form: str = "CC"):
+    """An :class:`MLAForCausalLM` sharing the tensors of a transformers ``DeepseekV{2,3}ForCausalLM``.
+
+    Every parameter is the HF model's own tensor (same storage), except that absorbed forms split
+    ``kv_b_proj.weight [H*(dn+dv), r]`` into new ``w_uk [H, dn, r]`` and ``w_uv [H, dv, r]``.
+    """
+    from .model import MLAForCausalLM, convert_form
+
+    name = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
+    config = from_hf_config(hf_model.config.to_dict(), name=name)
+    with torch.device("meta"):
+        model = MLAForCausalLM(config, "CC")
+    state = hf_model.state_dict()
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        extra, missing = sorted(set(state) - expected), sorted(expected - set(state))
+        raise CheckpointError(f"{type(hf_model).__name__} does not match its config: "
+                              f"unexpected {_names(extra)}; missing {_names(missing)}")
+    for key, value in model.state_dict().items():
+        if tuple(state[key].shape) != tuple(value.shape):
+            raise CheckpointError(f"{key}: shape {tuple(state[key].shape)} in the model, expected {tuple(value.shape)}")
+    _assign(model, state)
+    return convert_form(model, form).train(hf_model.training)
+
+
+def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
+    """The checkpoint folder and the safetensors files to read (the index's shards, or every ``*.safetensors``)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    folder = path if path.is_dir() else path.parent
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a readable safetensors index ({exc})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) that are not there: {_names(absent)}")
+        return folder, files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(f"{folder} holds only pickled weights ({_names(pickles)}); mla-deploy reads "
+                                  "safetensors only (unpickling can run code): convert them to safetensors first")
+        raise CheckpointError(f"no *.safetensors file in {folder}")
+    return folder, files
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """DeepSeek-V3 block dequantisation: ``w = w_fp8.float() * scale_inv`` repeated over each block.
+
+    Args:
+        weight: ``[O, I]`` float8.
+        scale_inv: ``[ceil(O/bo), ceil(I/bi)]`` float32, one scale per ``bo x bi`` block (edge blocks partial).
+        block: ``(bo, bi)``, the quantization_config's ``weight_block_size``.
+    Returns:
+        ``[O, I]`` in ``dtype``.
+    """
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+# planning: map every on-disk tensor before reading any -------------------------------------------------
+
+def _read_headers(files: list[Path]) -> dict[str, _Source]:
+    """Name, shape and dtype of every tensor in ``files`` (headers only)."""
+    from safetensors import SafetensorError, safe_open
+
+    sources: dict[str, _Source] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                headers = [(name, f.get_slice(name)) for name in f.keys()]
+                headers = [(name, tuple(part.get_shape()), part.get_dtype()) for name, part in headers]
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+        for name, shape, dtype in headers:
+            if name in sources:
+                raise CheckpointError(f"tensor {name} is in both {sources[name].file.name} and {file.name}")
+            sources[name] = _Source(name, file, shape, dtype)
+    return sources
+
+
+def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], config: MLAConfig,
+          raw: dict[str, Any]) -> tuple[list[tuple[_Source, _Slot]], dict[str, _Source], dict[str, list[str]]]:
+    """Decide where each on-disk tensor goes; check names, shapes and coverage. Reads no data."""
+    layers = config.num_hidden_layers
+    mtp = int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0)
+    scales = {n[: -len(SCALE_SUFFIX)]: s for n, s in sources.items()
+              if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in sources}
+    plan: list[tuple[_Source, _Slot]] = []
+    skipped: dict[str, list[str]] = {}
+    unknown: list[str] = []
+    for name, src in sources.items():
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+        layer = _LAYER_NAME.match(name)
+        if layer and int(layer.group(1)) >= layers:
+            if int(layer.group(1)) < layers + mtp:
+                skipped.setdefault("MTP layer tensors (not part of the decoder)", []).append(name)
+            else:
+                unknown.append(name)
+            continue
+        if base is not None and base in scales and sources[base].dtype in _FP8:
+            continue  # consumed with its weight
+        reason = next((r for p, r in IGNORED.items() if p.fullmatch(name)), None)
+        if reason:
+            skipped.setdefault(reason, []).append(name)
+        elif (slot := _slot(name, targets)) is not None:
+            plan.append((src, slot))
+        elif config.tie_word_embeddings and name == "lm_head.weight":
+            if "model.embed_tokens.weight" in sources:
+                skipped.setdefault("tied lm_head (same as model.embed_tokens.weight)", []).append(name)
+            else:
+                plan.append((src, _Slot("model.embed_tokens.weight")))
+        else:
+            unknown.append(name)
+    if unknown:
+        raise CheckpointError(f"{len(unknown)} tensor(s) in the checkpoint that the model does not use: {_names(unknown)}")
+    _check_shapes(plan, scales, targets, _block_size(raw))
+    _check_coverage(plan, targets)
+    return plan, scales, skipped
+
+
+def _slot(name: str, targets: dict[str, tuple[int, ...]]) -> _Slot | None:
+    """Our parameter (or expert slice of one) for the on-disk ``name``; None if the model has no such tensor."""
+    if name in targets:
+        return _Slot(name)
+    m = _EXPERT_NAME.fullmatch(name)
+    if m is None or m.group("proj") not in EXPERT_MAP:
+        return None
+    param, block = EXPERT_MAP[m.group("proj")]
+    target, expert = f"{m.group('prefix')}.{param}", int(m.group("e"))
+    if target not in targets or not expert < targets[target][0]:
+        return None
+    return _Slot(target, expert, block)
+
+
+def _expected_shape(slot: _Slot, targets: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    shape = targets[slot.target]
+    if slot.expert is None:
+        return shape
+    shape = shape[1:]
+    return shape if slot.block is None else (shape[0] // 2, *shape[1:])
+
+
+def _check_shapes(plan, scales, targets, block) -> None:
+    """Each planned tensor has the shape its slot needs; each float8 one has a block scale of the right shape."""
+    for src, slot in plan:
+        want = _expected_shape(slot, targets)
+        if src.shape != want:
+            raise CheckpointError(f"{src.name}: shape {src.shape} in {src.file.name}, the model expects {want}")
+        if src.dtype in _FP8:
+            scale = scales.get(src.name)
+            if scale is None:
+                raise CheckpointError(f"{src.name} is float8 but the checkpoint has no {src.name}{SCALE_SUFFIX}")
+            need = tuple(-(-n // b) for n, b in zip(src.shape, block))
+            if len(src.shape) != 2 or scale.shape != need:
+                raise CheckpointError(f"{scale.name}: shape {scale.shape}, expected {need} for a {src.shape} "
+                                      f"weight in {block[0]}x{block[1]} blocks")
+        elif src.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{src.name}: dtype {src.dtype} is not a floating-point weight type")
+
+
+def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[int, ...]]) -> None:
+    """Each target filled exactly once: whole, or (fused experts) one slot per expert and row block."""
+    by_target: dict[str, dict[_Slot, str]] = {}
+    for src, slot in plan:
+        got = by_target.setdefault(slot.target, {})
+        clash = got.get(_Slot(slot.target)) or got.get(slot) or (next(iter(got.values()), None) if slot.expert is None else None)
+        if clash:
+            raise CheckpointError(f"{src.name} and {clash} both supply {slot.target}")
+        got[slot] = src.name
+    missing: list[str] = []
+    for target, shape in targets.items():
+        got = by_target.get(target, {})
+        if _Slot(target) in got:
+            continue
+        prefix, param = target.rsplit(".", 1)
+        if prefix.endswith(".mlp.experts") and param in {p for p, _ in EXPERT_MAP.values()}:
+            missing += [f"{prefix}.{e}.{proj}.weight" for proj, (p, block) in EXPERT_MAP.items() if p == param
+                        for e in range(shape[0]) if _Slot(target, e, block) not in got]
+        else:
+            missing.append(target)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {_names(missing)}")
+
+
+# reading ------------------------------------------------------------------------------------------------
+
+class _Reader:
+    """Memory-mapped access to the shards; a file is re-mapped after ``_REOPEN_BYTES`` read from it, which
+    drops the pages already copied out (a mapping's touched pages count as resident until it is closed)."""
+
+    def __init__(self):
+        self._open: dict[Path, tuple[Any, int]] = {}
+
+    def get(self, src: _Source) -> torch.Tensor:
+        from safetensors import safe_open
+
+        handle, done = self._open.get(src.file, (None, 0))
+        if handle is None or done > _REOPEN_BYTES:
+            self._open[src.file] = (safe_open(str(src.file), framework="pt"), 0)
+            handle, done = self._open[src.file]
+        tensor = handle.get_tensor(src.name)
+        self._open[src.file] = (handle, done + tensor.nbytes)
+        return tensor
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def _fill(targets: dict[str, tuple[int, ...]], plan, scales, dtype: torch.dtype, block: tuple[int, int],
+          report: LoadReport) -> dict[str, torch.Tensor]:
+    """Read every planned tensor into a new CPU tensor of ``dtype``; returns our state dict (untied keys)."""
+    state: dict[str, torch.Tensor] = {}
+    reader = _Reader()
+    try:
+        for src, slot in sorted(plan, key=lambda p: (p[0].file, p[0].name)):
+            tensor = reader.get(src)
+            target_dtype = torch.promote_types(dtype, torch.float32) if slot.target.endswith(KEEP_FP32) else dtype
+            if src.dtype in _FP8:
+                tensor = dequantize_fp8(tensor, reader.get(scales[src.name]), block, torch.float32)
+                report.dequantized += 1
+            if slot.target not in state:
+                state[slot.target] = torch.empty(targets[slot.target], dtype=target_dtype)
+            dest = state[slot.target]
+            if slot.expert is not None:
+                dest = dest[slot.expert]
+                if slot.block is not None:
+                    dest = dest.chunk(2, dim=0)[slot.block]
+            dest.copy_(tensor)
+            report.used += 1
+            del tensor
+    finally:
+        reader.close()
+    return state
+
+
+def _assign(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put ``state``'s tensors into the meta-built ``model`` without copying; rebuild the rope buffer; re-tie."""
+    from .model.rope import RotaryEmbedding
+
+    model.load_state_dict(state, strict=True, assign=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = RotaryEmbedding(model.config).to(model.model.embed_tokens.weight.device)
+    assert not any(t.is_meta for t in model.state_dict().values()), "a tensor was left on the meta device"
+
+
+def _block_size(raw: dict[str, Any]) -> tuple[int, int]:
+    qc = raw.get("quantization_config") or {}
+    block = qc.get("weight_block_size") or (128, 128)
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise CheckpointError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, sources: dict[str, _Source]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ConfigError(f"dtype {dtype} is not supported; choose float32, bfloat16 or float16")
+        return dtype
+    if isinstance(dtype, str):
+        if dtype.lower().removeprefix("torch.") not in _DTYPE_NAMES:
+            raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    if dtype is not None:
+        raise ConfigError(f"dtype must be a torch dtype, a name or None, got {dtype!r}")
+    if any(s.dtype in _FP8 for s in sources.values()):
+        return torch.bfloat16
+    counts: dict[str, int] = {}
+    for s in sources.values():  # the floating dtype holding most of the elements
+        if s.dtype in _ST_DTYPES:
+            counts[s.dtype] = counts.get(s.dtype, 0) + math.prod(s.shape)
+    return _ST_DTYPES[max(counts, key=counts.get)] if counts else torch.float32
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
