@@ -114,9 +114,12 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--overwrite", is_flag=True, help="Replace --out even if it holds a different model.")
 @click.option("--validate", "run_validation", is_flag=True, help="Validate against PyTorch right after exporting.")
 @click.option("--dump-recipe", is_flag=True, help="Print the resolved recipe as JSON and exit.")
+@click.option("--block", type=click.Choice(["decoder", "mha", "latent-cross-attention"]), default="decoder",
+              show_default=True, help="Export the whole decoder, or one comparison block sized like the preset: "
+                                      "textbook MHA (K/V cache as I/O) or Perceiver-style latent cross-attention.")
 @_one_line_errors
 def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, overwrite, run_validation,
-           dump_recipe):
+           dump_recipe, block):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
     import json
     import time
@@ -124,6 +127,12 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
     resolved = _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers)
     if dump_recipe:
         click.echo(json.dumps(resolved.to_dict(), indent=2))
+        return
+    if block != "decoder":
+        from .exporter.blocks import export_block
+
+        manifest = export_block(block, resolved.model, out, overwrite=overwrite)
+        click.echo(f"exported the {block} block sized like {resolved.name} to {out}/{manifest['file']}")
         return
     from .exporter import export_recipe
 
@@ -183,6 +192,77 @@ def run(artifact, prompt_ids, max_new_tokens, provider, threads):
     click.echo(f"provider {result.provider}; {info['precision']}, {info['cache_mode']} cache; batch "
                f"{len(result.tokens)}; prefill {result.prefill_seconds * 1e3:.1f} ms; decode "
                f"{result.tokens_per_second:.1f} tokens/s ({result.decode_steps} steps)")
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--steps", type=click.IntRange(min=0), help="Decode steps after the prefill (default: the recipe's).")
+@click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: ARTIFACT_DIR/validation).")
+@click.option("--load-results", type=click.Path(dir_okay=False),
+              help="Compare a saved run_results.json again instead of running.")
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="ONNX Runtime execution provider.")
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
+@click.option("--trt", "with_trt", is_flag=True, help="Also validate a TensorRT engine (needs mla_deploy.trt).")
+@_one_line_errors
+def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt):
+    """Validate an exported artifact against its PyTorch original with Polygraphy; write report.{json,html,md}.
+
+    Exit status 0 when every output is within the recipe's tolerance at every step, 1 otherwise."""
+    from .validate import validate_artifact
+
+    runtimes = ("onnxrt", "tensorrt") if with_trt else ("onnxrt",)
+    result = validate_artifact(artifact_dir, out_dir=out, steps=steps, load_results=load_results,
+                               runtimes=runtimes, provider=provider, threads=threads, raise_on_failure=True)
+    click.echo(result.summary())
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--no-providers", is_flag=True, help="Do not try ONNX Runtime's providers with real sessions.")
+def doctor(as_json, no_providers):
+    """Report torch and CUDA, the ONNX Runtime providers that really load, TensorRT, Polygraphy, the GPU,
+    and which commands work on this machine."""
+    import json
+
+    from .doctor import collect, format_report
+
+    info = collect(providers=not no_providers)
+    click.echo(json.dumps(info, indent=2) if as_json else format_report(info))
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--workspace-mib", type=click.IntRange(min=1),
+              help="Builder workspace limit (default: the recipe's [build] workspace_mib).")
+@click.option("--strongly-typed/--weakly-typed", default=None,
+              help="TensorRT 10: strongly typed, or weakly typed with the FP16/BF16 flag of the export's precision "
+                   "(default). TensorRT 11 is always strongly typed.")
+@click.option("--no-timing-cache", is_flag=True, help="Neither read nor write ARTIFACT_DIR/trt/timing.cache.")
+@click.option("--opt-level", type=click.IntRange(0, 5), help="TensorRT builder optimisation level.")
+@_one_line_errors
+def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_level):
+    """Build TensorRT engines for an exported artifact: ARTIFACT_DIR/trt/{prefill,decode}.engine, timing.cache
+    and build.json, with optimisation profiles from the recipe's [build] ranges."""
+    import dataclasses
+
+    from .trt.build import build_engines, require_tensorrt
+
+    require_tensorrt()  # before anything else: one line naming what is missing
+    settings = None
+    if workspace_mib:
+        from .runtime.artifact import load_manifest
+        from .trt.profiles import build_settings_from_manifest
+
+        settings = dataclasses.replace(build_settings_from_manifest(load_manifest(artifact_dir)),
+                                       workspace_mib=workspace_mib)
+    record = build_engines(artifact_dir, settings, strongly_typed=strongly_typed, timing_cache=not no_timing_cache,
+                           optimization_level=opt_level)
+    for role, engine in record["engines"].items():
+        click.echo(f"{role:<8} {artifact_dir}/trt/{engine['file']}  {engine['bytes'] / 2**20:.1f} MiB  "
+                   f"built in {engine['build_seconds']:.1f} s")
+    typing = "strongly typed" if record["strongly_typed"] else "weakly typed " + "+".join(record["precision_flags"])
+    click.echo(f"TensorRT {record['tensorrt']} on {record['gpu']}; {record['precision']}, {typing}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -110,6 +110,8 @@ class OrtEngine:
         if threads:
             options.intra_op_num_threads = threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.run_options = ort.RunOptions()
+        self.run_options.log_severity_level = log_severity
         wanted = PROVIDERS[provider]
         self.sessions = {}
         for role, graph in self.manifest["graphs"].items():
@@ -186,7 +188,7 @@ class OrtEngine:
             if cache.shape[-1] != self.config.latent_dim:
                 raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {self.config.latent_dim}")
             feed[past_name(i)] = cache
-        results = session.run(None, feed)
+        results = session.run(None, feed, self.run_options)
         state.caches, state.key_valid = results[1:], mask
         return {"logits": results[0], **{present_name(i): r for i, r in enumerate(results[1:])}}
 
@@ -203,7 +205,7 @@ class OrtEngine:
         for i, cache in enumerate(state.caches):
             binding.bind_ortvalue_input(past_name(i), cache)
             binding.bind_ortvalue_output(present_name(i), cache)  # same buffer: updated in place
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, self.run_options)
         logits = binding.get_outputs()[0].numpy()
         held = int((state.lengths + steps).max())
         rows = {present_name(i): c.numpy()[:, 0, :held] for i, c in enumerate(state.caches)}

@@ -1,0 +1,117 @@
+"""The exported graphs: the I/O contract, the ONNX checks, the latent-only decode graph, the manifest."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from artifacts import tiny_artifact, tiny_recipe
+from mla_deploy.errors import ExportError
+from mla_deploy.exporter import check_onnx_file, export_recipe, per_head_kv_tensors
+from mla_deploy.runtime.artifact import load_manifest, manifest_config
+
+MODES = ("static", "concat")
+
+
+def _dims(value) -> list:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_manifest_names_every_input_and_output(mode):
+    """manifest.json names each tensor with dtype and symbolic shape, the cache layout, roles, opset, versions."""
+    root = tiny_artifact(mode)
+    manifest = load_manifest(root)
+    config = manifest_config(manifest)
+    c = config.latent_dim
+    assert manifest["precision"] == "fp32" and manifest["opset"] == 24
+    assert set(manifest["versions"]) >= {"mla_deploy", "torch", "onnx", "python"}
+    assert manifest["cache"]["channels"] == {"c_kv": [0, config.kv_lora_rank], "k_pe": [config.kv_lora_rank, c]}
+    assert [layer["past"] for layer in manifest["cache"]["layers"]] == ["past_latent.0", "past_latent.1"]
+    assert {r: g["form"] for r, g in manifest["graphs"].items()} == {"prefill": "CC", "decode": "A_CC"}
+    inputs = {t["name"]: t for t in manifest["graphs"]["decode"]["inputs"]}
+    if mode == "concat":
+        assert inputs["past_latent.0"]["shape"] == ["batch_size", "past_sequence_length", c]
+        assert inputs["attention_mask"]["shape"] == ["batch_size", "total_sequence_length"]
+    else:
+        assert inputs["past_latent.0"]["shape"] == ["batch_size", 1, "max_cache_length", c]
+        assert inputs["write_indices"] == {"name": "write_indices", "dtype": "int64", "shape": ["batch_size"]}
+    for role, graph in manifest["graphs"].items():
+        model = onnx.load(str(root / graph["file"]), load_external_data=False)
+        for value, spec in zip(list(model.graph.input) + list(model.graph.output), graph["inputs"] + graph["outputs"]):
+            assert value.name == spec["name"] and _dims(value) == spec["shape"], (role, value.name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_graphs_pass_full_checker_and_strict_shape_inference(mode):
+    root = tiny_artifact(mode)
+    for name in ("prefill.onnx", "decode.onnx"):
+        inferred = check_onnx_file(root / name)
+        assert inferred.ir_version <= 13, "ONNX Runtime 1.31 reads IR <= 13"
+        assert len(inferred.graph.value_info) > 50
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_graph_holds_no_per_head_kv_but_the_cc_prefill_does(mode):
+    """The check is real: the CC-form prefill re-expands K/V per head over the cache and is flagged."""
+    root = tiny_artifact(mode)
+    config = manifest_config(load_manifest(root))
+    assert per_head_kv_tensors(check_onnx_file(root / "decode.onnx"), config) == []
+    flagged = per_head_kv_tensors(check_onnx_file(root / "prefill.onnx"), config)
+    assert flagged, "the CC prefill re-expands K and V per head; the detector must see it"
+
+
+def test_static_graph_writes_the_cache_with_tensorscatter_and_concat_graph_concatenates():
+    static = onnx.load(str(tiny_artifact("static") / "decode.onnx"))
+    ops = [n.op_type for n in static.graph.node]
+    assert ops.count("TensorScatter") == 2
+    scatter = next(n for n in static.graph.node if n.op_type == "TensorScatter")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in scatter.attribute}
+    assert attrs["axis"] == -2 and attrs["mode"] == b"linear"
+    concat = onnx.load(str(tiny_artifact("concat") / "decode.onnx"))
+    assert "TensorScatter" not in [n.op_type for n in concat.graph.node]
+
+
+@pytest.mark.parametrize("precision,elem", [("fp16", onnx.TensorProto.FLOAT16), ("bf16", onnx.TensorProto.BFLOAT16)])
+def test_low_precision_exports_carry_their_dtype(precision, elem):
+    """Every float input, output and weight carries the dtype; only rope frequencies and scalar constants of the
+    float32 internals (rope angles, softmax, RMSNorm statistics) stay float32."""
+    root = tiny_artifact("static", precision)
+    for name in ("prefill.onnx", "decode.onnx"):
+        check_onnx_file(root / name)
+        model = onnx.load(str(root / name))
+        floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+        for value in list(model.graph.input) + list(model.graph.output):
+            if value.type.tensor_type.elem_type in floats:
+                assert value.type.tensor_type.elem_type == elem, value.name
+        weights = [i for i in model.graph.initializer if i.data_type == elem]
+        assert len(weights) > 20 and sum(int(np.prod(w.dims)) for w in weights) > 10_000
+        fp32 = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+        assert all(int(np.prod(i.dims)) <= load_manifest(root)["model"]["qk_rope_head_dim"] // 2 for i in fp32)
+
+
+def test_export_refuses_a_directory_holding_another_model(tmp_path):
+    out = tmp_path / "art"
+    (out).mkdir()
+    (out / "manifest.json").write_text(json.dumps({"format": "mla-deploy-artifact", "fingerprint": "other"}))
+    with pytest.raises(ExportError, match="already holds a different model"):
+        export_recipe(tiny_recipe(), out)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty"):
+        export_recipe(tiny_recipe(), tmp_path / "busy")
+
+
+def test_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
+    import mla_deploy.exporter.artifact as artifact
+
+    def fail(*args, **kwargs):
+        raise ExportError("simulated failure")
+
+    monkeypatch.setattr(artifact, "trace_to_onnx", fail)
+    with pytest.raises(ExportError, match="simulated"):
+        export_recipe(tiny_recipe(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
