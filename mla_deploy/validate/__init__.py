@@ -1,0 +1,42 @@
+"""Validation of exported artifacts against the PyTorch original, with Polygraphy, and accuracy reports.
+
+Main entry points (imported lazily: Polygraphy, torch and onnxruntime load on first use)::
+
+    from mla_deploy.validate import validate_artifact
+    result = validate_artifact("out/tiny", steps=8)      # -> ValidationResult
+    result.passed, result.worst, result.files["report.html"]
+    result.raise_for_failure()                             # AccuracyError naming the worst output and step
+
+* :mod:`.trajectory`: the prefill + teacher-forced decode trajectory as Polygraphy feed dicts.
+* :mod:`.runners`: stateful Polygraphy runners (PyTorch reference, ONNX Runtime, optional TensorRT).
+* :mod:`.compat`: Polygraphy 0.49 - 0.53 differences.
+* :mod:`.metrics`, :mod:`.report`, :mod:`.report_html`: figures and the report files.
+* :func:`check_artifact` (from :mod:`mla_deploy.artifact_check`): artifact integrity, usable by any command.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "validate_artifact": "mla_deploy.validate.core",
+    "ValidationResult": "mla_deploy.validate.core",
+    "check_artifact": "mla_deploy.artifact_check",
+    "Trajectory": "mla_deploy.validate.trajectory",
+    "TrajectoryLoader": "mla_deploy.validate.trajectory",
+    "make_trajectory": "mla_deploy.validate.trajectory",
+    "TorchRunner": "mla_deploy.validate.runners",
+    "OrtRunner": "mla_deploy.validate.runners",
+    "EngineRunner": "mla_deploy.validate.runners",
+    "trt_runner": "mla_deploy.validate.runners",
+    "load_reference_model": "mla_deploy.validate.reference",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mla_deploy.validate' has no attribute {name!r}")

@@ -1,0 +1,227 @@
+"""``validate_artifact``: run an artifact and its PyTorch original over one trajectory and compare them.
+
+1. :func:`~mla_deploy.artifact_check.check_artifact` (files whole, manifest consistent with the graphs).
+2. The runners (:class:`TorchRunner` reference, :class:`OrtRunner`, optionally TensorRT) go through
+   ``Comparator.run`` over a :class:`TrajectoryLoader` (prefill, then teacher-forced decode steps); the
+   ``RunResults`` are saved (``run_results.json``, ``inputs.json``) so they can be compared again later.
+3. ``Comparator.compare_accuracy`` with per-output ``atol``/``rtol`` from the recipe's
+   ``[validate.tolerance.<precision>]`` decides pass/fail per output per step.
+4. ``report.json``, ``report.html`` and ``report.md`` are written (see :mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import AccuracyError, InputError, MLADeployError
+from ..recipe import Tolerance, ValidateSettings
+
+RESULTS_FILE = "run_results.json"
+INPUTS_FILE = "inputs.json"
+REPORT_FILES = ("report.json", "report.html", "report.md")
+RUNTIMES = ("onnxrt", "tensorrt")
+
+
+@dataclass
+class ValidationResult:
+    """The outcome of :func:`validate_artifact`.
+
+    Attributes:
+        passed: every output of every runner at every step is within tolerance.
+        report: the content of ``report.json`` (every figure).
+        out_dir: where the files were written (None when ``write_reports=False``).
+        files: ``{"report.json": path, ...}`` of the files written.
+    """
+
+    passed: bool
+    report: dict[str, Any]
+    out_dir: Path | None = None
+    files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def worst(self) -> dict[str, Any] | None:
+        """The output, step and runner farthest from tolerance (the first failure's kind when failing)."""
+        return self.report.get("worst")
+
+    def summary(self) -> str:
+        """One line: the verdict, the worst output, its step and error, and where the report is."""
+        w = self.worst
+        where = f"; report: {self.files['report.html']}" if "report.html" in self.files else ""
+        if w is None:
+            return f"validation {'passed' if self.passed else 'failed'} (nothing compared){where}"
+        tol = f"atol {w['atol']:.1e}, rtol {w['rtol']:.1e}"
+        figures = f"max abs error {w['max_abs']:.3e}, max rel error {w['max_rel']:.3e}"
+        step = f"step {w['step']} ({w['role']})"
+        if self.passed:
+            return (f"validation passed: {self.report['summary']['compared']} output-steps within {tol}; worst "
+                    f"{w['output']} at {step}: {figures} ({w['runner']} vs {w['reference']}){where}")
+        return (f"validation failed: worst output {w['output']} at {step}: {figures} exceeds {tol} "
+                f"({w['runner']} vs {w['reference']}; {self.report['summary']['failed']} of "
+                f"{self.report['summary']['compared']} output-steps fail){where}")
+
+    def raise_for_failure(self) -> None:
+        """Raise :class:`~mla_deploy.errors.AccuracyError` (with :meth:`summary`) unless passed."""
+        if not self.passed:
+            raise AccuracyError(self.summary())
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def validate_settings(manifest: dict[str, Any]) -> ValidateSettings:
+    """The ``[validate]`` section of the recipe recorded in the manifest (defaults when absent)."""
+    raw = dict((manifest.get("recipe") or {}).get("validate") or {})
+    try:
+        return ValidateSettings(**raw)
+    except (TypeError, ValueError, MLADeployError) as exc:
+        from ..errors import ArtifactError
+
+        raise ArtifactError(f"manifest.json [recipe.validate] is not valid: {exc}") from None
+
+
+def output_names(layers: int) -> list[str]:
+    """``logits`` then ``present_latent.{i}`` for each layer: what every runner returns per step."""
+    from ..io_spec import present_name
+
+    return ["logits"] + [present_name(i) for i in range(layers)]
+
+
+def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = None, steps: int | None = None, *,
+                      load_results: str | Path | None = None, runtimes: Sequence[str] = ("onnxrt",),
+                      provider: str = "cpu", threads: int | None = None,
+                      tolerance: Tolerance | dict[str, Tolerance] | None = None,
+                      check_error_stat: str = "elemwise", prompt_lengths: Sequence[int] | None = None,
+                      write_reports: bool = True, raise_on_failure: bool = False,
+                      quiet: bool = True) -> ValidationResult:
+    """Validate an exported artifact against the PyTorch original it was exported from.
+
+    Args:
+        artifact_dir: the export directory.
+        out_dir: where ``run_results.json``, ``inputs.json`` and the reports go (default ``<artifact>/validation``).
+        steps: decode steps after the prefill (default: the recipe's ``[validate] decode_steps``).
+        load_results: a ``run_results.json`` saved by an earlier run: compare it again without running anything
+            (``inputs.json`` beside it, when present, restricts the figures to real tokens).
+        runtimes: runners compared with the reference: ``onnxrt`` and/or ``tensorrt`` (needs ``mla_deploy.trt``).
+        provider, threads: ONNX Runtime execution provider (``cpu``/``cuda``) and intra-op threads.
+        tolerance: overrides the recipe's: one :class:`Tolerance` for every output, or ``{output: Tolerance}``
+            (key ``""`` = default).
+        check_error_stat: Polygraphy's ``elemwise`` (default), ``max``, ``mean``, ``median`` or ``quantile``.
+        prompt_lengths: explicit prompt lengths (default: the recipe's batch, lengths ``L, L-1, ...``).
+        write_reports: write the files (``False``: only return the result).
+        raise_on_failure: raise :class:`AccuracyError` (after writing the reports) when an output fails.
+        quiet: keep Polygraphy's per-iteration logging off.
+    Returns:
+        a :class:`ValidationResult`.
+    Raises:
+        ArtifactError: a missing, truncated or inconsistent artifact. AccuracyError: see ``raise_on_failure``.
+        RuntimeMissingError: Polygraphy, ONNX Runtime (or TensorRT when asked for) is unavailable.
+        InputError: bad ``runtimes``/``steps``/``load_results``. CacheCapacityError: the trajectory does not fit.
+    """
+    from ..artifact_check import check_artifact
+    from ..runtime.artifact import manifest_config
+    from . import compat
+    from .report import build_report, environment, write_reports as write_files
+
+    compat.polygraphy_version()
+    root = Path(artifact_dir)
+    manifest = check_artifact(root)
+    config = manifest_config(manifest)
+    settings = validate_settings(manifest)
+    names = output_names(config.num_hidden_layers)
+    tolerances = _tolerances(tolerance, settings, manifest["precision"], names)
+    out = Path(out_dir) if out_dir is not None else root / "validation"
+    if load_results is not None:
+        with compat.quiet(quiet):
+            run_results, feeds, providers, trajectory = _load(Path(load_results), names)
+    else:
+        run_results, feeds, providers, trajectory = _run(root, manifest, config, settings, steps, runtimes,
+                                                         provider, threads, prompt_lengths, quiet)
+    runners = compat.runner_names(run_results)
+    reference = "torch" if "torch" in runners else runners[0]
+    others = [name for name in runners if name != reference]
+    if not others:
+        raise InputError(f"the run results hold only the runner {reference!r}: nothing to compare")
+    comparisons = [(runners.index(name), runners.index(reference)) for name in others]
+    compare_func = compat.simple_compare_func({k: t.atol for k, t in tolerances.items()},
+                                              {k: t.rtol for k, t in tolerances.items()}, check_error_stat)
+    with compat.quiet(quiet):
+        accuracy = compat.compare(run_results, comparisons, compare_func)
+    report = build_report(root, manifest, run_results, accuracy, reference, others, names, feeds, tolerances,
+                          check_error_stat, environment(providers), trajectory,
+                          source=str(load_results) if load_results is not None else "run")
+    result = ValidationResult(bool(report["passed"]), report)
+    if write_reports:
+        result.out_dir = out
+        result.files = write_files(out, report, None if load_results is not None else run_results,
+                                   None if load_results is not None else feeds)
+    if raise_on_failure:
+        result.raise_for_failure()
+    return result
+
+
+def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: list[str]) -> dict[str, Tolerance]:
+    """Per-output tolerances: ``{"": default, "logits": ..., "present_latent.0": ...}``."""
+    if isinstance(tolerance, dict):
+        default = tolerance.get("", settings.tolerance[precision])
+        out = {"": default, **{n: tolerance.get(n, default) for n in names}}
+    else:
+        default = tolerance if isinstance(tolerance, Tolerance) else settings.tolerance[precision]
+        out = {"": default, **{n: default for n in names}}
+    for key, tol in out.items():
+        if not (tol.atol >= 0 and tol.rtol >= 0):
+            raise InputError(f"tolerance of {key or 'every output'} must be >= 0, got {tol}")
+    return out
+
+
+def _run(root, manifest, config, settings, steps, runtimes, provider, threads, prompt_lengths, quiet):
+    from . import compat
+    from .runners import OrtRunner, TorchRunner, trt_runner
+    from .trajectory import TrajectoryLoader, make_trajectory
+
+    unknown = [r for r in runtimes if r not in RUNTIMES]
+    if unknown or not runtimes:
+        raise InputError(f"runtimes must be among {', '.join(RUNTIMES)}, got {list(runtimes)}")
+    decode_steps = settings.decode_steps if steps is None else int(steps)
+    capacity = manifest.get("max_cache_length") if manifest["cache"].get("mode") == "static" else None
+    trajectory = make_trajectory(config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
+                                 settings.seed, prompt_lengths, capacity)
+    runners = [TorchRunner.from_artifact(root, manifest)]
+    if "onnxrt" in runtimes:
+        runners.append(OrtRunner(root, provider=provider, threads=threads))
+    if "tensorrt" in runtimes:
+        runners.append(trt_runner(root))
+    loader = TrajectoryLoader(trajectory)
+    with compat.quiet(quiet):
+        run_results = compat.run_comparator(runners, loader)
+    providers = {r.name: getattr(r, "provider", None) or "torch-cpu" for r in runners}
+    return run_results, list(loader), providers, trajectory.to_dict()
+
+
+def _load(path: Path, names: list[str]):
+    from . import compat
+
+    try:
+        run_results = compat.load_run_results(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise InputError(str(exc)) from None
+    for runner in compat.runner_names(run_results):
+        iterations = compat.iteration_outputs(run_results, runner)
+        have = sorted(iterations[0]) if iterations else []
+        if sorted(names) != have:
+            raise InputError(f"{path}: runner {runner} has outputs {have}, the artifact's are {sorted(names)}")
+    feeds, providers, trajectory = None, {}, {"source": str(path)}
+    inputs = path.parent / INPUTS_FILE
+    if inputs.is_file():
+        feeds = compat.load_feed_dicts(inputs)
+    previous = path.parent / "report.json"
+    if previous.is_file():
+        try:
+            old = json.loads(previous.read_text())
+            providers = old.get("environment", {}).get("providers", {})
+            trajectory = {**old.get("trajectory", {}), "source": str(path)}
+        except (OSError, json.JSONDecodeError, AttributeError):
+            pass
+    return run_results, feeds, providers, trajectory

@@ -1,0 +1,68 @@
+"""The PyTorch reference of an artifact: the original (non-absorbed, ``CC``) model in float32.
+
+Rebuilt from the artifact itself: the manifest's model config (:meth:`MLAConfig.from_dict`) and either the
+original-form weights of a preset export (``reference.safetensors``, named by ``manifest["weights"]["file"]``)
+or, for ``"kind": "hf"``, the Hugging Face checkpoint at ``manifest["weights"]["path"]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ArtifactError, CheckpointError
+
+
+def load_reference_model(artifact_dir: str | Path, manifest: dict[str, Any]):
+    """The fp32 ``CC``-form :class:`~mla_deploy.model.decoder.MLAForCausalLM` an artifact was exported from.
+
+    Raises:
+        ArtifactError: no reference weights (an in-memory export), a missing or mismatched weights file,
+            a checkpoint whose config differs from the manifest's.
+    """
+    import torch
+
+    from ..model.decoder import MLAForCausalLM
+    from ..runtime.artifact import manifest_config
+
+    root = Path(artifact_dir)
+    config = manifest_config(manifest)
+    weights = manifest.get("weights") or {}
+    kind = weights.get("kind")
+    if weights.get("file"):
+        path = root / weights["file"]
+        if not path.is_file():
+            raise ArtifactError(f"the reference weights {path} named by manifest.json are missing")
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ArtifactError(f"{path} is not a readable safetensors file ({exc})") from None
+        model = MLAForCausalLM(config, "CC")
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ArtifactError(f"{path} does not hold the weights of the manifest's model: {first}") from None
+    elif kind == "hf":
+        path = Path(str(weights.get("path", "")))
+        if not weights.get("path") or not path.exists():
+            raise ArtifactError(f"the checkpoint {weights.get('path')!r} named by manifest.json is not there; "
+                                f"the PyTorch reference needs it")
+        from ..checkpoint import load_checkpoint
+
+        try:
+            model = load_checkpoint(path, form="CC", dtype=torch.float32)
+        except CheckpointError as exc:
+            raise ArtifactError(f"the reference checkpoint cannot be loaded: {exc}") from None
+        ours = {k: v for k, v in config.to_dict().items() if k != "name"}
+        theirs = {k: v for k, v in model.config.to_dict().items() if k != "name"}
+        if ours != theirs:
+            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            raise ArtifactError(f"the checkpoint at {path} does not match manifest.json's model ({', '.join(diff)})")
+    else:
+        raise ArtifactError(f"manifest.json records weights of kind {kind!r} and no reference file: "
+                            f"there is nothing to validate against")
+    return model.float().eval()

@@ -1,0 +1,219 @@
+"""The validation report: ``report.json`` (every figure), ``report.md`` (a pull-request summary) and
+``report.html`` (:mod:`.report_html`). Each file is written under a temporary name and renamed into place.
+
+``report.json`` layout::
+
+    {"format": "mla-deploy-validation", "format_version": 1, "passed": bool,
+     "artifact": {"path", "name", "fingerprint", "precision", "cache_mode", "layers", "graphs": {role: sha256}},
+     "environment": {"versions": {...}, "providers": {runner: provider}, "platform": ...},
+     "trajectory": {"batch", "prompt_lengths", "decode_steps", "seed", "source", ...},
+     "comparison": {"reference": "torch", "check_error_stat": "elemwise",
+                    "tolerances": {output: {"atol", "rtol"}}},
+     "runners": {name: {"passed", "outputs": {output: {"passed", "max_abs", "max_rel", "mean_abs", "min_cosine",
+                                                        "steps": [StepFigures...]}},
+                        "top1": [{"step", "agree", "positions", "rate"}...]}},
+     "summary": {"compared", "failed", "steps"}, "worst": {...} | null}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+from .metrics import StepFigures, error_figures, severity, step_masks, top1_agreement
+from .trajectory import step_role
+
+FORMAT = "mla-deploy-validation"
+FORMAT_VERSION = 1
+
+
+def environment(providers: dict[str, str]) -> dict[str, Any]:
+    """Versions of what ran the validation and the providers each runner actually used."""
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version()}
+    for dist in ("mla-deploy", "numpy", "torch", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy",
+                 "matplotlib", "tensorrt"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return {"versions": versions, "providers": dict(providers), "platform": platform.platform(),
+            "machine": platform.machine()}
+
+
+def build_report(root: Path, manifest: dict, run_results, accuracy, reference: str, others: Sequence[str],
+                 names: Sequence[str], feeds: list[dict] | None, tolerances: dict, check_error_stat: str,
+                 env: dict, trajectory: dict, source: str) -> dict[str, Any]:
+    """Every figure of a comparison as plain data (see the module docstring)."""
+    from . import compat
+
+    ref_steps = compat.iteration_outputs(run_results, reference)
+    if feeds is not None and len(feeds) != len(ref_steps):
+        feeds = None  # inputs.json of another run: figures over whole tensors
+    masks = step_masks(feeds, len(ref_steps))
+    runners: dict[str, Any] = {}
+    candidates = []
+    for runner in others:
+        verdicts = compat.pair_results(accuracy, (runner, reference))
+        out_steps = compat.iteration_outputs(run_results, runner)
+        outputs: dict[str, Any] = {}
+        for name in names:
+            tol = tolerances.get(name, tolerances[""])
+            figures = []
+            for step, (verdict, out, ref, (token_mask, row_mask)) in enumerate(zip(verdicts, out_steps, ref_steps, masks)):
+                mask = token_mask if name == "logits" else row_mask
+                poly = compat.output_figures(verdict[name]) if name in verdict else {"passed": False}
+                fig = error_figures(out[name], ref[name], mask if _fits(mask, out[name]) else None)
+                figures.append(StepFigures(step=step, role=step_role(step), passed=bool(poly["passed"]),
+                                           polygraphy=poly, **fig))
+                candidates.append((not figures[-1].passed, severity(fig, tol.atol), runner, name, figures[-1], tol))
+            outputs[name] = {
+                "passed": all(f.passed for f in figures),
+                "max_abs": max((f.max_abs for f in figures), default=0.0),
+                "max_rel": max((f.max_rel for f in figures), default=0.0),
+                "mean_abs": (sum(f.mean_abs for f in figures) / len(figures)) if figures else 0.0,
+                "min_cosine": min((f.cosine for f in figures), default=1.0),
+                "failed_steps": [f.step for f in figures if not f.passed],
+                "steps": [f.to_dict() for f in figures],
+            }
+        top1 = [{"step": k, "role": step_role(k), **top1_agreement(o["logits"], r["logits"], masks[k][0])}
+                for k, (o, r) in enumerate(zip(out_steps, ref_steps))]
+        runners[runner] = {"passed": all(o["passed"] for o in outputs.values()), "outputs": outputs, "top1": top1,
+                           "top1_rate": _rate(top1)}
+    worst = None
+    if candidates:
+        failed, sev, runner, name, fig, tol = max(candidates, key=lambda c: (c[0], c[1]))
+        worst = {"runner": runner, "reference": reference, "output": name, "step": fig.step, "role": fig.role,
+                 "max_abs": fig.max_abs, "max_rel": fig.max_rel, "mean_abs": fig.mean_abs, "cosine": fig.cosine,
+                 "atol": tol.atol, "rtol": tol.rtol, "passed": not failed, "severity": sev}
+    graphs = manifest.get("graphs", {})
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "passed": all(r["passed"] for r in runners.values()),
+        "artifact": {"path": str(root), "name": manifest.get("name"), "fingerprint": manifest.get("fingerprint"),
+                     "precision": manifest.get("precision"), "cache_mode": manifest.get("cache", {}).get("mode"),
+                     "layers": len(names) - 1,
+                     "graphs": {role: {"file": g.get("file"), "form": g.get("form"), "sha256": g.get("sha256")}
+                                for role, g in graphs.items()}},
+        "environment": env,
+        "trajectory": {**trajectory, "source": source, "valid_masks": feeds is not None},
+        "comparison": {"reference": reference, "runners": list(others), "check_error_stat": check_error_stat,
+                       "tolerances": {k: {"atol": t.atol, "rtol": t.rtol} for k, t in tolerances.items() if k}},
+        "runners": runners,
+        "summary": {"steps": len(ref_steps), "compared": len(candidates),
+                    "failed": sum(1 for c in candidates if c[0])},
+        "worst": worst,
+    }
+
+
+def _fits(mask, array) -> bool:
+    return mask is not None and tuple(mask.shape) == tuple(array.shape[:2])
+
+
+def _rate(top1: list[dict]) -> float:
+    positions = sum(t["positions"] for t in top1)
+    return sum(t["agree"] for t in top1) / positions if positions else 1.0
+
+
+def atomic_write(path: Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_reports(out: Path, report: dict, run_results=None, feeds: list[dict] | None = None) -> dict[str, Path]:
+    """Write ``run_results.json`` and ``inputs.json`` (when given), then the three reports, each atomically.
+
+    Returns: ``{file name: path}`` of what was written.
+    """
+    from . import compat
+    from .report_html import render_html
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    with compat.quiet():
+        _save_results(out, files, run_results, feeds)
+    report = {**report, "files": {**{k: k for k in files}, "report.json": "report.json",
+                                  "report.html": "report.html", "report.md": "report.md"}}
+    files["report.json"] = atomic_write(out / "report.json", json.dumps(report, indent=2, default=_json_default) + "\n")
+    files["report.md"] = atomic_write(out / "report.md", render_markdown(report))
+    files["report.html"] = atomic_write(out / "report.html", render_html(report))
+    return files
+
+
+def _save_results(out: Path, files: dict, run_results, feeds) -> None:
+    from . import compat
+    from .core import INPUTS_FILE, RESULTS_FILE
+
+    if run_results is not None:
+        tmp = out / f".{RESULTS_FILE}.tmp-{os.getpid()}"
+        compat.save_run_results(run_results, tmp)
+        os.replace(tmp, out / RESULTS_FILE)
+        files[RESULTS_FILE] = out / RESULTS_FILE
+    if feeds is not None:
+        tmp = out / f".{INPUTS_FILE}.tmp-{os.getpid()}"
+        compat.save_feed_dicts(feeds, tmp)
+        os.replace(tmp, out / INPUTS_FILE)
+        files[INPUTS_FILE] = out / INPUTS_FILE
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def render_markdown(report: dict) -> str:
+    """A short summary for a pull request: verdict, worst output, one table row per output and runner."""
+    art, cmp_ = report["artifact"], report["comparison"]
+    verdict = "PASS" if report["passed"] else "FAIL"
+    env = report["environment"]
+    lines = [f"### mla-deploy validation: **{verdict}**", "",
+             f"`{art['name']}` ({art['precision']}, {art['cache_mode']} cache, {art['layers']} layers, "
+             f"fingerprint `{art['fingerprint']}`) vs the PyTorch original ({cmp_['reference']}); "
+             f"{report['summary']['steps']} steps (prefill + {report['summary']['steps'] - 1} decode), "
+             f"{cmp_['check_error_stat']} check.", ""]
+    w = report.get("worst")
+    if w:
+        state = "worst" if w["passed"] else "**worst failure**"
+        lines += [f"{state}: `{w['output']}` at step {w['step']} ({w['role']}), {w['runner']}: max abs "
+                  f"{w['max_abs']:.3e} (atol {w['atol']:.1e}), max rel {w['max_rel']:.3e} (rtol {w['rtol']:.1e})", ""]
+    lines += ["| runner | output | max abs | mean abs | max rel | min cosine | atol / rtol | result |",
+              "|---|---|---|---|---|---|---|---|"]
+    for runner, data in report["runners"].items():
+        for name, out in data["outputs"].items():
+            tol = cmp_["tolerances"].get(name, {})
+            result = "pass" if out["passed"] else f"**fail** (steps {_steps(out['failed_steps'])})"
+            lines.append(f"| {runner} | `{name}` | {out['max_abs']:.2e} | {out['mean_abs']:.2e} | "
+                         f"{out['max_rel']:.2e} | {out['min_cosine']:.8f} | {tol.get('atol', 0):.0e} / "
+                         f"{tol.get('rtol', 0):.0e} | {result} |")
+    lines.append("")
+    for runner, data in report["runners"].items():
+        lines.append(f"top-1 agreement {runner} vs {cmp_['reference']}: {data['top1_rate'] * 100:.1f}% of "
+                     f"{sum(t['positions'] for t in data['top1'])} positions")
+    versions = env.get("versions", {})
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("torch", "onnxruntime", "onnxruntime-gpu",
+                                                                         "polygraphy", "mla-deploy"))
+    providers = ", ".join(f"{k}: {v}" for k, v in env.get("providers", {}).items())
+    lines += ["", f"<sub>{shown}; providers: {providers or 'not recorded'}</sub>", ""]
+    return "\n".join(lines)
+
+
+def _steps(steps: list[int], limit: int = 6) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f", ... ({len(steps)} total)" if len(steps) > limit else "")
