@@ -4,16 +4,19 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
 
-$(BIN)/mla-deploy: pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 .PHONY: demo test
-demo: $(BIN)/mla-deploy
+demo: $(STAMP)
 	$(BIN)/mla-deploy inspect --preset tiny
+	$(BIN)/mla-deploy export --preset tiny --out build/tiny --overwrite
+	$(BIN)/mla-deploy run build/tiny --prompt-ids 1,2,3,4 --prompt-ids 9,8 --max-new-tokens 32
 
-test: $(BIN)/mla-deploy
-	$(BIN)/python -m pytest -q
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
