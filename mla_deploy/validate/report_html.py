@@ -1,4 +1,5 @@
-"""``report.html``: one self-contained page (inline CSS, plots as base64 PNG made with matplotlib).
+"""``report.html``: one self-contained page (inline CSS, plots as base64 PNG made with matplotlib, the optional
+``report`` extra: without it the page has the tables and a note instead of the plots).
 
 Sections: the verdict and worst output; the artifact and environment; the plots (logits error and each layer's
 latent cache error across the steps, prefill at step 0); top-1 token agreement; one table per output with
@@ -57,8 +58,14 @@ def render_html(report: dict[str, Any]) -> str:
     parts.append("<h2>Error across steps</h2><p class='muted'>Step 0 is the prefill; steps 1.. are teacher-forced "
                  "decode steps. Errors are over real tokens and cache rows only; a cache's error at a step covers every "
                  f"row it holds after that step (earlier rows included); an exact match is drawn at {FLOOR:.0e}.</p>")
-    parts.append(_img(_logits_plot(report), "logits error across steps"))
-    parts.append(_img(_cache_plot(report), "latent cache error per layer across steps"))
+    try:
+        import matplotlib  # noqa: F401  (the optional "report" extra)
+    except ImportError:
+        parts.append("<p class='ko'>matplotlib is not installed: no plots (pip install 'mla-deploy[report]'); "
+                     "the tables below hold every figure.</p>")
+    else:
+        parts.append(_img(_logits_plot(report), "logits error across steps"))
+        parts.append(_img(_cache_plot(report), "latent cache error per layer across steps"))
     parts.append("<h2>Top-1 token agreement</h2>" + _top1_table(report))
     parts.append("<h2>Per output</h2>")
     for runner, data in report["runners"].items():

@@ -172,3 +172,14 @@ def test_hf_weights_reference(artifact_copy, tmp_path):
     (tmp_path / "hf").rmdir()
     cli = CliRunner().invoke(main, ["validate", str(artifact_copy), "--out", str(tmp_path / "r2")])
     assert cli.exit_code == 1 and "named by manifest.json is not there" in cli.stderr
+
+
+def test_html_without_matplotlib(static_run, monkeypatch):
+    """matplotlib is an optional extra: without it the page keeps every table and says why there are no plots."""
+    import sys
+
+    from mla_deploy.validate.report_html import render_html
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    page = render_html(static_run.report)
+    assert "data:image/png" not in page and "matplotlib is not installed" in page and "present_latent.1" in page
