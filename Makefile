@@ -17,6 +17,7 @@ demo: $(STAMP)
 	$(BIN)/mla-deploy inspect --preset tiny
 	$(BIN)/mla-deploy export --preset tiny --out build/tiny --overwrite
 	$(BIN)/mla-deploy run build/tiny --prompt-ids 1,2,3,4 --prompt-ids 9,8 --max-new-tokens 32
+	$(BIN)/mla-deploy validate build/tiny
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider

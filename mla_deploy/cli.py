@@ -156,7 +156,8 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
         from .validate import validate_artifact
 
         result = validate_artifact(out)
-        click.echo(result.summary() if hasattr(result, "summary") else str(result))
+        click.echo(result.summary())
+        result.raise_for_failure()
 
 
 def _parse_ids(values) -> list[list[int]]:
