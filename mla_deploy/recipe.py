@@ -45,6 +45,9 @@ class ExportSettings:
         external_data_threshold: graphs whose weights exceed this many bytes keep them in a side file.
         seed: seed of the random weights of a preset export (checkpoint exports use the checkpoint's).
         init_std: standard deviation of those random weights.
+        decode_attention: ``standard`` (ONNX ops) or ``plugin``: the decode graph's attention becomes one
+            ``mla_deploy::MlaDecode`` node for the TensorRT plugin of ``plugins/mla_decode`` (static cache only;
+            ONNX Runtime cannot run such a graph).
     """
 
     precision: str = "fp32"
@@ -56,6 +59,7 @@ class ExportSettings:
     external_data_threshold: int = 1 << 30
     seed: int = 0
     init_std: float = 0.02
+    decode_attention: str = "standard"
 
     def __post_init__(self) -> None:
         from .io_spec import CACHE_MODES, PRECISIONS
@@ -74,6 +78,11 @@ class ExportSettings:
             raise ConfigError("[export] init_std must be positive")
         if self.opset < 18 or (self.cache_mode == "static" and self.opset < 24):
             raise ConfigError(f"[export] opset {self.opset} is too old (>= 18; >= 24 for the static cache)")
+        if self.decode_attention not in ("standard", "plugin"):
+            raise ConfigError(f"[export] decode_attention must be standard or plugin, got {self.decode_attention!r}")
+        if self.decode_attention == "plugin" and self.cache_mode != "static":
+            raise ConfigError("[export] decode_attention = \"plugin\" needs cache_mode = \"static\" "
+                              "(the plugin reads per-sequence valid lengths, not a padding mask)")
 
 
 def _range(name: str, value) -> tuple[int, int, int]:

@@ -137,6 +137,11 @@ def _write_artifact(recipe: Recipe, model: MLAForCausalLM, weights: dict, fp: st
     graphs = {}
     for role, form in (("prefill", settings.prefill_form), ("decode", settings.decode_form)):
         graph_model = convert_form(copy.deepcopy(model), form).to(dtype)
+        attention = settings.decode_attention if role == "decode" else "standard"
+        if attention == "plugin":
+            from .decode_plugin import use_decode_plugin
+
+            use_decode_plugin(graph_model)
         wrapper = DecoderGraph(graph_model, settings.cache_mode).eval()
         args = example_decoder_inputs(graph_model, settings.cache_mode, settings.max_cache_length, dtype)
         path = tmp / f"{role}.onnx"
@@ -150,7 +155,7 @@ def _write_artifact(recipe: Recipe, model: MLAForCausalLM, weights: dict, fp: st
             if offenders:
                 raise ExportError(f"decode graph holds per-head K/V over the cache: {offenders[0]}")
         graphs[role] = {
-            "file": path.name, "form": form, "inputs": [t.to_dict() for t in inputs],
+            "file": path.name, "form": form, "attention": attention, "inputs": [t.to_dict() for t in inputs],
             "outputs": [t.to_dict() for t in outputs], "external_data": path.name + ".data" if external else None,
             "bytes": path.stat().st_size, "sha256": _sha256(path),
         }

@@ -55,7 +55,9 @@ def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list
     Raises:
         ExportError: torch.export or the ONNX translation failed, or the result fails the checks.
     """
-    table = {torch.ops.mla_deploy.tensor_scatter.default: _tensor_scatter_onnx}
+    from .decode_plugin import translation_table
+
+    table = {torch.ops.mla_deploy.tensor_scatter.default: _tensor_scatter_onnx, **translation_table()}
     log = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), _quiet_torch_logs():

@@ -1,0 +1,226 @@
+"""Build TensorRT engines from an artifact with Polygraphy: ``<artifact>/trt/{prefill,decode}.engine``,
+``timing.cache`` and ``build.json``.
+
+Precision: TensorRT 11 networks are always strongly typed (the ONNX graphs carry the dtype; the FP16/BF16
+builder flags no longer exist), so the network is parsed with ``strongly_typed=True``. On TensorRT 10 the
+network is weakly typed by default and the manifest's precision turns on ``fp16`` or ``bf16`` in
+``CreateConfig`` (``strongly_typed=True`` can be asked for instead). Everything is written under a
+temporary folder beside ``trt/`` and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, ExportError, RuntimeMissingError
+from ..recipe import BuildSettings
+from .profiles import engine_profiles, polygraphy_profile, profiles_to_json
+
+TRT_DIR = "trt"
+BUILD_RECORD = "build.json"
+TIMING_CACHE = "timing.cache"
+RECORD_FORMAT = "mla-deploy-trt-build"
+
+
+def require_tensorrt():
+    """The ``tensorrt`` module and the name of CUDA device 0.
+
+    Raises:
+        RuntimeMissingError: one line naming what is missing (TensorRT, a CUDA GPU, or both).
+    """
+    missing, trt = [], None
+    try:
+        import tensorrt as trt
+    except Exception as exc:  # ImportError, or OSError when its libraries cannot be loaded
+        reason = "not installed" if isinstance(exc, ModuleNotFoundError) else f"not importable ({exc})"
+        missing.append(f"TensorRT is {reason} (pip install tensorrt-cu12 or tensorrt-cu13, matching your CUDA)")
+    import torch
+
+    if not torch.cuda.is_available():
+        missing.append("no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    if missing:
+        raise RuntimeMissingError("TensorRT engines need TensorRT and an NVIDIA GPU: " + "; ".join(missing))
+    return trt, torch.cuda.get_device_name(0)
+
+
+def trt_major(version: str) -> int:
+    """The major version of a TensorRT version string (``"10.13.0.35"`` -> 10)."""
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        raise RuntimeMissingError(f"cannot read the TensorRT version {version!r}") from None
+
+
+def precision_flags(precision: str, trt_version: str, strongly_typed: bool | None = None) -> dict[str, bool]:
+    """How to build for ``precision`` (``fp32``/``fp16``/``bf16``) on ``trt_version``.
+
+    Returns: ``{"strongly_typed": ..., "fp16": ..., "bf16": ...}`` for ``NetworkFromOnnxPath``/``CreateConfig``.
+    Raises: ConfigError: a weakly typed build asked of TensorRT >= 11, or TensorRT older than 10.
+    """
+    major = trt_major(trt_version)
+    if major < 10:
+        raise ConfigError(f"TensorRT {trt_version} is too old; mla-deploy needs TensorRT 10 or newer")
+    if major >= 11:
+        if strongly_typed is False:
+            raise ConfigError(f"TensorRT {trt_version} builds strongly typed networks only")
+        return {"strongly_typed": True, "fp16": False, "bf16": False}
+    if strongly_typed:
+        return {"strongly_typed": True, "fp16": False, "bf16": False}
+    return {"strongly_typed": False, "fp16": precision == "fp16", "bf16": precision == "bf16"}
+
+
+def build_plan(manifest: dict[str, Any], build: BuildSettings | None, trt_version: str,
+               strongly_typed: bool | None = None, roles: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """What to build, per role: ``{role: {"onnx", "engine", "profile", "attention", strongly_typed/fp16/bf16}}``."""
+    flags = precision_flags(manifest["precision"], trt_version, strongly_typed)
+    profiles = engine_profiles(manifest, build)
+    roles = roles or tuple(manifest["graphs"])
+    unknown = [r for r in roles if r not in manifest["graphs"]]
+    if unknown:
+        raise ConfigError(f"the artifact has no {', '.join(unknown)} graph; it has {', '.join(manifest['graphs'])}")
+    return {role: {"onnx": manifest["graphs"][role]["file"], "engine": f"{role}.engine", "profile": profiles[role],
+                   "attention": manifest["graphs"][role].get("attention", "standard"), **flags} for role in roles}
+
+
+def build_record(manifest: dict[str, Any], plan: dict[str, dict], engines: dict[str, dict], trt_version: str,
+                 gpu: str, workspace_mib: int, timing_cache: str | None) -> dict[str, Any]:
+    """The content of ``build.json``."""
+    from polygraphy import __version__ as polygraphy_version
+
+    first = next(iter(plan.values()))
+    return {
+        "format": RECORD_FORMAT, "format_version": 1, "fingerprint": manifest.get("fingerprint"),
+        "tensorrt": trt_version, "polygraphy": polygraphy_version, "gpu": gpu, "precision": manifest["precision"],
+        "strongly_typed": first["strongly_typed"],
+        "precision_flags": [f for f in ("fp16", "bf16") if first[f]],
+        "profiles": profiles_to_json({role: p["profile"] for role, p in plan.items()}),
+        "engines": engines, "workspace_mib": workspace_mib, "timing_cache": timing_cache,
+        "build_seconds": round(sum(e.get("build_seconds", 0.0) for e in engines.values()), 3),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_build_record(folder: str | Path, record: dict[str, Any]) -> Path:
+    """Write ``build.json`` into ``folder`` via a temporary file and a rename; returns its path."""
+    path = Path(folder) / BUILD_RECORD
+    tmp = path.with_name(f".{BUILD_RECORD}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_build_record(artifact: str | Path) -> dict[str, Any]:
+    """``<artifact>/trt/build.json``. Raises: ArtifactError: missing or unreadable."""
+    from ..errors import ArtifactError
+
+    path = Path(artifact) / TRT_DIR / BUILD_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path.parent} holds no engines; run `mla-deploy build {artifact}` first") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path} is not readable JSON ({exc})") from None
+    if record.get("format") != RECORD_FORMAT:
+        raise ArtifactError(f"{path} is not an mla-deploy build record")
+    return record
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _build_one(trt, spec: dict, root: Path, tmp: Path, cache: Path | None, workspace_mib: int,
+               optimization_level: int | None) -> dict[str, Any]:
+    from polygraphy.backend.trt import (CreateConfig, EngineBytesFromNetwork, EngineFromBytes, NetworkFromOnnxPath,
+                                        SaveEngine)
+
+    network = NetworkFromOnnxPath(str(root / spec["onnx"]), strongly_typed=spec["strongly_typed"])
+    config = CreateConfig(fp16=spec["fp16"] or None, bf16=spec["bf16"] or None,
+                          profiles=[polygraphy_profile(spec["profile"])],
+                          memory_pool_limits={trt.MemoryPoolType.WORKSPACE: workspace_mib << 20},
+                          load_timing_cache=str(cache) if cache is not None and cache.is_file() else None,
+                          builder_optimization_level=optimization_level)
+    start = time.perf_counter()
+    serialized = EngineBytesFromNetwork(network, config, save_timing_cache=str(cache) if cache else None)()
+    seconds = time.perf_counter() - start
+    path = tmp / spec["engine"]
+    engine = SaveEngine(EngineFromBytes(serialized), str(path))()  # deserialised once: the plan loads
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+    aliased = {}
+    if hasattr(engine, "get_aliased_input_tensor"):  # TensorRT >= 10.15
+        aliased = {n: engine.get_aliased_input_tensor(n) for n in outputs if engine.get_aliased_input_tensor(n)}
+    return {"file": spec["engine"], "onnx": spec["onnx"], "bytes": path.stat().st_size, "sha256": _sha256(path),
+            "build_seconds": round(seconds, 3), "attention": spec["attention"], "aliased_outputs": aliased}
+
+
+def build_engines(artifact: str | Path, build: BuildSettings | None = None, strongly_typed: bool | None = None,
+                  timing_cache: bool = True, optimization_level: int | None = None) -> dict[str, Any]:
+    """Build the engines of ``artifact`` and return the build record (also written to ``trt/build.json``).
+
+    Args:
+        artifact: an export directory (``manifest.json``, ``prefill.onnx``, ``decode.onnx``).
+        build: profile ranges and workspace (default: the ``[build]`` section recorded in the manifest).
+        strongly_typed: None: strongly typed on TensorRT >= 11, precision flags on 10; True/False to choose on 10.
+        timing_cache: reuse and update ``trt/timing.cache``.
+        optimization_level: TensorRT's builder optimisation level (0..5; None: its default).
+    Raises:
+        RuntimeMissingError: no TensorRT or no GPU (checked first). ArtifactError: a bad artifact.
+        ConfigError: profile ranges that do not fit. ExportError: TensorRT failed to parse or build a graph.
+    """
+    from ..runtime.artifact import load_manifest
+    from .profiles import build_settings_from_manifest
+
+    trt, gpu = require_tensorrt()
+    root = Path(artifact)
+    manifest = load_manifest(root)
+    build = build or build_settings_from_manifest(manifest)
+    plan = build_plan(manifest, build, trt.__version__, strongly_typed)
+    if any(spec["attention"] == "plugin" for spec in plan.values()):
+        from .plugin_loader import register_mla_decode_plugin
+
+        register_mla_decode_plugin()
+    out = root / TRT_DIR
+    tmp = root / f".{TRT_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        cache = tmp / TIMING_CACHE if timing_cache else None
+        if cache is not None and (out / TIMING_CACHE).is_file():
+            shutil.copyfile(out / TIMING_CACHE, cache)
+        engines = {}
+        for role, spec in plan.items():
+            try:
+                engines[role] = _build_one(trt, spec, root, tmp, cache, build.workspace_mib, optimization_level)
+            except Exception as exc:  # Polygraphy raises PolygraphyException with TensorRT's log above it
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ExportError(f"TensorRT could not build the {role} engine from {spec['onnx']}: {first}") from exc
+        record = build_record(manifest, plan, engines, trt.__version__, gpu, build.workspace_mib,
+                              TIMING_CACHE if cache is not None and cache.is_file() else None)
+        write_build_record(tmp, record)
+        for lock in tmp.glob("*.lock"):  # Polygraphy's timing-cache lock files; this folder is ours alone
+            lock.unlink()
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record

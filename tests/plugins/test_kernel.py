@@ -1,0 +1,171 @@
+"""The Triton MLA decode kernels against the pure-PyTorch reference.
+
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``: the kernel code executed by
+NumPy on the CPU, block by block): the logic is exercised, not the compiled code, so float32 and float16
+only (Triton 3.9's interpreter computes ``tl.dot`` of bfloat16 operands wrongly, checked on a standalone
+16x16 dot). The ahead-of-time compile test proves the kernels compile to PTX and a cubin for sm_90 with
+Triton's CUDA backend, without a GPU. Tests marked ``gpu`` need CUDA and run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mla_deploy.exporter.decode_plugin import mla_decode as eager_mla_decode
+
+HAS_CUDA = torch.cuda.is_available()  # else the kernels run under Triton's interpreter (see conftest.py)
+
+
+def _case(batch, heads, steps, slots, rank, rope, dtype, device, seed=0, full=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((batch, heads, steps, rank + rope), generator=gen).to(dtype)
+    cache = torch.randn((batch, 1, slots, rank + rope), generator=gen).to(dtype)
+    lengths = torch.randint(steps, slots + 1, (batch,), generator=gen)
+    if full:
+        lengths.fill_(slots)
+    else:
+        lengths[0] = steps  # the shortest a sequence can be: only this step's rows
+    return q.to(device), cache.to(device), lengths.to(device), 1.0 / math.sqrt(rank + rope)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+# reference ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("steps", [1, 3])
+def test_reference_equals_the_exported_op(reference, steps):
+    """The kernel's reference and the eager op the decode graph exports (standard ops) agree."""
+    q, cache, lengths, scale = _case(2, 4, steps, 9, 16, 8, torch.float32, "cpu")
+    ref = reference.mla_decode_reference(q, cache, lengths, scale, 16)
+    eager = eager_mla_decode(q, cache, lengths, scale, 16)
+    assert ref.shape == eager.shape == (2, 4, steps, 16)
+    assert rel_err(ref, eager) < 1e-6
+
+
+def test_reference_layouts_and_empty_rows(reference):
+    q, cache, lengths, scale = _case(2, 4, 1, 7, 16, 8, torch.float32, "cpu")
+    full = reference.mla_decode_reference(q, cache, lengths, scale, 16)
+    flat = reference.mla_decode_reference(q[:, :, 0], cache[:, 0], lengths, scale, 16)
+    assert flat.shape == (2, 4, 16) and torch.equal(flat, full[:, :, 0])
+    empty = reference.mla_decode_reference(q, cache, torch.zeros(2, dtype=torch.long), scale, 16)
+    assert torch.count_nonzero(empty) == 0
+    with pytest.raises(ValueError, match="disagree"):
+        reference.mla_decode_reference(q, cache[..., :-1], lengths, scale, 16)
+
+
+# kernel (GPU, or the interpreter on the CPU) -----------------------------------------------------
+CASES = [  # batch, heads, steps, slots, rank, rope, splits
+    pytest.param(2, 4, 1, 40, 16, 8, 3, id="tiny-3splits"),
+    pytest.param(3, 16, 1, 70, 32, 16, None, id="16heads-auto-splits"),
+    pytest.param(2, 20, 1, 33, 24, 8, 2, id="heads-not-multiple-of-block-rank-not-pow2"),
+    pytest.param(2, 4, 2, 33, 16, 8, 2, id="two-new-tokens"),
+    pytest.param(1, 4, 1, 1, 16, 8, 1, id="one-slot"),
+    pytest.param(2, 4, 1, 20, 16, 8, 8, id="more-splits-than-tiles"),
+]
+
+
+@pytest.mark.parametrize("batch,heads,steps,slots,rank,rope,splits", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernel_matches_reference(kernel, reference, device, batch, heads, steps, slots, rank, rope, splits, dtype):
+    q, cache, lengths, scale = _case(batch, heads, steps, slots, rank, rope, dtype, device)
+    out = kernel.mla_decode(q, cache, lengths, scale, rank, num_splits=splits)
+    ref = reference.mla_decode_reference(q, cache, lengths, scale, rank)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_kernel_layouts_out_buffer_and_strides(kernel, reference, device):
+    """[B, H, C] queries, a [B, T, C] cache that is a strided view, int32 lengths, an ``out`` buffer."""
+    q, cache, lengths, scale = _case(2, 4, 1, 30, 16, 8, torch.float32, device)
+    wide = torch.zeros((2, 40, 24 + 8), device=device)
+    wide[:, 5:35, :24] = cache[:, 0]
+    view = wide[:, 5:35, :24]  # row stride 32, batch stride 1280: not contiguous
+    out = torch.full((2, 4, 16), float("nan"), device=device)
+    got = kernel.mla_decode(q[:, :, 0], view, lengths.to(torch.int32), scale, 16, out=out, num_splits=2)
+    assert got is out
+    assert rel_err(out, reference.mla_decode_reference(q[:, :, 0], cache, lengths, scale, 16)) < 1e-5
+
+
+def test_kernel_empty_sequence_gives_zeros(kernel, device):
+    q, cache, _, scale = _case(2, 4, 1, 12, 16, 8, torch.float32, device)
+    out = kernel.mla_decode(q, cache, torch.tensor([0, 5], device=device), scale, 16, num_splits=2)
+    assert torch.count_nonzero(out[0]) == 0 and torch.isfinite(out).all()
+
+
+def test_kernel_rejects_bad_arguments(kernel, device):
+    q, cache, lengths, scale = _case(1, 4, 1, 8, 16, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        kernel.mla_decode(q, cache, lengths, scale, 24)
+    with pytest.raises(ValueError, match="dtype"):
+        kernel.mla_decode(q, cache.half(), lengths, scale, 16)
+    with pytest.raises(ValueError, match="out must be"):
+        kernel.mla_decode(q, cache, lengths, scale, 16, out=torch.empty(1, 4, 1, 8, device=device))
+
+
+def test_choose_num_splits(kernel):
+    assert kernel.choose_num_splits(1, 1, 32768, 16, 264) == 64  # capped at MAX_SPLITS
+    assert kernel.choose_num_splits(64, 8, 32768, 16, 264) == 1  # 512 programs already
+    assert kernel.choose_num_splits(1, 1, 20, 16, 264) == 2  # no more splits than tiles
+    assert kernel.choose_num_splits(4, 1, 4096, 16, 64) == 16
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Ahead-of-time compile (Triton's CUDA backend + bundled ptxas) of the bf16 kernels at DeepSeek's sizes.
+
+    Runs in a subprocess: under the interpreter the @triton.jit functions are not compilable objects.
+    """
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = ("from mla_deploy.trt.plugin_loader import load_plugin_module\n"
+            "k = load_plugin_module('triton_kernel').compile_kernels('bf16', 90, 512, 64)\n"
+            "print(k['split'].metadata.name, len(k['split'].asm['cubin']) > 0, len(k['reduce'].asm['ptx']) > 0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DEFAULT_FP_FUSION="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["_split_kernel", "True", "True"]
+
+
+def test_bench_refuses_without_a_gpu(capsys):
+    if HAS_CUDA:
+        pytest.skip("a GPU is present: the benchmark would run")
+    from mla_deploy.trt.plugin_loader import load_plugin_module
+
+    assert load_plugin_module("bench").main(["--lengths", "16"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# GPU ----------------------------------------------------------------------------------------------
+GPU_GRID = [(b, h, n) for b in (1, 8, 64) for h in (16, 128) for n in (1, 1000, 32768)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the compiled kernels)")
+@pytest.mark.parametrize("batch,heads,slots", GPU_GRID, ids=[f"b{b}-h{h}-t{n}" for b, h, n in GPU_GRID])
+def test_gpu_bf16_deepseek_sizes(kernel, reference, batch, heads, slots):
+    """bf16 at DeepSeek's latent width (512 + 64), fp32 accumulation: within 2e-2 of the float32 reference."""
+    if batch * heads * slots > 64 * 128 * 8192:
+        batch = max(1, 64 * 128 * 8192 // (heads * slots))  # keeps the reference's float32 scores < 2 GiB
+    q, cache, lengths, _ = _case(batch, heads, 1, slots, 512, 64, torch.bfloat16, "cuda")
+    scale = 0.1352337788608801  # DeepSeek-V3's (192 ** -0.5 with YaRN mscale)
+    out = kernel.mla_decode(q[:, :, 0], cache, lengths, scale, 512)
+    ref = reference.mla_decode_reference(q[:, :, 0], cache, lengths, scale, 512)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert rel_err(out.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the compiled kernels)")
+def test_gpu_fp32_is_exact_enough(kernel, reference):
+    """float32 inputs use IEEE dots (no TF32): 1e-5 relative."""
+    q, cache, lengths, scale = _case(4, 128, 1, 4096, 512, 64, torch.float32, "cuda", full=True)
+    out = kernel.mla_decode(q, cache, lengths, scale, 512)
+    assert rel_err(out, reference.mla_decode_reference(q, cache, lengths, scale, 512)) < 1e-5
