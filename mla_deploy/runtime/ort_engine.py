@@ -115,6 +115,10 @@ class OrtEngine:
         wanted = PROVIDERS[provider]
         self.sessions = {}
         for role, graph in self.manifest["graphs"].items():
+            if graph.get("attention", "standard") != "standard":
+                raise RuntimeMissingError(f"{graph['file']} holds the TensorRT MlaDecode plugin node, which ONNX "
+                                          f"Runtime cannot run; export with [export] decode_attention = \"standard\" "
+                                          f"for ONNX Runtime, or build it with `mla-deploy build`")
             try:
                 session = ort.InferenceSession(str(self.root / graph["file"]), options,
                                                providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))

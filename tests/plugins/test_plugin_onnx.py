@@ -144,3 +144,11 @@ def test_real_manifest_gives_static_profiles_and_a_plugin_build_plan(artifact):
     assert plan["decode"]["profile"]["past_latent.0"] == ((1, 1, 64, 24), (2, 1, 64, 24), (4, 1, 64, 24))
     assert plan["decode"]["profile"]["write_indices"] == ((1,), (2,), (4,))
     assert plan["prefill"]["profile"]["input_ids"] == ((1, 1), (2, 8), (4, 32))
+
+
+def test_onnx_runtime_refuses_a_plugin_artifact_with_one_clear_error(artifact):
+    from mla_deploy.errors import RuntimeMissingError
+    from mla_deploy.runtime.ort_engine import OrtEngine
+
+    with pytest.raises(RuntimeMissingError, match='decode_attention = "standard"'):
+        OrtEngine(artifact)
