@@ -159,12 +159,19 @@ class AbsorbedMLAttention(MLABase):
         q_nope, q_pe = self.queries(x, cos, sin)  # [B, H, S, dn], [B, H, S, dr]
         q_lat = q_nope @ self.w_uk  # [B, H, S, r]: W_UK folded into the query
         present, rows = self.update_latent(past, self.latent(x, cos, sin), cache)  # rows [B, T, C]
-        kv = rows.unsqueeze(1)  # [B, 1, T, C]: one latent "head" shared by all query heads
+        heads, steps = q_lat.shape[1], q_lat.shape[2]
+        # The cache-sized products are written so that no cache-sized tensor is transposed or sliced (an ONNX
+        # Transpose/Slice copies it) and one product per sequence serves all heads (a [B, H, S, C] x [B, 1, C, T]
+        # broadcast runs as B*H matrix-vector products, each reading the whole cache).
         if self.form == "A_CC":
-            scores = torch.cat((q_lat, q_pe), dim=-1) @ kv.transpose(-1, -2)  # [B, H, S, T]
+            q = torch.cat((q_lat, q_pe), dim=-1).flatten(1, 2)  # [B, H*S, C]
+            # the cache is the left operand: [T, C] x [C, H*S]; the small result is transposed
+            scores = (rows @ q.transpose(-1, -2)).transpose(-1, -2).unflatten(1, (heads, steps))  # [B, H, S, T]
         else:
+            kv = rows.unsqueeze(1)  # [B, 1, T, C]: one latent "head" shared by all query heads
             scores = q_lat @ kv[..., :r].transpose(-1, -2) + q_pe @ kv[..., r:].transpose(-1, -2)
         probs = masked_softmax(scores.float() * self.softmax_scale, mask)
-        o_lat = probs.to(kv.dtype) @ kv[..., :r]  # [B, H, S, r]: softmax-weighted sum of c_kv
+        # softmax-weighted sum of whole cache rows [c_kv | k_pe], then keep the c_kv part of the small result
+        o_lat = (probs.to(rows.dtype).flatten(1, 2) @ rows)[..., :r].unflatten(1, (heads, steps))  # [B, H, S, r]
         out = o_lat @ self.w_uv.transpose(-1, -2)  # [B, H, S, dv]: W_UV per head
         return self.o_proj(out.transpose(1, 2).flatten(2)), present
