@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..artifact_check import sha256_file
 from ..errors import ExportError
 from ..io_spec import PRECISIONS, cache_layout, decoder_io
 from ..model.absorb import convert_form
@@ -38,14 +39,6 @@ def fingerprint(recipe: Recipe, weights: dict[str, Any]) -> str:
     """Identity of the model an artifact holds: its dimensions and where its weights came from."""
     blob = json.dumps({"model": recipe.model.to_dict(), "weights": weights}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def versions() -> dict[str, str]:
@@ -157,7 +150,7 @@ def _write_artifact(recipe: Recipe, model: MLAForCausalLM, weights: dict, fp: st
         graphs[role] = {
             "file": path.name, "form": form, "attention": attention, "inputs": [t.to_dict() for t in inputs],
             "outputs": [t.to_dict() for t in outputs], "external_data": path.name + ".data" if external else None,
-            "bytes": path.stat().st_size, "sha256": _sha256(path),
+            "bytes": path.stat().st_size, "sha256": sha256_file(path),
         }
         del graph_model, wrapper
     if weights.get("kind") == "random":

@@ -11,7 +11,6 @@ temporary folder beside ``trt/`` and renamed into place at the end.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..artifact_check import sha256_file
 from ..errors import ConfigError, ExportError, RuntimeMissingError
 from ..recipe import BuildSettings
 from .profiles import engine_profiles, polygraphy_profile, profiles_to_json
@@ -132,14 +132,6 @@ def read_build_record(artifact: str | Path) -> dict[str, Any]:
     return record
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _replace_dir(tmp: Path, out: Path) -> None:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
@@ -169,7 +161,7 @@ def _build_one(trt, spec: dict, root: Path, tmp: Path, cache: Path | None, works
     aliased = {}
     if hasattr(engine, "get_aliased_input_tensor"):  # TensorRT >= 10.15
         aliased = {n: engine.get_aliased_input_tensor(n) for n in outputs if engine.get_aliased_input_tensor(n)}
-    return {"file": spec["engine"], "onnx": spec["onnx"], "bytes": path.stat().st_size, "sha256": _sha256(path),
+    return {"file": spec["engine"], "onnx": spec["onnx"], "bytes": path.stat().st_size, "sha256": sha256_file(path),
             "build_seconds": round(seconds, 3), "attention": spec["attention"], "aliased_outputs": aliased}
 
 
