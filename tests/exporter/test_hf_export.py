@@ -60,3 +60,9 @@ def test_exported_checkpoint_generates_what_transformers_generates(tmp_path, cas
         got.append(engine.forward("decode", np.array([[token]]), state.lengths[:, None].copy(), state)["logits"][0, -1])
     want = torch.cat(ref.logits).numpy()
     assert np.abs(np.stack(got) - want).max() <= 1e-4
+    # `mla-deploy validate` on the checkpoint's artifact: the reference is rebuilt from the checkpoint itself
+    from mla_deploy.validate import validate_artifact
+
+    result = validate_artifact(out, out_dir=tmp_path / "report", steps=4, threads=1)
+    assert result.passed, result.summary()
+    assert (tmp_path / "report" / "report.html").is_file()
