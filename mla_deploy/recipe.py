@@ -242,7 +242,12 @@ def recipe_from_dict(data: dict[str, Any], source: str, default_name: str) -> Re
         raise ConfigError(f"{source}: no [model] section")
     model = dict(data["model"])
     model.setdefault("name", default_name)
-    config = MLAConfig.from_dict(model, source=f"{source} [model]")
+    try:
+        config = MLAConfig.from_dict(model, source=f"{source} [model]")
+    except ConfigError as exc:
+        if source in str(exc):
+            raise
+        raise ConfigError(f"{source} [model]: {exc}") from None
     sections = {}
     for key, cls in (("export", ExportSettings), ("build", BuildSettings), ("validate", ValidateSettings)):
         raw = dict(data.get(key, {}))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from mla_deploy import load_recipe, preset_names
+from mla_deploy.recipe import presets_dir
 from mla_deploy.errors import ConfigError, MLADeployError
 
 # the published config.json values of each model
@@ -114,3 +117,13 @@ def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match="unknown preset 'deepseek-v4'") as info:
         load_recipe("deepseek-v4")
     assert all(name in str(info.value) for name in preset_names())
+
+
+def test_a_bad_model_value_names_the_recipe_file(tmp_path):
+    from mla_deploy.errors import ConfigError
+
+    text = (Path(presets_dir()) / "tiny.toml").read_text().replace("qk_rope_head_dim = 8", "qk_rope_head_dim = 7")
+    path = tmp_path / "odd.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"odd\.toml \[model\].*qk_rope_head_dim must be even"):
+        load_recipe(path)
