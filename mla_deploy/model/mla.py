@@ -157,9 +157,10 @@ class AbsorbedMLAttention(MLABase):
         """
         r = self.config.kv_lora_rank
         q_nope, q_pe = self.queries(x, cos, sin)  # [B, H, S, dn], [B, H, S, dr]
-        q_lat = q_nope @ self.w_uk  # [B, H, S, r]: W_UK folded into the query
+        batch, heads, steps = q_nope.shape[:3]
+        # W_UK folded into the query, heads first ([H, B*S, dn] x [H, dn, r]): each head's weights are read once
+        q_lat = (q_nope.transpose(0, 1).flatten(1, 2) @ self.w_uk).unflatten(1, (batch, steps)).transpose(0, 1)
         present, rows = self.update_latent(past, self.latent(x, cos, sin), cache)  # rows [B, T, C]
-        heads, steps = q_lat.shape[1], q_lat.shape[2]
         # The cache-sized products are written so that no cache-sized tensor is transposed or sliced (an ONNX
         # Transpose/Slice copies it) and one product per sequence serves all heads (a [B, H, S, C] x [B, 1, C, T]
         # broadcast runs as B*H matrix-vector products, each reading the whole cache).
@@ -172,6 +173,7 @@ class AbsorbedMLAttention(MLABase):
             scores = q_lat @ kv[..., :r].transpose(-1, -2) + q_pe @ kv[..., r:].transpose(-1, -2)
         probs = masked_softmax(scores.float() * self.softmax_scale, mask)
         # softmax-weighted sum of whole cache rows [c_kv | k_pe], then keep the c_kv part of the small result
-        o_lat = (probs.to(rows.dtype).flatten(1, 2) @ rows)[..., :r].unflatten(1, (heads, steps))  # [B, H, S, r]
-        out = o_lat @ self.w_uv.transpose(-1, -2)  # [B, H, S, dv]: W_UV per head
-        return self.o_proj(out.transpose(1, 2).flatten(2)), present
+        o_lat = (probs.to(rows.dtype).flatten(1, 2) @ rows)[..., :r]  # [B, H*S, r]
+        o_lat = o_lat.unflatten(1, (heads, steps)).transpose(0, 1).flatten(1, 2)  # [H, B*S, r]
+        out = (o_lat @ self.w_uv.transpose(-1, -2)).transpose(0, 1)  # [B*S, H, dv]: W_UV per head, heads first
+        return self.o_proj(out.reshape(batch, steps, -1)), present
