@@ -266,5 +266,56 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
     click.echo(f"TensorRT {record['tensorrt']} on {record['gpu']}; {record['precision']}, {typing}")
 
 
+@main.command()
+@click.option("--preset", help="A built-in preset (see `mla-deploy presets`).")
+@click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
+@click.option("--layers", default="2", show_default=True,
+              help="Attention layers in the benched unit (the decode step of N attention blocks).")
+@click.option("--context", default="1024,4096,16384", show_default=True, help="Cached tokens T, comma list.")
+@click.option("--batch", default="1,8", show_default=True, help="Batch sizes B, comma list.")
+@click.option("--threads", default="2", show_default=True, help="torch and ONNX Runtime intra-op threads.")
+@click.option("--repeat", default="20", show_default=True, help="Timed calls per point and pass (at most).")
+@click.option("--warmup", default="3", show_default=True, help="Untimed calls before them.")
+@click.option("--passes", default="2", show_default=True,
+              help="Passes; each runs every variant in its own process, odd passes in reverse order.")
+@click.option("--paths", default="all", show_default=True,
+              help="Comma subset of hf-eager, hf-sdpa, torch-cd, torch-absorbed, ort-concat, ort-static, trt.")
+@click.option("--max-seconds", default="20", show_default=True,
+              help="Time budget of one point in one pass (at least 3 timed calls are kept).")
+@click.option("--seed", default="0", show_default=True, help="Seed of the weights and inputs.")
+@click.option("--probe-mib", default="512", show_default=True, hidden=True, help="Read-bandwidth probe buffer.")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for bench.json, bench.md and bench.png.")
+@_one_line_errors
+def bench(preset, recipe, layers, context, batch, threads, repeat, warmup, passes, paths, max_seconds, seed,
+          probe_mib, out):
+    """Decode-step latency, tokens/s, cache and peak memory of MLA attention: transformers' own attention
+    (naive), this project's PyTorch model (CD and absorbed), the exported graph in ONNX Runtime (concat and
+    static in place) and TensorRT where available; each against the machine's measured roofline."""
+    import shlex
+
+    from .bench.driver import run_bench
+    from .bench.output import format_table
+    from .bench.spec import BenchSpec, parse_float, parse_int, parse_paths
+    from .errors import ConfigError
+    from .recipe import load_recipe
+
+    if bool(preset) == bool(recipe):
+        raise ConfigError("give exactly one of --preset, --recipe")
+    config = load_recipe(preset or recipe).model
+    spec = BenchSpec(config=config, layers=parse_int(layers, "--layers"), contexts=context, batches=batch,
+                     threads=parse_int(threads, "--threads"), repeat=parse_int(repeat, "--repeat"),
+                     warmup=parse_int(warmup, "--warmup", minimum=0), passes=parse_int(passes, "--passes"),
+                     paths=parse_paths(paths), seed=parse_int(seed, "--seed", minimum=0),
+                     max_seconds=parse_float(max_seconds, "--max-seconds"),
+                     probe_mib=parse_int(probe_mib, "--probe-mib"), source=preset or recipe)
+    params = click.get_current_context().params
+    command = "mla-deploy bench " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
+                                             for k, v in params.items() if v is not None)
+    report = run_bench(spec, out, echo=lambda line: click.echo(line, err=True), command=command)
+    click.echo(format_table(report))
+    click.echo(f"wrote {out}/bench.json, {out}/bench.md, {out}/bench.png")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
