@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ExportError
 from .spec import PATHS, BenchSpec
 
 
@@ -51,19 +50,29 @@ def _export_graphs(spec: BenchSpec, work: Path, paths, status: dict, echo) -> di
     graphs = {}
     if not wanted:
         return graphs
-    from .graph import export_stack
-    from .stack import build_stack
-
-    stack = build_stack(spec.config, spec.layers, "A_CC", seed=spec.seed)
+    # one process per graph, side by side: the exporter is mostly single-threaded Python
+    start = time.perf_counter()
+    procs = {}
     for mode in wanted:
-        start = time.perf_counter()
-        try:
-            graphs[mode] = str(export_stack(stack, mode, work / f"attention_stack_{mode}.onnx"))
-            echo(f"exported the {mode} attention-stack graph in {time.perf_counter() - start:.1f} s")
-        except ExportError as exc:
-            for p, m in modes.items():
-                if m == mode and p in status:
-                    status[p] = {"available": False, "reason": f"export failed: {exc}"}
+        job = work / f"export_{mode}.json"
+        job.write_text(json.dumps({"spec": spec.to_dict(), "mode": mode,
+                                   "path": str(work / f"attention_stack_{mode}.onnx")}))
+        err = open(work / f"export_{mode}.stderr", "w")
+        procs[mode] = (subprocess.Popen([sys.executable, "-m", "mla_deploy.bench.graph", str(job)],
+                                        stdout=subprocess.DEVNULL, stderr=err), err)
+    for mode, (proc, err) in procs.items():
+        proc.wait()
+        err.close()
+        path = work / f"attention_stack_{mode}.onnx"
+        if proc.returncode == 0 and path.is_file():
+            graphs[mode] = str(path)
+            echo(f"exported the {mode} attention-stack graph ({time.perf_counter() - start:.1f} s)")
+            continue
+        lines = [ln for ln in (work / f"export_{mode}.stderr").read_text(errors="replace").splitlines() if ln.strip()]
+        reason = f"export failed: {lines[-1][:300] if lines else f'exit {proc.returncode}'}"
+        for p, m in modes.items():
+            if m == mode and p in status:
+                status[p] = {"available": False, "reason": reason}
     if "trt" in paths and status["trt"]["available"] and "static" in graphs:
         from .trt_path import build_engine
 
@@ -155,6 +164,9 @@ def run_bench(spec: BenchSpec, out_dir: str | Path, echo: Callable[[str], None] 
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".bench-work-", dir=out))
     started = time.time()
+    from .machine import describe
+
+    described = describe()  # CPU, memory, load average at the start
     try:
         status = path_availability(spec.paths)
         for path, s in status.items():
@@ -175,7 +187,7 @@ def run_bench(spec: BenchSpec, out_dir: str | Path, echo: Callable[[str], None] 
                              "seconds": time.perf_counter() - start})
                 echo(f"pass {p + 1}/{spec.passes} {path:<15} {len(records)} point(s) in "
                      f"{time.perf_counter() - start:.1f} s")
-        report = build_report(spec, status, runs, work / "outputs", started, command)
+        report = build_report(spec, status, runs, work / "outputs", started, command, described)
         write_outputs(report, out)
         return report
     finally:

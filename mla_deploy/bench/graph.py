@@ -17,6 +17,7 @@ tensor               concat                                      static
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -85,3 +86,25 @@ def export_stack(stack: AttentionStack, cache_mode: str, path: str | Path, opset
         trace_to_onnx(AttentionStackGraph(stack, cache_mode).eval(), args, path, inputs, outputs, shapes,
                       opset, external_data=False)
     return path
+
+
+def main(job_file: str) -> int:
+    """``python -m mla_deploy.bench.graph JOB.json``: export one graph (the driver runs the two side by side)."""
+    import json
+
+    from ..errors import MLADeployError
+    from .spec import BenchSpec
+    from .stack import build_stack
+
+    job = json.loads(Path(job_file).read_text())
+    spec = BenchSpec.from_dict(job["spec"])
+    try:
+        export_stack(build_stack(spec.config, spec.layers, "A_CC", seed=spec.seed), job["mode"], job["path"])
+    except MLADeployError as exc:
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - run by the driver
+    sys.exit(main(sys.argv[1]))

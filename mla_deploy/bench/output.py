@@ -68,8 +68,10 @@ def _machine_line(report: dict) -> str:
     if bw and gemm:
         text += (f"; read bandwidth {bw['median']:.1f} GB/s (min {bw['min']:.1f}, max {bw['max']:.1f}, n={bw['n']}); "
                  f"fp32 GEMM {gemm['median']:.0f} GFLOP/s (min {gemm['min']:.0f}, max {gemm['max']:.0f})")
-    if m.get("loadavg_at_start"):
-        text += f"; load average at start {m['loadavg_at_start'][0]:.2f}"
+    if m.get("loadavg_1min_during_run"):
+        load = m["loadavg_1min_during_run"]
+        text += (f"; 1-min load average during the run {load['median']:.2f} (min {load['min']:.2f}, max "
+                 f"{load['max']:.2f}; {m['threads']} threads of this bench count toward it)")
     return text
 
 

@@ -39,14 +39,17 @@ def _versions() -> dict:
     return out
 
 
-def _machine(spec: BenchSpec, runs: list[dict]) -> dict:
+def _machine(spec: BenchSpec, runs: list[dict], described: dict | None) -> dict:
     probes = [p for run in runs for p in run["probes"]]
-    info = describe()
+    info = dict(described or describe())
     info["threads"] = spec.threads
     for key, unit in (("read_gbps", "GB/s"), ("gemm_gflops", "GFLOP/s")):
         values = [p[key] for p in probes]
         info[key] = ({"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
                       "unit": unit, "samples": [round(v, 2) for v in values]} if values else None)
+    loads = [p["loadavg_1min"] for p in probes if p.get("loadavg_1min") is not None]
+    info["loadavg_1min_during_run"] = ({"median": statistics.median(loads), "min": min(loads), "max": max(loads),
+                                        "n": len(loads)} if loads else None)
     info["read_probe"] = f"torch.sum over {spec.probe_mib} MiB fp32, {spec.threads} threads, median of 5 calls, " \
                          "at the start and the end of every worker process"
     info["gemm_probe"] = f"torch.mm fp32 2048x2048x2048, {spec.threads} threads, median of 3 calls, same times"
@@ -164,9 +167,9 @@ def _targets(rows: list[dict]) -> list[dict]:
 
 
 def build_report(spec: BenchSpec, status: dict, runs: list[dict], outputs: Path, started: float,
-                 command: str | None) -> dict:
-    """The report dict (what bench.json holds)."""
-    machine = _machine(spec, runs)
+                 command: str | None, described: dict | None = None) -> dict:
+    """The report dict (what bench.json holds); ``described``: :func:`~.machine.describe` taken at the start."""
+    machine = _machine(spec, runs, described)
     grouped: dict[tuple, list] = {}
     for run in runs:
         for rec in run["records"]:

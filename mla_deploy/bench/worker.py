@@ -104,6 +104,11 @@ def run_point(runner, spec, path: str, context: int, batch: int, outputs_dir: st
     return record
 
 
+def _load() -> float | None:
+    """The 1-minute load average (other processes competing for the cores show up here)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def _prefer_as_oom_victim() -> None:
     """Should a point exhaust memory after all, let the kernel kill this worker rather than another process."""
     try:
@@ -128,7 +133,7 @@ def main(job_file: str) -> int:
     result_path = Path(job["result"])
     result = {"path": job["path"], "pass": job["pass"], "pid": os.getpid(), "probes": [], "points": [],
               "current": None, "torch_threads": torch.get_num_threads()}
-    result["probes"].append({"at": "start", **machine.probe(threads, spec.probe_mib)})
+    result["probes"].append({"at": "start", **machine.probe(threads, spec.probe_mib), "loadavg_1min": _load()})
     _write(result_path, result)
     runner = make_runner(job["path"], spec, job)
     result["provider"] = getattr(runner, "provider", None)
@@ -144,7 +149,7 @@ def main(job_file: str) -> int:
         _write(result_path, result)
     del runner
     gc.collect()
-    result["probes"].append({"at": "end", **machine.probe(threads, spec.probe_mib)})
+    result["probes"].append({"at": "end", **machine.probe(threads, spec.probe_mib), "loadavg_1min": _load()})
     result["done"] = True
     _write(result_path, result)
     return 0
