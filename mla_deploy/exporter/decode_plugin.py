@@ -19,16 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheCapacityError, ConfigError
+from ..model.cache import StaticCache
 from ..model.mla import AbsorbedMLAttention, masked_softmax
 
 DOMAIN = "mla_deploy"
 OP_TYPE = "MlaDecode"
-
-
-def lengths_mask(lengths: torch.Tensor, steps: int, slots: int) -> torch.Tensor:
-    """``[B, 1, S, T]`` bool: slot ``t`` is visible to new token ``s`` iff ``t < lengths[b] - S + 1 + s``."""
-    limit = lengths.view(-1, 1) - steps + 1 + torch.arange(steps, device=lengths.device)  # [B, S]
-    return (torch.arange(slots, device=lengths.device).view(1, 1, -1) < limit.unsqueeze(-1)).unsqueeze(1)
 
 
 @torch.library.custom_op("mla_deploy::mla_decode", mutates_args=())
@@ -49,7 +44,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor, soft
     if bool((lengths < steps).any()) or bool((lengths > slots).any()):
         raise CacheCapacityError(f"mla_decode: lengths {lengths.tolist()} must lie in [{steps}, {slots}]")
     scores = q @ cache.transpose(-1, -2)  # [B, H, S, T]
-    probs = masked_softmax(scores.float() * softmax_scale, lengths_mask(lengths, steps, slots))
+    # slot t is visible to new token s iff t <= lengths - S + s: the static cache's own mask
+    mask = StaticCache(lengths - steps).mask(steps, cache)  # [B, 1, S, T]
+    probs = masked_softmax(scores.float() * softmax_scale, mask)
     return probs.to(cache.dtype) @ cache[..., :kv_lora_rank]
 
 
@@ -95,19 +92,17 @@ class PluginDecodeAttention(AbsorbedMLAttention):
     Parameters and their names are those of the absorbed module it replaces.
     """
 
-    def forward(self, x, cos, sin, mask, past, cache):
-        """Args and returns as :meth:`AbsorbedMLAttention.forward`; ``mask`` is unused (``lengths`` replaces it)."""
+    def attend(self, q_lat, q_pe, new, mask, past, cache):
+        """As :meth:`AbsorbedMLAttention.attend`, the core being :func:`mla_decode`; ``mask`` is unused
+        (``lengths`` replaces it)."""
         write_indices = getattr(cache, "write_indices", None)
         if write_indices is None or past.dim() != 4:
             raise ConfigError("the MlaDecode plugin needs the static cache ([B, 1, T_max, C] and write_indices)")
-        q_nope, q_pe = self.queries(x, cos, sin)  # [B, H, S, dn], [B, H, S, dr]
-        q_lat = q_nope @ self.w_uk  # [B, H, S, r]
-        present = cache.update(past, self.latent(x, cos, sin).unsqueeze(1))  # [B, 1, T_max, C]
-        lengths = write_indices + x.shape[1]  # [B]
+        present = cache.update(past, new.unsqueeze(1))  # [B, 1, T_max, C]
+        lengths = write_indices + q_lat.shape[2]  # [B]
         o_lat = mla_decode(torch.cat((q_lat, q_pe), dim=-1), present, lengths, float(self.softmax_scale),
                            self.config.kv_lora_rank)  # [B, H, S, r]
-        out = o_lat @ self.w_uv.transpose(-1, -2)  # [B, H, S, dv]
-        return self.o_proj(out.transpose(1, 2).flatten(2)), present
+        return o_lat, present
 
 
 def use_decode_plugin(model: torch.nn.Module) -> torch.nn.Module:

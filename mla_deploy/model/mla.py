@@ -155,12 +155,25 @@ class AbsorbedMLAttention(MLABase):
             past: the latent cache ``[B, P, C]`` (concat) or ``[B, 1, T_max, C]`` (static).
         Returns: y ``[B, S, D]`` and the present latent cache in the past's layout.
         """
-        r = self.config.kv_lora_rank
         q_nope, q_pe = self.queries(x, cos, sin)  # [B, H, S, dn], [B, H, S, dr]
-        batch, heads, steps = q_nope.shape[:3]
-        # W_UK folded into the query, heads first ([H, B*S, dn] x [H, dn, r]): each head's weights are read once
-        q_lat = (q_nope.transpose(0, 1).flatten(1, 2) @ self.w_uk).unflatten(1, (batch, steps)).transpose(0, 1)
-        present, rows = self.update_latent(past, self.latent(x, cos, sin), cache)  # rows [B, T, C]
+        o_lat, present = self.attend(self.absorb_query(q_nope), q_pe, self.latent(x, cos, sin), mask, past, cache)
+        return self.output(o_lat), present
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """W_UK folded into the query: ``[B, H, S, dn] -> [B, H, S, r]``, heads first ([H, B*S, dn] x [H, dn, r]),
+        so each head's weights are read once per step."""
+        batch, _, steps = q_nope.shape[:3]
+        return (q_nope.transpose(0, 1).flatten(1, 2) @ self.w_uk).unflatten(1, (batch, steps)).transpose(0, 1)
+
+    def attend(self, q_lat, q_pe, new, mask, past, cache):
+        """Attention over the latent cache after writing this step's rows.
+
+        Args: q_lat ``[B, H, S, r]``; q_pe ``[B, H, S, dr]``; new ``[B, S, C]``; mask, past, cache as in forward.
+        Returns: o_lat ``[B, H, S, r]`` (the softmax-weighted sum of ``c_kv``) and the present cache.
+        """
+        r = self.config.kv_lora_rank
+        heads, steps = q_lat.shape[1], q_lat.shape[2]
+        present, rows = self.update_latent(past, new, cache)  # rows [B, T, C]
         # The cache-sized products are written so that no cache-sized tensor is transposed or sliced (an ONNX
         # Transpose/Slice copies it) and one product per sequence serves all heads (a [B, H, S, C] x [B, 1, C, T]
         # broadcast runs as B*H matrix-vector products, each reading the whole cache).
@@ -174,6 +187,10 @@ class AbsorbedMLAttention(MLABase):
         probs = masked_softmax(scores.float() * self.softmax_scale, mask)
         # softmax-weighted sum of whole cache rows [c_kv | k_pe], then keep the c_kv part of the small result
         o_lat = (probs.to(rows.dtype).flatten(1, 2) @ rows)[..., :r]  # [B, H*S, r]
-        o_lat = o_lat.unflatten(1, (heads, steps)).transpose(0, 1).flatten(1, 2)  # [H, B*S, r]
-        out = (o_lat @ self.w_uv.transpose(-1, -2)).transpose(0, 1)  # [B*S, H, dv]: W_UV per head, heads first
-        return self.o_proj(out.reshape(batch, steps, -1)), present
+        return o_lat.unflatten(1, (heads, steps)), present
+
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """W_UV per head, heads first, then ``o_proj``: ``[B, H, S, r] -> [B, S, D]``."""
+        batch, _, steps = o_lat.shape[:3]
+        out = (o_lat.transpose(0, 1).flatten(1, 2) @ self.w_uv.transpose(-1, -2)).transpose(0, 1)  # [B*S, H, dv]
+        return self.o_proj(out.reshape(batch, steps, -1))
