@@ -95,11 +95,8 @@ class PluginDecodeAttention(AbsorbedMLAttention):
     def attend(self, q_lat, q_pe, new, mask, past, cache):
         """As :meth:`AbsorbedMLAttention.attend`, the core being :func:`mla_decode`; ``mask`` is unused
         (``lengths`` replaces it)."""
-        write_indices = getattr(cache, "write_indices", None)
-        if write_indices is None or past.dim() != 4:
-            raise ConfigError("the MlaDecode plugin needs the static cache ([B, 1, T_max, C] and write_indices)")
-        present = cache.update(past, new.unsqueeze(1))  # [B, 1, T_max, C]
-        lengths = write_indices + q_lat.shape[2]  # [B]
+        lengths = cache.lengths_after(q_lat.shape[2])  # [B]; the concat cache refuses (ConfigError)
+        present, _ = cache.write_latent(past, new)  # [B, 1, T_max, C]
         o_lat = mla_decode(torch.cat((q_lat, q_pe), dim=-1), present, lengths, float(self.softmax_scale),
                            self.config.kv_lora_rank)  # [B, H, S, r]
         return o_lat, present

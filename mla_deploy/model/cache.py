@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheCapacityError
+from ..errors import CacheCapacityError, ConfigError
 
 
 @torch.library.custom_op("mla_deploy::tensor_scatter", mutates_args=())
@@ -56,6 +56,17 @@ class ConcatCache:
         """Args: past ``[..., P, C]``, new ``[..., S, C]``. Returns: ``[..., P+S, C]``."""
         return torch.cat((past, new), dim=-2)
 
+    def write_latent(self, past: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a step's latent rows. Args: past ``[B, P, C]``, new ``[B, S, C]``.
+        Returns: present ``[B, P+S, C]`` and the rows to attend (the same tensor)."""
+        present = self.update(past, new)
+        return present, present
+
+    def lengths_after(self, steps: int) -> torch.Tensor:
+        """Valid rows per sequence after this step: not known to a concat cache (its padding is a mask)."""
+        raise ConfigError("this needs the static cache ([B, 1, T_max, C] and write_indices); the concat cache "
+                          "marks padding with a mask instead of per-sequence lengths")
+
     def mask(self, seq_len: int, past: torch.Tensor) -> torch.Tensor:
         """Which slots each new query may attend: ``[B or 1, 1, S, P+S]`` bool.
 
@@ -84,6 +95,16 @@ class StaticCache:
     def update(self, past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Args: past ``[B, ..., T_max, C]``, new ``[B, ..., S, C]``. Returns: ``[B, ..., T_max, C]``."""
         return tensor_scatter(past, new, self.write_indices)
+
+    def write_latent(self, past: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a step's latent rows in place. Args: past ``[B, 1, T_max, C]``, new ``[B, S, C]``.
+        Returns: present ``[B, 1, T_max, C]`` and its rows ``[B, T_max, C]`` to attend."""
+        present = self.update(past, new.unsqueeze(1))
+        return present, present.squeeze(1)
+
+    def lengths_after(self, steps: int) -> torch.Tensor:
+        """``[B]`` int64 valid rows per sequence once this step's ``steps`` rows are written."""
+        return self.write_indices + steps
 
     def mask(self, seq_len: int, past: torch.Tensor) -> torch.Tensor:
         """``[B, 1, S, T_max]`` bool: slot ``t`` is visible to new token ``i`` iff ``t <= write_indices[b] + i``."""

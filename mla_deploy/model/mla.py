@@ -79,15 +79,9 @@ class MLABase(nn.Module):
         return torch.cat((self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)), dim=-1)
 
     def update_latent(self, past: torch.Tensor, new: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``new [B, S, C]`` into ``past`` (``[B, P, C]`` concat or ``[B, 1, T_max, C]`` static).
-
-        Returns: present (the past's layout) and the same rows as ``[B, T, C]``.
-        """
-        if past.dim() == 4:
-            present = cache.update(past, new.unsqueeze(1))
-            return present, present.squeeze(1)
-        present = cache.update(past, new)
-        return present, present
+        """Write ``new [B, S, C]`` into ``past`` as the cache policy lays it out (concat ``[B, P, C]``, static
+        ``[B, 1, T_max, C]``). Returns: present (the past's layout) and the rows to attend ``[B, T, C]``."""
+        return cache.write_latent(past, new)
 
 
 class MLAttention(MLABase):

@@ -1,0 +1,94 @@
+"""Integrity checks of an exported artifact directory, callable from any command that reads one.
+
+:func:`check_artifact` goes further than :func:`~mla_deploy.artifact.manifest.load_manifest` (format, files
+present, sizes): every graph's sha256 equals the manifest's, the manifest's inputs and outputs are those the
+I/O contract (:meth:`mla_deploy.cache_layout.CacheLayout.io`) gives for its model config, cache layout and
+precision, and each ONNX file's own graph inputs and outputs (names, element types, shapes) equal the
+manifest's. Any mismatch is an :class:`~mla_deploy.errors.ArtifactError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ArtifactError
+from ..io_spec import ROLES
+from .files import sha256_file
+from .manifest import MANIFEST, GraphEntry, Manifest, load_manifest
+
+
+def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_graphs: bool = True) -> Manifest:
+    """Check that an artifact is whole and self-consistent; return its manifest.
+
+    Args:
+        artifact_dir: the export directory (holding ``manifest.json``).
+        verify_hashes: compare each graph file's sha256 with the manifest's (reads every byte of the graphs).
+        check_graphs: parse each ONNX file (without external weights) and compare its I/O with the manifest's.
+    Returns:
+        the :class:`~mla_deploy.artifact.manifest.Manifest`.
+    Raises:
+        ArtifactError: a missing, truncated or replaced file; a manifest that does not describe the graphs or
+            its own model config; a file that is not ONNX.
+    """
+    root = Path(artifact_dir)
+    manifest = load_manifest(root)
+    config, layout, precision = manifest.config, manifest.layout, manifest.precision
+    inputs, outputs = layout.io(config, precision)
+    layers = manifest.cache.get("layers")
+    if layers is not None and len(layers) != config.num_hidden_layers:
+        raise ArtifactError(f"{MANIFEST}: cache lists {len(layers)} layers, the model has {config.num_hidden_layers}")
+    expected = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
+    for role in ROLES:
+        graph = manifest.graphs.get(role)
+        if graph is None:
+            raise ArtifactError(f"{MANIFEST} names no {role} graph")
+        recorded = {"inputs": [t.to_dict() for t in graph.inputs], "outputs": [t.to_dict() for t in graph.outputs]}
+        for kind in ("inputs", "outputs"):
+            _same_io(f"{MANIFEST} {role} {kind}", recorded[kind], expected[kind],
+                     f"the I/O contract of its model ({config.num_hidden_layers} layers, {layout.mode} cache, {precision})")
+        path = root / graph.file
+        if verify_hashes and graph.sha256 and sha256_file(path) != graph.sha256:
+            raise ArtifactError(f"{role} graph {path} does not match the sha256 in {MANIFEST} (modified or replaced)")
+        if check_graphs:
+            _check_onnx_io(path, role, graph)
+    return manifest
+
+
+def _same_io(label: str, actual, expected: list[dict], against: str) -> None:
+    if not isinstance(actual, list):
+        raise ArtifactError(f"{label} are missing")
+    names = [t.get("name") for t in actual]
+    want = [t["name"] for t in expected]
+    if names != want:
+        diff = next((f"{a!r} where {b!r} is expected" for a, b in zip(names, want) if a != b),
+                    f"{len(names)} tensors where {len(want)} are expected")
+        raise ArtifactError(f"{label} do not match {against}: {diff}")
+    for have, spec in zip(actual, expected):
+        if have.get("dtype") != spec["dtype"] or list(have.get("shape", [])) != spec["shape"]:
+            raise ArtifactError(f"{label}: {spec['name']} is {have.get('dtype')} {have.get('shape')}, "
+                                f"{against} gives {spec['dtype']} {spec['shape']}")
+
+
+def _check_onnx_io(path: Path, role: str, graph: GraphEntry) -> None:
+    """The ONNX file's graph inputs/outputs (name, element type, shape) must equal the manifest's."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError, onnx's own errors
+        raise ArtifactError(f"{role} graph {path} is not a readable ONNX file ({type(exc).__name__})") from None
+    for kind, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+        actual = [_value_dict(v) for v in values]
+        _same_io(f"{path.name} graph {kind}", actual, [t.to_dict() for t in getattr(graph, kind)], MANIFEST)
+
+
+def _value_dict(value) -> dict:
+    import onnx
+
+    elem = value.type.tensor_type.elem_type
+    try:
+        dtype = "bfloat16" if elem == onnx.TensorProto.BFLOAT16 else onnx.helper.tensor_dtype_to_np_dtype(elem).name
+    except (KeyError, ValueError, TypeError):
+        dtype = f"onnx-elem-type-{elem}"
+    shape = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+    return {"name": value.name, "dtype": dtype, "shape": shape}

@@ -1,0 +1,312 @@
+"""The artifact manifest: ``manifest.json`` as a frozen, typed record, and its load and save.
+
+An artifact directory holds ``prefill.onnx`` and ``decode.onnx`` (and their external weights), the
+reference weights of a preset export, ``manifest.json``, and later what other commands add (``trt/``,
+``validation/``). Every reader goes through :func:`load_manifest` (format, fields, files present and whole)
+or :func:`mla_deploy.artifact.check_artifact` (also hashes and graph I/O); nothing reads the JSON by key.
+
+The JSON layout (format ``mla-deploy-artifact``, version 1) is unchanged from the first release, so older
+artifacts load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..cache_layout import CacheLayout, get_layout
+from ..config import MLAConfig
+from ..errors import ArtifactError, ConfigError, MLADeployError
+from ..io_spec import PRECISIONS, ROLES, TensorSpec
+from .files import atomic_write_text
+
+MANIFEST = "manifest.json"
+FORMAT = "mla-deploy-artifact"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+REFERENCE_WEIGHTS = "reference.safetensors"
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where an artifact's weights came from, so validation can rebuild the PyTorch original.
+
+    Attributes:
+        kind: ``random`` (a preset's seeded weights), ``hf`` (a Hugging Face checkpoint) or ``in-memory``
+            (a model handed to the Python API: no reference can be rebuilt).
+        file: the reference weights file inside the artifact (``reference.safetensors``), if any.
+        path: the checkpoint folder (``hf``).
+        seed, std: the random weights' seed and standard deviation (``random``).
+    """
+
+    kind: str = "in-memory"
+    file: str | None = None
+    path: str | None = None
+    seed: int | None = None
+    std: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in (("kind", self.kind), ("seed", self.seed), ("std", self.std), ("file", self.file),
+                                  ("path", self.path)) if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "WeightsSource":
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"kind", "file", "path", "seed", "std"})
+        if unknown:
+            raise ArtifactError(f"manifest.json [weights]: unknown field(s) {', '.join(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One exported graph.
+
+    Attributes:
+        role: ``prefill`` or ``decode``.
+        file: the ``.onnx`` file name inside the artifact.
+        form: the attention form it computes (``CC``, ``A_CC``, ...).
+        attention: ``standard`` (ONNX ops) or ``plugin`` (one ``mla_deploy::MlaDecode`` node per layer).
+        inputs, outputs: the graph's I/O contract.
+        external_data: the side file holding its weights, or None.
+        bytes: size of ``file``.
+        sha256: hex digest of ``file``.
+    """
+
+    role: str
+    file: str
+    form: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    attention: str = "standard"
+    external_data: str | None = None
+    bytes: int = 0
+    sha256: str = ""
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    @property
+    def uses_plugin(self) -> bool:
+        """The graph holds the TensorRT ``MlaDecode`` plugin node (ONNX Runtime cannot run it)."""
+        return self.attention == "plugin"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "form": self.form, "attention": self.attention,
+                "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
+                "external_data": self.external_data, "bytes": self.bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, role: str, data: Mapping[str, Any]) -> "GraphEntry":
+        try:
+            return cls(role=role, file=str(data["file"]), form=str(data.get("form", "")),
+                       inputs=tuple(TensorSpec.from_dict(t) for t in data.get("inputs", [])),
+                       outputs=tuple(TensorSpec.from_dict(t) for t in data.get("outputs", [])),
+                       attention=str(data.get("attention", "standard")), external_data=data.get("external_data"),
+                       bytes=int(data.get("bytes", 0)), sha256=str(data.get("sha256", "")))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ArtifactError(f"manifest.json: the {role} graph entry is malformed ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json`` of an artifact.
+
+    Attributes:
+        name: the recipe's (or checkpoint folder's) name.
+        fingerprint: identity of the model (dimensions and weights source); a re-export of the same model
+            into the same folder keeps it.
+        model: the model's dimensions.
+        weights: where the weights came from.
+        precision: ``fp32``, ``fp16`` or ``bf16`` (every float input, output and weight of the graphs).
+        opset: the ONNX opset.
+        cache: the layout description (:meth:`CacheLayout.describe`), ``cache["mode"]`` the mode.
+        max_cache_length: the static cache's capacity (None for a growing cache).
+        graphs: ``{role: GraphEntry}``.
+        recipe: the resolved recipe as plain data (its ``[build]`` and ``[validate]`` are read back).
+        versions: what produced the artifact.
+        created: ISO time of the export.
+        format_version: the manifest format's version.
+    """
+
+    name: str
+    fingerprint: str
+    model: MLAConfig
+    weights: WeightsSource
+    precision: str
+    opset: int
+    cache: dict
+    max_cache_length: int | None
+    graphs: dict
+    recipe: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    created: str = ""
+    format_version: int = FORMAT_VERSION
+
+    # derived ------------------------------------------------------------------------------------
+    @property
+    def config(self) -> MLAConfig:
+        """The model config (same as :attr:`model`)."""
+        return self.model
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The cache layout the graphs were exported with."""
+        return get_layout(self.cache.get("mode"))
+
+    @property
+    def dtype(self) -> str:
+        """The numpy-style name of the graphs' float type."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def capacity(self) -> int | None:
+        """Static cache rows per sequence (None for a growing cache)."""
+        return self.layout.manifest_capacity(self.max_cache_length)
+
+    def graph(self, role: str) -> GraphEntry:
+        """The graph of ``role``. Raises: ArtifactError when the artifact has none."""
+        try:
+            return self.graphs[role]
+        except KeyError:
+            raise ArtifactError(f"the artifact has no {role} graph; it has {', '.join(self.graphs) or 'none'}") from None
+
+    @property
+    def uses_plugin(self) -> bool:
+        """Some graph holds the TensorRT ``MlaDecode`` plugin node."""
+        return any(g.uses_plugin for g in self.graphs.values())
+
+    def build_settings(self):
+        """The ``[build]`` section of the recorded recipe (defaults when absent)."""
+        from ..recipe import BuildSettings
+
+        return self._section("build", BuildSettings)
+
+    def validate_settings(self):
+        """The ``[validate]`` section of the recorded recipe (defaults when absent)."""
+        from ..recipe import ValidateSettings
+
+        return self._section("validate", ValidateSettings)
+
+    def _section(self, key: str, cls):
+        raw = dict((self.recipe or {}).get(key) or {})
+        try:
+            return cls(**raw)
+        except (TypeError, ValueError, MLADeployError) as exc:
+            raise ArtifactError(f"manifest.json [{key}]: {exc}") from None
+
+    # (de)serialisation --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "format_version": self.format_version, "name": self.name,
+            "fingerprint": self.fingerprint, "model": self.model.to_dict(), "weights": self.weights.to_dict(),
+            "precision": self.precision, "dtype": self.dtype, "opset": self.opset, "cache": self.cache,
+            "max_cache_length": self.max_cache_length,
+            "graphs": {role: g.to_dict() for role, g in self.graphs.items()},
+            "recipe": self.recipe, "versions": self.versions, "created": self.created,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = MANIFEST) -> "Manifest":
+        """Parse a manifest's JSON data.
+
+        Raises:
+            ArtifactError: not an mla-deploy manifest, an unsupported version, a missing or malformed field.
+        """
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ArtifactError(f"{source} is not an mla-deploy manifest")
+        version = data.get("format_version")
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            raise ArtifactError(f"{source}: format_version {version!r} is not supported "
+                                f"(this mla-deploy reads {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))})")
+        for key in ("model", "graphs", "precision", "cache"):
+            if key not in data:
+                raise ArtifactError(f"{source} lacks the field {key!r}")
+        try:
+            model = MLAConfig.from_dict(data["model"], source=f"{source} [model]")
+        except ConfigError as exc:
+            raise ArtifactError(str(exc)) from None
+        if data["precision"] not in PRECISIONS:
+            raise ArtifactError(f"{source}: precision {data['precision']!r} is not one of {', '.join(PRECISIONS)}")
+        cache = data["cache"]
+        if not isinstance(cache, dict):
+            raise ArtifactError(f"{source}: [cache] is not a table")
+        try:
+            get_layout(cache.get("mode"))
+        except ConfigError as exc:
+            raise ArtifactError(f"{source}: {exc}") from None
+        graphs = data["graphs"]
+        if not isinstance(graphs, dict):
+            raise ArtifactError(f"{source}: [graphs] is not a table")
+        for role in graphs:
+            if role not in ROLES:
+                raise ArtifactError(f"{source}: unknown graph role {role!r} (expected {', '.join(ROLES)})")
+        try:
+            opset = int(data.get("opset", 0))
+        except (TypeError, ValueError):
+            raise ArtifactError(f"{source}: opset {data.get('opset')!r} is not an integer") from None
+        capacity = data.get("max_cache_length")
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+            raise ArtifactError(f"{source}: max_cache_length {capacity!r} is not a positive integer")
+        return cls(
+            name=str(data.get("name", "")), fingerprint=str(data.get("fingerprint", "")), model=model,
+            weights=WeightsSource.from_dict(data.get("weights")), precision=data["precision"], opset=opset,
+            cache=dict(cache), max_cache_length=capacity,
+            graphs={role: GraphEntry.from_dict(role, g) for role, g in graphs.items()},
+            recipe=dict(data.get("recipe") or {}), versions=dict(data.get("versions") or {}),
+            created=str(data.get("created", "")), format_version=version)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``folder/manifest.json`` atomically; returns its path."""
+        return atomic_write_text(Path(folder) / MANIFEST, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def now() -> str:
+    """The current UTC time as the manifest records it."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_fingerprint(folder: str | Path) -> str | None:
+    """The fingerprint recorded in ``folder/manifest.json``, or None when there is no readable one."""
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_manifest(artifact: str | Path) -> Manifest:
+    """The manifest of ``artifact`` after checking its format and its graph files' presence and sizes.
+
+    Raises:
+        ArtifactError: no such directory, no or unreadable manifest, a graph file missing or truncated.
+    """
+    root = Path(artifact)
+    if not root.is_dir():
+        raise ArtifactError(f"no artifact directory at {root}")
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{root} holds no {MANIFEST}; export into it first (mla-deploy export ... --out {root})")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path} is not readable JSON ({exc})") from None
+    manifest = Manifest.from_dict(data, source=str(path))
+    for role, graph in manifest.graphs.items():
+        file = root / graph.file
+        if not file.is_file():
+            raise ArtifactError(f"{role} graph {file} is missing")
+        size = file.stat().st_size
+        if graph.bytes and size != graph.bytes:
+            raise ArtifactError(f"{role} graph {file} has {size} bytes, the manifest says {graph.bytes} "
+                                f"(truncated or replaced)")
+        if graph.external_data and not (root / graph.external_data).is_file():
+            raise ArtifactError(f"{role} graph's weights {root / graph.external_data} are missing")
+    return manifest

@@ -1,0 +1,351 @@
+"""The latent cache layouts: the one place that knows what ``concat`` and ``static`` mean.
+
+A :class:`CacheLayout` answers, for its mode, every question the rest of the package asks about the cache:
+
+================================ ================================================ ============================================
+question                         :data:`CONCAT`                                   :data:`STATIC`
+================================ ================================================ ============================================
+graph I/O (:meth:`~CacheLayout.io`)  ``attention_mask [B, P+S]``;                   ``write_indices [B]``;
+                                 past ``[B, P, C]``, present ``[B, P+S, C]``       past = present ``[B, 1, capacity, C]``
+tracing (:meth:`~CacheLayout.dynamic_shapes`, :meth:`~CacheLayout.example_state`)  past axis dynamic from 0  capacity axis dynamic
+PyTorch (:meth:`~CacheLayout.policy`)  :class:`~mla_deploy.model.cache.ConcatCache`  :class:`~mla_deploy.model.cache.StaticCache`
+TensorRT (:meth:`~CacheLayout.axis_ranges`)  past and total from ``[build]``       capacity fixed at ``max_cache_length``
+host state (:meth:`~CacheLayout.new_state`, ...)  grows; key-valid mask kept      fixed buffers written in place
+================================ ================================================ ============================================
+
+Everything else asks the layout (``get_layout(mode)``) instead of comparing mode strings. The tensor names and
+axis names themselves are in :mod:`mla_deploy.io_spec`.
+
+Host-side state is array-agnostic: an engine passes its own ``allocate(shape)`` (NumPy, an ``OrtValue``, a
+CUDA tensor) and the layout decides the shapes, the control input and how the state advances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .config import MLAConfig
+from .errors import CacheCapacityError, ConfigError
+from .io_spec import BATCH, CAPACITY, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, past_name, present_name
+
+CACHE_MODES = ("concat", "static")
+
+Range = tuple[int, int, int]
+
+
+@dataclass
+class CacheState:
+    """The cache of one batch of sequences, as an engine holds it.
+
+    Attributes:
+        lengths: ``[B]`` int64 rows held per sequence (= the position of its next token).
+        caches: per layer, the engine's arrays in the layout's shape (:meth:`CacheLayout.cache_shape`).
+        key_valid: concat only: ``[B, P]`` int64, 1 for a real token's slot, 0 for a padding slot.
+        extra: engine-specific buffers (e.g. TensorRT's scratch present buffers).
+    """
+
+    lengths: np.ndarray
+    caches: list
+    key_valid: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class CacheLayout:
+    """What one cache mode means everywhere. Use the instances :data:`CONCAT` and :data:`STATIC`.
+
+    Attributes:
+        mode: ``concat`` or ``static`` (the name in recipes, manifests and the CLI).
+        control: the graph input that tells the step where it is (``attention_mask`` or ``write_indices``).
+        in_place: the present cache is the past buffer (bind one buffer as both).
+        has_capacity: the cache has a fixed number of slots per sequence (``max_cache_length``).
+    """
+
+    mode: str = ""
+    control: str = ""
+    in_place: bool = False
+    has_capacity: bool = False
+
+    def __repr__(self) -> str:
+        return f"<CacheLayout {self.mode}>"
+
+    # graph I/O ------------------------------------------------------------------------------------
+    def control_spec(self) -> TensorSpec:
+        """The control input's spec."""
+        raise NotImplementedError
+
+    def cache_shapes(self, width: int) -> tuple[tuple, tuple]:
+        """Symbolic ``(past shape, present shape)`` of one layer's cache of ``width`` channels."""
+        raise NotImplementedError
+
+    def io(self, config: MLAConfig, precision: str, head_inputs: Sequence[TensorSpec] | None = None,
+           head_outputs: Sequence[TensorSpec] | None = None, layers: int | None = None
+           ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """Inputs and outputs of a graph that steps the latent cache, in graph order.
+
+        Args:
+            config: the model (latent width, vocabulary, layer count).
+            precision: ``fp32``, ``fp16`` or ``bf16``: the dtype of the caches (and of the default logits).
+            head_inputs: the inputs before the control input (default: ``input_ids``, ``position_ids``
+                int64 ``[batch_size, sequence_length]``, the decoder's).
+            head_outputs: the outputs before the caches (default: ``logits [batch_size, sequence_length, V]``).
+            layers: caches (default: ``config.num_hidden_layers``).
+        Returns:
+            ``(head_inputs + [control] + past_latent.{i}, head_outputs + present_latent.{i})``.
+        """
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        dtype = PRECISIONS[precision]
+        layers = config.num_hidden_layers if layers is None else layers
+        if head_inputs is None:
+            head_inputs = [TensorSpec("input_ids", "int64", (BATCH, SEQ)), TensorSpec("position_ids", "int64", (BATCH, SEQ))]
+        if head_outputs is None:
+            head_outputs = [TensorSpec("logits", dtype, (BATCH, SEQ, config.vocab_size))]
+        past, present = self.cache_shapes(config.latent_dim)
+        inputs = [*head_inputs, self.control_spec(), *(TensorSpec(past_name(i), dtype, past) for i in range(layers))]
+        outputs = [*head_outputs, *(TensorSpec(present_name(i), dtype, present) for i in range(layers))]
+        return inputs, outputs
+
+    def describe(self, config: MLAConfig) -> dict[str, Any]:
+        """The manifest's ``cache`` entry: mode, width, channel split, per-layer tensor names, aliasing."""
+        r, c = config.kv_lora_rank, config.latent_dim
+        return {
+            "mode": self.mode,
+            "width": c,
+            "channels": {"c_kv": [0, r], "k_pe": [r, c]},
+            "c_kv": "kv_a_layernorm(c_kv), the compressed key/value latent",
+            "k_pe": "rope(k_pe) shared by all heads, adjacent pairs (2i, 2i+1) interleaved as in DeepSeek's weights",
+            "sequence_axis": -2,
+            "layers": [{"past": past_name(i), "present": present_name(i)} for i in range(config.num_hidden_layers)],
+            "aliased": self.in_place,
+        }
+
+    def manifest_capacity(self, max_cache_length: int | None) -> int | None:
+        """The capacity an artifact records: ``max_cache_length`` for a fixed-capacity layout, else None."""
+        return int(max_cache_length) if self.has_capacity and max_cache_length else None
+
+    # tracing and PyTorch ----------------------------------------------------------------------------
+    def dynamic_shapes(self, layers: int, batch) -> tuple[dict, tuple[dict, ...]]:
+        """``torch.export`` dynamic shapes of the control input and the ``layers`` caches.
+
+        Args:
+            layers: number of caches.
+            batch: the ``torch.export.Dim`` of the batch axis (shared with the head inputs).
+        Returns:
+            ``(control dims, (cache dims, ...))``.
+        """
+        raise NotImplementedError
+
+    def example_state(self, batch: int, past: int, steps: int, width: int, layers: int, capacity: int, dtype):
+        """Tracing inputs: ``(control, [cache] * layers)`` for ``batch`` sequences holding ``past`` rows that add
+        ``steps`` rows (every dynamic axis must be traced at >= 2: an axis traced at 1 is frozen)."""
+        raise NotImplementedError
+
+    def policy(self, control):
+        """The PyTorch cache policy for one step, given the control tensor (mask or write indices)."""
+        raise NotImplementedError
+
+    def empty(self, batch: int, length: int, width: int, layers: int, dtype=None, device=None) -> list:
+        """Zero torch caches: ``layers`` tensors of :meth:`cache_shape` ``(batch, length, width)``."""
+        import torch
+
+        return [torch.zeros(self.cache_shape(batch, length, width), dtype=dtype, device=device) for _ in range(layers)]
+
+    # TensorRT ---------------------------------------------------------------------------------------
+    def axis_ranges(self, role: str, build, capacity: int | None) -> dict[str, Range]:
+        """``(min, opt, max)`` of every symbolic axis of ``role``'s graph (``prefill`` or ``decode``).
+
+        Args:
+            build: a :class:`~mla_deploy.recipe.BuildSettings` (``batch``, ``prompt_length``, ``past_length``).
+            capacity: the artifact's capacity (fixed-capacity layouts).
+        Raises:
+            ConfigError: an unknown role, a missing capacity, or a prompt range beyond it.
+        """
+        if role not in ("prefill", "decode"):
+            raise ConfigError(f"unknown graph role {role!r}; expected prefill or decode")
+        seq: Range = tuple(build.prompt_length) if role == "prefill" else (1, 1, 1)
+        return {BATCH: tuple(build.batch), SEQ: seq, **self._cache_ranges(role, build, capacity, seq)}
+
+    def _cache_ranges(self, role: str, build, capacity: int | None, seq: Range) -> dict[str, Range]:
+        raise NotImplementedError
+
+    # host-side state ----------------------------------------------------------------------------------
+    def cache_shape(self, batch: int, length: int, width: int) -> tuple[int, ...]:
+        """Concrete shape of one layer's cache: concat ``[B, length, C]``, static ``[B, 1, length, C]``."""
+        raise NotImplementedError
+
+    def new_state(self, batch: int, width: int, layers: int, capacity: int | None,
+                  allocate: Callable[[tuple[int, ...]], Any]) -> CacheState:
+        """An empty cache for ``batch`` sequences; ``allocate(shape)`` makes one zeroed array of the engine's kind."""
+        raise NotImplementedError
+
+    def check_request(self, prompt_length: int, new_tokens: int, capacity: int | None) -> None:
+        """Refuse a generation whose prompt plus new tokens cannot fit (fixed-capacity layouts)."""
+
+    def check_step(self, state: CacheState, steps: int, capacity: int | None) -> None:
+        """Refuse a step of ``steps`` new rows per sequence that cannot fit."""
+
+    def control_input(self, state: CacheState, valid: np.ndarray) -> np.ndarray:
+        """The control input of a step over ``valid [B, S]`` (1 real token, 0 right padding): int64."""
+        raise NotImplementedError
+
+    def advance(self, state: CacheState, valid: np.ndarray, control: np.ndarray, presents: Sequence) -> None:
+        """Update ``state`` after a step that ran with ``control`` and returned ``presents`` (one per layer)."""
+        state.lengths = state.lengths + np.asarray(valid).sum(axis=1).astype(np.int64)
+        state.caches = list(presents)
+
+    def held(self, cache, state: CacheState):
+        """One layer's rows held after a step, ``[B, T, C]`` (a view where the array kind allows): concat every
+        slot (padding slots included); static slots ``0 .. max(lengths)``."""
+        raise NotImplementedError
+
+    def slot_valid(self, state: CacheState, slots: int) -> np.ndarray:
+        """``[B, slots]`` bool: which of the rows :meth:`held` returns belong to a real token."""
+        raise NotImplementedError
+
+
+class ConcatLayout(CacheLayout):
+    """A growing cache: ``present = concat(past, new)``; ``attention_mask`` marks padding slots."""
+
+    mode, control, in_place, has_capacity = "concat", "attention_mask", False, False
+
+    def control_spec(self) -> TensorSpec:
+        return TensorSpec(self.control, "int64", (BATCH, TOTAL))
+
+    def cache_shapes(self, width: int) -> tuple[tuple, tuple]:
+        return (BATCH, PAST, width), (BATCH, TOTAL, width)
+
+    def dynamic_shapes(self, layers: int, batch):
+        from torch.export import Dim
+
+        past = Dim(PAST, min=0, max=1 << 20)
+        # the mask's axis is past + sequence, derived by the exporter and renamed after export
+        return {0: batch, 1: Dim.DYNAMIC}, tuple({0: batch, 1: past} for _ in range(layers))
+
+    def example_state(self, batch, past, steps, width, layers, capacity, dtype):
+        import torch
+
+        mask = torch.ones(batch, past + steps, dtype=torch.long)
+        return mask, self.empty(batch, past, width, layers, dtype)
+
+    def policy(self, control):
+        from .model.cache import ConcatCache
+
+        return ConcatCache(control)
+
+    def _cache_ranges(self, role, build, capacity, seq):
+        past: Range = tuple(build.past_length) if role == "decode" else (0, 0, build.past_length[2])
+        return {PAST: past, TOTAL: tuple(p + s for p, s in zip(past, seq))}
+
+    def cache_shape(self, batch, length, width):
+        return (batch, length, width)
+
+    def new_state(self, batch, width, layers, capacity, allocate):
+        caches = [allocate(self.cache_shape(batch, 0, width)) for _ in range(layers)]
+        return CacheState(np.zeros(batch, dtype=np.int64), caches, np.zeros((batch, 0), dtype=np.int64))
+
+    def control_input(self, state, valid):
+        return np.ascontiguousarray(np.concatenate((state.key_valid, np.asarray(valid, dtype=np.int64)), axis=1))
+
+    def advance(self, state, valid, control, presents):
+        super().advance(state, valid, control, presents)
+        state.key_valid = np.asarray(control, dtype=np.int64)
+
+    def held(self, cache, state):
+        return cache
+
+    def slot_valid(self, state, slots):
+        keep = np.asarray(state.key_valid) != 0
+        if keep.shape[1] != slots:
+            raise CacheCapacityError(f"the concat cache holds {slots} slots but its mask covers {keep.shape[1]}")
+        return keep
+
+
+class StaticLayout(CacheLayout):
+    """A fixed-capacity cache ``[B, 1, capacity, C]`` written in place at ``write_indices`` (slot t = position t)."""
+
+    mode, control, in_place, has_capacity = "static", "write_indices", True, True
+
+    def control_spec(self) -> TensorSpec:
+        return TensorSpec(self.control, "int64", (BATCH,))
+
+    def cache_shapes(self, width: int) -> tuple[tuple, tuple]:
+        shape = (BATCH, 1, CAPACITY, width)
+        return shape, shape
+
+    def dynamic_shapes(self, layers: int, batch):
+        from torch.export import Dim
+
+        capacity = Dim(CAPACITY, min=2, max=1 << 22)
+        return {0: batch}, tuple({0: batch, 2: capacity} for _ in range(layers))
+
+    def example_state(self, batch, past, steps, width, layers, capacity, dtype):
+        import torch
+
+        if capacity < past + steps:
+            raise ConfigError(f"a static cache of {capacity} slots cannot trace {past} + {steps} rows")
+        indices = torch.full((batch,), past, dtype=torch.long)
+        return indices, self.empty(batch, capacity, width, layers, dtype)
+
+    def policy(self, control):
+        from .model.cache import StaticCache
+
+        return StaticCache(control)
+
+    def _cache_ranges(self, role, build, capacity, seq):
+        if not capacity or capacity < 1:
+            raise ConfigError("a static-cache artifact needs max_cache_length in its manifest")
+        if build.prompt_length[2] > capacity:
+            raise ConfigError(f"[build] prompt_length max {build.prompt_length[2]} exceeds the static cache "
+                              f"capacity {capacity}")
+        return {CAPACITY: (capacity, capacity, capacity)}
+
+    def cache_shape(self, batch, length, width):
+        return (batch, 1, length, width)
+
+    def new_state(self, batch, width, layers, capacity, allocate):
+        if not capacity or capacity < 1:
+            raise CacheCapacityError("a static cache needs a capacity (the manifest has none; pass capacity=)")
+        caches = [allocate(self.cache_shape(batch, capacity, width)) for _ in range(layers)]
+        return CacheState(np.zeros(batch, dtype=np.int64), caches)
+
+    def check_request(self, prompt_length, new_tokens, capacity):
+        if prompt_length + new_tokens - 1 > (capacity or 0):
+            raise CacheCapacityError(f"a prompt of {prompt_length} tokens plus {new_tokens} new ones exceeds the "
+                                     f"static cache capacity {capacity} (export with a larger max_cache_length)")
+
+    def check_step(self, state, steps, capacity):
+        held = int(state.lengths.max(initial=0))
+        if held + steps > (capacity or 0):
+            raise CacheCapacityError(f"{held} cached + {steps} new tokens exceed the static cache capacity {capacity}")
+
+    def control_input(self, state, valid):
+        return np.ascontiguousarray(state.lengths, dtype=np.int64).copy()
+
+    def held(self, cache, state):
+        return cache[:, 0, : int(state.lengths.max(initial=0))]
+
+    def slot_valid(self, state, slots):
+        return np.arange(slots)[None, :] < np.asarray(state.lengths)[:, None]
+
+
+CONCAT = ConcatLayout()
+STATIC = StaticLayout()
+_LAYOUTS = {layout.mode: layout for layout in (CONCAT, STATIC)}
+assert tuple(_LAYOUTS) == CACHE_MODES
+
+
+def get_layout(mode: str | CacheLayout) -> CacheLayout:
+    """The layout of ``mode`` (``concat`` or ``static``); a layout is returned as is.
+
+    Raises:
+        ConfigError: an unknown mode.
+    """
+    if isinstance(mode, CacheLayout):
+        return mode
+    try:
+        return _LAYOUTS[mode]
+    except (KeyError, TypeError):
+        raise ConfigError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}") from None

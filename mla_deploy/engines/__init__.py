@@ -1,0 +1,28 @@
+"""Engines that run an exported artifact, all on one interface (:class:`~mla_deploy.engines.base.Engine`):
+
+* :class:`~mla_deploy.engines.ort_engine.OrtEngine`: ONNX Runtime (CPU or CUDA provider);
+* :class:`~mla_deploy.engines.trt_engine.TrtEngine`: TensorRT engines built by ``mla-deploy build``.
+
+Names are imported lazily, so importing this package loads neither onnxruntime nor tensorrt.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "Engine": "mla_deploy.engines.base",
+    "Generation": "mla_deploy.engines.base",
+    "pad_prompts": "mla_deploy.engines.base",
+    "OrtEngine": "mla_deploy.engines.ort_engine",
+    "TrtEngine": "mla_deploy.engines.trt_engine",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mla_deploy.engines' has no attribute {name!r}")

@@ -1,0 +1,233 @@
+"""The engine interface: one generation loop for every runtime that executes an exported artifact.
+
+:class:`Engine` owns what does not depend on the runtime: the artifact's manifest and config, input checks,
+right-padding a batch of prompts, the cache state (through the artifact's
+:class:`~mla_deploy.cache_layout.CacheLayout`), capacity checks, the prefill + decode loop and its
+:class:`Generation` result. A runtime implements only allocation, binding and execution:
+
+* :meth:`Engine._allocate` ``(shape) -> array``: one zeroed cache array of the runtime's kind;
+* :meth:`Engine._run` ``(role, ids, positions, control, state) -> (logits, presents)``: one graph run;
+* optionally :meth:`Engine._to_host`, :meth:`Engine._greedy`, :meth:`Engine._synchronize`, :meth:`Engine._extra`.
+
+Shapes: ``B`` batch, ``S`` new tokens per sequence, ``V`` vocabulary, ``C`` latent width, ``T`` rows held.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..artifact import Manifest
+from ..cache_layout import CacheState
+from ..errors import InputError, ShapeError
+from ..io_spec import present_name
+
+
+@dataclass
+class Generation:
+    """Result of :meth:`Engine.generate`.
+
+    Attributes:
+        tokens: the new ids of each sequence.
+        prefill_seconds: time of the prefill run (first token included).
+        decode_seconds: time of all decode steps.
+        decode_steps: number of decode runs.
+        provider: what executed the graphs (an ONNX Runtime provider, ``TensorRT x.y``).
+        extra: runtime-specific facts (GPU, aliasing).
+    """
+
+    tokens: list[list[int]]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    provider: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput of the batch: new tokens of all sequences per second of decode."""
+        if not self.decode_seconds:
+            return float("nan")
+        return self.decode_steps * len(self.tokens) / self.decode_seconds
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad prompts into one batch.
+
+    Args:
+        prompts: ``B`` lists of token ids (lengths may differ, each >= 1).
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Returns:
+        ``ids [B, W]`` int64 (padding 0), ``valid [B, W]`` int64 (1 real, 0 padding), ``lengths [B]`` int64.
+    Raises:
+        InputError: no prompt, an empty prompt, or an id outside the vocabulary.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InputError("every prompt needs at least one token id")
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+    ids = np.zeros((len(prompts), int(lengths.max())), dtype=np.int64)
+    valid = np.zeros_like(ids)
+    for b, prompt in enumerate(prompts):
+        ids[b, : len(prompt)], valid[b, : len(prompt)] = prompt, 1
+    check_ids(ids, vocab_size)
+    return ids, valid, lengths
+
+
+def check_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Raise :class:`InputError` naming the first id of ``ids`` outside ``[0, vocab_size)``."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+        raise InputError(f"token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
+class Engine:
+    """Base class of the engines that run an artifact (see the module docstring).
+
+    Args:
+        root: the artifact directory.
+        manifest: its manifest (already loaded and checked by the subclass).
+        capacity: static layouts: cache rows per sequence (default: the manifest's ``max_cache_length``).
+
+    Attributes:
+        root, manifest, config, layout, precision, capacity; ``provider`` is set by the subclass.
+    """
+
+    provider: str = ""
+
+    def __init__(self, root: str | Path, manifest: Manifest, capacity: int | None = None):
+        self.root = Path(root)
+        self.manifest = manifest
+        self.config = manifest.config
+        self.layout = manifest.layout
+        self.precision = manifest.precision
+        self.capacity = int(capacity or manifest.capacity or 0) if self.layout.has_capacity else None
+
+    @property
+    def cache_mode(self) -> str:
+        """The layout's name (``concat`` or ``static``)."""
+        return self.layout.mode
+
+    # runtime interface ------------------------------------------------------------------------------
+    def _allocate(self, shape: tuple[int, ...]):
+        """One zeroed cache array of ``shape`` in the runtime's memory."""
+        raise NotImplementedError
+
+    def _run(self, role: str, ids: np.ndarray, positions: np.ndarray, control: np.ndarray, state: CacheState):
+        """Run ``role``'s graph once.
+
+        Args:
+            ids, positions: ``[B, S]`` int64 (host).
+            control: the layout's control input (``attention_mask [B, P+S]`` or ``write_indices [B]``), int64.
+            state: the cache before the step (``state.caches`` in the layout's shape).
+        Returns:
+            ``(logits [B, S, V], presents)``: logits in the runtime's memory; one present cache per layer in the
+            layout's shape (an in-place layout returns the very arrays of ``state.caches``).
+        """
+        raise NotImplementedError
+
+    def _to_host(self, array) -> np.ndarray:
+        """A host NumPy copy or view of a runtime array."""
+        return np.asarray(array)
+
+    def _greedy(self, logits, index: np.ndarray) -> np.ndarray:
+        """``[B]`` int64 argmax of ``logits[b, index[b]]`` over the vocabulary."""
+        host = self._to_host(logits)
+        return host[np.arange(host.shape[0]), index].argmax(-1).astype(np.int64)
+
+    def _synchronize(self) -> None:
+        """Wait for queued work (asynchronous runtimes)."""
+
+    def _extra(self) -> dict:
+        """Runtime facts for :attr:`Generation.extra`."""
+        return {}
+
+    # state and one step -------------------------------------------------------------------------------
+    def new_state(self, batch: int) -> CacheState:
+        """An empty cache for ``batch`` sequences."""
+        return self.layout.new_state(batch, self.config.latent_dim, self.config.num_hidden_layers, self.capacity,
+                                     self._allocate)
+
+    def step(self, role: str, input_ids, position_ids, state: CacheState, valid=None):
+        """Run ``role`` (``prefill`` or ``decode``) on ``S`` new tokens per sequence and advance ``state``.
+
+        Args:
+            input_ids, position_ids: ``[B, S]`` int64.
+            state: from :meth:`new_state`; updated in place.
+            valid: ``[B, S]``, 1 for real tokens, 0 for right padding (default: all real).
+        Returns:
+            ``logits [B, S, V]`` in the runtime's memory (valid until the next step).
+        Raises:
+            ShapeError: mismatched shapes. InputError: an id outside the vocabulary.
+            CacheCapacityError: the step does not fit the cache.
+        """
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        pos = np.ascontiguousarray(position_ids, dtype=np.int64)
+        if ids.ndim != 2 or pos.shape != ids.shape or ids.shape[0] != len(state.lengths):
+            raise ShapeError(f"input_ids {list(ids.shape)} and position_ids {list(pos.shape)} must both be "
+                             f"[{len(state.lengths)}, S]")
+        check_ids(ids, self.config.vocab_size)
+        valid = np.ones_like(ids) if valid is None else np.ascontiguousarray(valid, dtype=np.int64)
+        if valid.shape != ids.shape:
+            raise ShapeError(f"valid {list(valid.shape)} must be shaped like input_ids {list(ids.shape)}")
+        self.layout.check_step(state, ids.shape[1], self.capacity)
+        control = self.layout.control_input(state, valid)
+        logits, presents = self._run(role, ids, pos, control, state)
+        self.layout.advance(state, valid, control, presents)
+        return logits
+
+    def forward(self, role: str, input_ids, position_ids, state: CacheState, valid=None) -> dict[str, np.ndarray]:
+        """:meth:`step`, then the results on the host.
+
+        Returns:
+            ``logits [B, S, V]`` and ``present_latent.{i}`` ``[B, T, C]``: the rows held after the step
+            (:meth:`CacheLayout.held <mla_deploy.cache_layout.CacheLayout.held>`).
+        """
+        logits = self.step(role, input_ids, position_ids, state, valid)
+        self._synchronize()
+        out = {"logits": self._to_host(logits)}
+        for i, cache in enumerate(state.caches):
+            out[present_name(i)] = self._to_host(self.layout.held(cache, state))
+        return out
+
+    # generation --------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Generation:
+        """Greedy generation: prefill the right-padded prompts, then ``max_new_tokens - 1`` decode steps.
+
+        Args:
+            prompts: ``B`` lists of token ids, lengths may differ.
+            max_new_tokens: new tokens per sequence (>= 1).
+        Raises:
+            InputError: an empty prompt, an id outside the vocabulary, ``max_new_tokens < 1``.
+            CacheCapacityError: the prompts and new tokens do not fit the cache.
+        """
+        if max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        ids, valid, lengths = pad_prompts(prompts, self.config.vocab_size)
+        batch, width = ids.shape
+        self.layout.check_request(width, max_new_tokens, self.capacity)
+        state = self.new_state(batch)
+        self._synchronize()
+        start = time.perf_counter()
+        logits = self.step("prefill", ids, np.broadcast_to(np.arange(width), ids.shape), state, valid)
+        token = self._greedy(logits, lengths - 1)
+        prefill = time.perf_counter() - start
+        tokens = [token]
+        start = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            logits = self.step("decode", token[:, None], state.lengths[:, None].copy(), state)
+            token = self._greedy(logits, np.zeros(batch, dtype=np.int64))
+            tokens.append(token)
+        self._synchronize()
+        decode = time.perf_counter() - start
+        new = np.stack(tokens, axis=1)
+        return Generation([row.tolist() for row in new], prefill, decode, max_new_tokens - 1, self.provider,
+                          self._extra())
+
+    def info(self) -> dict[str, Any]:
+        """What this engine runs: provider, precision, cache mode and capacity."""
+        return {"provider": self.provider, "precision": self.precision, "cache_mode": self.cache_mode,
+                "capacity": self.capacity}

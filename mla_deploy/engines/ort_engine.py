@@ -1,0 +1,142 @@
+"""The ONNX Runtime engine: binds the latent cache and runs the artifact's graphs; the loop is :class:`Engine`'s.
+
+* A growing (``concat``) cache is a NumPy array per layer ``[B, P, C]``, replaced by each step's present
+  ``[B, P+S, C]``; ``attention_mask [B, P+S]`` marks the padded slots of shorter sequences.
+* An in-place (``static``) cache is one ONNX Runtime buffer per layer ``[B, 1, capacity, C]`` bound as both
+  ``past_latent.{i}`` and ``present_latent.{i}`` (IO binding), so ``TensorScatter`` writes the new rows in place
+  and a decode step never copies the cache; ``write_indices [B]`` = rows already held.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..artifact import load_manifest
+from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
+from ..io_spec import PRECISIONS, past_name, present_name
+from .base import Engine
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def numpy_dtype(precision: str):
+    """The NumPy dtype of ``precision`` (bf16 through ``ml_dtypes``)."""
+    if precision == "bf16":
+        try:
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        except ImportError as exc:  # pragma: no cover - onnx depends on ml_dtypes
+            raise RuntimeMissingError("bf16 caches need the ml_dtypes package") from exc
+    return np.dtype(PRECISIONS[precision])
+
+
+def session_options(threads: int | None = None, log_severity: int = 3):
+    """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's
+    default), no spinning (a waiting thread sleeps instead of burning a core)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = log_severity
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 3):
+    """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
+
+    Raises:
+        RuntimeMissingError: onnxruntime missing, or the provider did not load. ArtifactError: the graph does not load.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
+    if provider not in PROVIDERS:
+        raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    wanted = PROVIDERS[provider]
+    try:
+        session = ort.InferenceSession(str(path), session_options(threads, log_severity),
+                                       providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from exc
+    if session.get_providers()[0] != wanted:
+        raise RuntimeMissingError(f"ONNX Runtime could not use {wanted} (it fell back to "
+                                  f"{session.get_providers()[0]}); run `mla-deploy doctor`")
+    return session
+
+
+class OrtEngine(Engine):
+    """Runs an exported artifact with ONNX Runtime.
+
+    Args:
+        artifact: the export directory (holding ``manifest.json``).
+        provider: ``cpu`` or ``cuda``; an engine whose session falls back to another provider is refused.
+        threads: intra-op threads (None: ONNX Runtime's default).
+        capacity: static layouts: cache rows per sequence (default: the manifest's ``max_cache_length``).
+        log_severity: ONNX Runtime's log level (0 verbose .. 4 fatal).
+    """
+
+    def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
+                 capacity: int | None = None, log_severity: int = 3):
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
+        if provider not in PROVIDERS:
+            raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+        manifest = load_manifest(artifact)
+        super().__init__(artifact, manifest, capacity)
+        self.ort = ort
+        self.dtype = numpy_dtype(self.precision)
+        self.device = "cuda" if provider == "cuda" else "cpu"
+        self.run_options = ort.RunOptions()
+        self.run_options.log_severity_level = log_severity
+        self.sessions = {}
+        for role, graph in manifest.graphs.items():
+            if graph.uses_plugin:
+                raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
+                                          f"Runtime cannot run; export with [export] decode_attention = \"standard\" "
+                                          f"for ONNX Runtime, or build it with `mla-deploy build`")
+            session = open_session(self.root / graph.file, provider, threads, log_severity)
+            names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+            if names != (graph.input_names, graph.output_names):
+                raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
+                                    f"manifest {(graph.input_names, graph.output_names)}")
+            self.sessions[role] = session
+        self.provider = PROVIDERS[provider]
+
+    def _allocate(self, shape):
+        array = np.zeros(shape, dtype=self.dtype)
+        if not self.layout.in_place:
+            return array
+        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+
+    def _to_host(self, array) -> np.ndarray:
+        return array.numpy() if isinstance(array, self.ort.OrtValue) else np.asarray(array)
+
+    def _run(self, role, ids, positions, control, state):
+        session = self.sessions[role]
+        width = self.config.latent_dim
+        if not self.layout.in_place:
+            feed = {"input_ids": ids, "position_ids": positions, self.layout.control: control}
+            for i, cache in enumerate(state.caches):
+                if cache.shape[-1] != width:
+                    raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {width}")
+                feed[past_name(i)] = cache
+            results = session.run(None, feed, self.run_options)
+            return results[0], results[1:]
+        binding = session.io_binding()
+        binding.bind_output("logits", "cpu")  # outputs come back in binding order: logits first
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input(self.layout.control, control)
+        for i, cache in enumerate(state.caches):
+            binding.bind_ortvalue_input(past_name(i), cache)
+            binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place
+        session.run_with_iobinding(binding, self.run_options)
+        return binding.get_outputs()[0].numpy(), state.caches
