@@ -69,7 +69,7 @@ def run_padded_batch(model, prompt: torch.Tensor, lengths: torch.Tensor, steps: 
     """
     batch, width = prompt.shape
     if static:
-        past = model.empty_cache(batch, capacity, static=True)
+        past = model.empty_cache(batch, capacity, layout="static")
         cache = StaticCache(torch.zeros(batch, dtype=torch.long))
     else:
         past = model.empty_cache(batch)

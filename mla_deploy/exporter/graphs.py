@@ -66,6 +66,6 @@ def example_decoder_inputs(model: MLAForCausalLM, cache_mode: str, capacity: int
         cache = model.empty_cache(batch, past, dtype=dtype)
         mask_or_indices = torch.ones(batch, past + seq, dtype=torch.long)
     else:
-        cache = model.empty_cache(batch, capacity, static=True, dtype=dtype)
+        cache = model.empty_cache(batch, capacity, layout="static", dtype=dtype)
         mask_or_indices = torch.full((batch,), past, dtype=torch.long)
     return (ids, positions, mask_or_indices, *cache)

@@ -99,28 +99,31 @@ class MLAForCausalLM(nn.Module):
             presents.append(present)
         return self.lm_head(self.model.norm(x)), presents
 
-    def empty_cache(self, batch: int, length: int = 0, static: bool = False,
+    def empty_cache(self, batch: int, length: int = 0, layout="concat",
                     dtype: torch.dtype | None = None, device=None) -> list:
         """Zero caches for every layer.
 
         Args:
             batch: B.
             length: rows (``P`` for concat, the capacity ``T_max`` for static).
-            static: the static layout: latent ``[B, 1, T_max, C]``; CD ``[B, H, T_max, .]``.
+            layout: a :class:`~mla_deploy.cache_layout.CacheLayout` or its mode name (``concat``, ``static``).
         Returns:
-            per layer: latent ``[B, length, C]`` (``[B, 1, length, C]`` static), or for CD
-            ``(k [B, H, length, dn+dr], v [B, H, length, dv])``.
+            per layer: the latent cache in the layout's shape (concat ``[B, length, C]``, static
+            ``[B, 1, length, C]``), or for CD ``(k [B, H, length, dn+dr], v [B, H, length, dv])`` (the per-head
+            cache has one shape for both layouts).
         """
+        from ..cache_layout import get_layout
+
         c = self.config
         dtype = dtype or self.lm_head.weight.dtype
         device = device or self.lm_head.weight.device
+        layout = get_layout(layout)
         if self.form == "CD":
             h = c.num_attention_heads
             return [(torch.zeros(batch, h, length, c.qk_head_dim, dtype=dtype, device=device),
                      torch.zeros(batch, h, length, c.v_head_dim, dtype=dtype, device=device))
                     for _ in range(c.num_hidden_layers)]
-        shape = (batch, 1, length, c.latent_dim) if static else (batch, length, c.latent_dim)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        return layout.empty(batch, length, c.latent_dim, c.num_hidden_layers, dtype=dtype, device=device)
 
 
 @torch.no_grad()

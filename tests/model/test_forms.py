@@ -84,7 +84,7 @@ def test_static_cache_equals_concat_cache(form):
     model = tiny_model(form)
     prompt, steps = _padded_inputs()
     pre_c, dec_c = run_padded_batch(model, prompt, LENGTHS, steps, static=False)
-    pre_s, dec_s = run_padded_batch(model, prompt, LENGTHS, steps, static=True, capacity=24)
+    pre_s, dec_s = run_padded_batch(model, prompt, LENGTHS, steps, layout="static", capacity=24)
     for b, n in enumerate(LENGTHS.tolist()):
         assert rel_err(pre_s[b, :n], pre_c[b, :n]) <= TOL
     for step_c, step_s in zip(dec_c, dec_s):
@@ -113,7 +113,7 @@ def test_static_cache_layout_and_capacity():
 
     model = tiny_model("A_CC")
     c = model.config
-    past = model.empty_cache(2, 10, static=True)
+    past = model.empty_cache(2, 10, layout="static")
     _, present = model(_ids(2, 6), positions(2, 0, 6), past, StaticCache(torch.zeros(2, dtype=torch.long)))
     assert all(p.shape == (2, 1, 10, c.latent_dim) for p in present)
     with pytest.raises(CacheCapacityError):

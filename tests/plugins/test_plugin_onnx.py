@@ -86,8 +86,8 @@ def test_plugin_attention_equals_the_standard_absorbed_attention(form):
     plugin = use_decode_plugin(build_model(config, form, std=0.3, seed=0))
     assert all(isinstance(layer.self_attn, PluginDecodeAttention) for layer in plugin.model.layers)
     batch, capacity = 3, 16
-    past_a = standard.empty_cache(batch, capacity, static=True)
-    past_b = plugin.empty_cache(batch, capacity, static=True)
+    past_a = standard.empty_cache(batch, capacity, layout="static")
+    past_b = plugin.empty_cache(batch, capacity, layout="static")
     lengths = torch.tensor([0, 2, 5])
     for step, width in enumerate([3, 1, 1, 2]):
         ids = torch.randint(0, config.vocab_size, (batch, width), generator=torch.Generator().manual_seed(step))
@@ -104,7 +104,7 @@ def test_plugin_attention_equals_the_standard_absorbed_attention(form):
 def test_plugin_graph_wrapper_keeps_the_io_contract():
     model = use_decode_plugin(build_model(plugin_recipe().model, "A_CC", std=0.3))
     wrapper = DecoderGraph(model, "static")
-    past = model.empty_cache(2, 8, static=True)
+    past = model.empty_cache(2, 8, layout="static")
     logits, present = wrapper(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[1], [4]]), torch.tensor([1, 4]),
                               *past)
     assert logits.shape == (2, 1, model.config.vocab_size) and present.shape == past[0].shape

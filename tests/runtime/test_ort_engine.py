@@ -30,7 +30,7 @@ class TorchTrajectory:
 
     def __init__(self, model, mode: str, batch: int, capacity: int):
         self.model, self.mode = model, mode
-        self.past = model.empty_cache(batch, capacity if mode == "static" else 0, static=mode == "static")
+        self.past = model.empty_cache(batch, capacity if mode == "static" else 0, layout=mode)
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self.key_valid = torch.zeros(batch, 0, dtype=torch.long)
 
