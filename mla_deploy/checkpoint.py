@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from .config import MLAConfig, from_hf_config
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, name_list
+from .model.hf import from_hf_model  # noqa: F401  (re-exported: the in-memory counterpart of load_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -146,36 +147,11 @@ def load_checkpoint(path: str | Path, form: str = "CC", dtype: torch.dtype | str
     state = _fill(targets, plan, scales, dtype, _block_size(raw), report)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    _assign(model, state)
+    model.assign_weights(state)
     model = convert_form(model, form).eval()
     model.load_report = report
     log.info("%s: %s", folder, report.summary())
     return model
-
-
-def from_hf_model(hf_model: nn.Module, form: str = "CC"):
-    """An :class:`MLAForCausalLM` sharing the tensors of a transformers ``DeepseekV{2,3}ForCausalLM``.
-
-    Every parameter is the HF model's own tensor (same storage), except that absorbed forms split
-    ``kv_b_proj.weight [H*(dn+dv), r]`` into new ``w_uk [H, dn, r]`` and ``w_uv [H, dv, r]``.
-    """
-    from .model import MLAForCausalLM, convert_form
-
-    name = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
-    config = from_hf_config(hf_model.config.to_dict(), name=name)
-    with torch.device("meta"):
-        model = MLAForCausalLM(config, "CC")
-    state = hf_model.state_dict()
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        extra, missing = sorted(set(state) - expected), sorted(expected - set(state))
-        raise CheckpointError(f"{type(hf_model).__name__} does not match its config: "
-                              f"unexpected {_names(extra)}; missing {_names(missing)}")
-    for key, value in model.state_dict().items():
-        if tuple(state[key].shape) != tuple(value.shape):
-            raise CheckpointError(f"{key}: shape {tuple(state[key].shape)} in the model, expected {tuple(value.shape)}")
-    _assign(model, state)
-    return convert_form(model, form).train(hf_model.training)
 
 
 def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
@@ -193,13 +169,13 @@ def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise CheckpointError(f"{index} names shard(s) that are not there: {_names(absent)}")
+            raise CheckpointError(f"{index} names shard(s) that are not there: {name_list(absent)}")
         return folder, files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise CheckpointError(f"{folder} holds only pickled weights ({_names(pickles)}); mla-deploy reads "
+            raise CheckpointError(f"{folder} holds only pickled weights ({name_list(pickles)}); mla-deploy reads "
                                   "safetensors only (unpickling can run code): convert them to safetensors first")
         raise CheckpointError(f"no *.safetensors file in {folder}")
     return folder, files
@@ -276,7 +252,7 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
         else:
             unknown.append(name)
     if unknown:
-        raise CheckpointError(f"{len(unknown)} tensor(s) in the checkpoint that the model does not use: {_names(unknown)}")
+        raise CheckpointError(f"{len(unknown)} tensor(s) in the checkpoint that the model does not use: {name_list(unknown)}")
     _check_shapes(plan, scales, targets, _block_size(raw))
     _check_coverage(plan, targets)
     return plan, scales, skipped
@@ -343,7 +319,7 @@ def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[
         else:
             missing.append(target)
     if missing:
-        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {_names(missing)}")
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {name_list(missing)}")
 
 
 # reading ------------------------------------------------------------------------------------------------
@@ -397,17 +373,6 @@ def _fill(targets: dict[str, tuple[int, ...]], plan, scales, dtype: torch.dtype,
     return state
 
 
-def _assign(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Put ``state``'s tensors into the meta-built ``model`` without copying; rebuild the rope buffer; re-tie."""
-    from .model.rope import RotaryEmbedding
-
-    model.load_state_dict(state, strict=True, assign=True)
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = RotaryEmbedding(model.config).to(model.model.embed_tokens.weight.device)
-    assert not any(t.is_meta for t in model.state_dict().values()), "a tensor was left on the meta device"
-
-
 def _block_size(raw: dict[str, Any]) -> tuple[int, int]:
     qc = raw.get("quantization_config") or {}
     block = qc.get("weight_block_size") or (128, 128)
@@ -434,8 +399,3 @@ def _resolve_dtype(dtype: torch.dtype | str | None, sources: dict[str, _Source])
         if s.dtype in _ST_DTYPES:
             counts[s.dtype] = counts.get(s.dtype, 0) + math.prod(s.shape)
     return _ST_DTYPES[max(counts, key=counts.get)] if counts else torch.float32
-
-
-def _names(names: list[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

@@ -61,3 +61,9 @@ class InputError(MLADeployError):
 
 
 __all__.append("InputError")
+
+
+def name_list(names: list[str], limit: int = 4) -> str:
+    """``a, b, c, d (and 3 more)``: names for a one-line error message."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

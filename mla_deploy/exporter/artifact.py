@@ -23,7 +23,8 @@ from ..artifact_check import sha256_file
 from ..errors import ExportError
 from ..io_spec import PRECISIONS, cache_layout, decoder_io
 from ..model.absorb import convert_form
-from ..model.decoder import MLAForCausalLM, build_model
+from ..model.build import build_model
+from ..model.decoder import MLAForCausalLM
 from ..recipe import Recipe
 from .graphs import DecoderGraph, example_decoder_inputs
 from .onnx_export import check_onnx_file, decoder_dynamic_shapes, per_head_kv_tensors, trace_to_onnx

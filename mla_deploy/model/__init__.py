@@ -1,14 +1,16 @@
 """PyTorch models: MLA in every form, the absorbed rewrite, baselines, and a DeepSeek-style decoder."""
 
-from .absorb import absorb, absorb_state_dict, convert_form, convert_to_absorbed, unabsorb_state_dict
+from .absorb import absorb, absorb_state_dict, convert_form, unabsorb_state_dict
 from .baselines import FoldedRopelessMLA, LatentCrossAttention, MultiHeadAttention, RopelessMLA, fold_ropeless
 from .cache import ConcatCache, StaticCache, tensor_scatter
-from .decoder import MLAForCausalLM, build_model, init_random_
+from .build import build_model
+from .decoder import MLAForCausalLM, init_random_
+from .hf import from_hf_model, is_hf_deepseek
 from .mla import ABSORBED_FORMS, FORMS, ORIGINAL_FORMS, AbsorbedMLAttention, MLAttention
 
 __all__ = [
     "ABSORBED_FORMS", "FORMS", "ORIGINAL_FORMS", "AbsorbedMLAttention", "ConcatCache", "FoldedRopelessMLA",
     "LatentCrossAttention", "MLAForCausalLM", "MLAttention", "MultiHeadAttention", "RopelessMLA", "StaticCache",
-    "absorb", "absorb_state_dict", "build_model", "convert_form", "convert_to_absorbed", "fold_ropeless",
+    "absorb", "absorb_state_dict", "build_model", "convert_form", "fold_ropeless", "from_hf_model", "is_hf_deepseek",
     "init_random_", "tensor_scatter", "unabsorb_state_dict",
 ]

@@ -3,10 +3,11 @@
 * :func:`absorb_state_dict` maps an original-form state dict to the absorbed one: each layer's
   ``kv_b_proj.weight [H*(dn+dv), r]`` becomes ``w_uk [H, dn, r]`` and ``w_uv [H, dv, r]``; every other
   tensor is unchanged.
-* :func:`convert_to_absorbed` swaps every :class:`~mla_deploy.model.mla.MLAttention` for an
-  :class:`~mla_deploy.model.mla.AbsorbedMLAttention` holding those weights.
-* :func:`absorb` does both and returns the model; given a transformers DeepSeek-V2/V3 model it returns an
-  absorbed :class:`~mla_deploy.model.decoder.MLAForCausalLM` sharing that model's tensors.
+* :func:`convert_form` rewrites every MLA attention module into any form (original <-> absorbed moves
+  ``kv_b_proj`` <-> ``w_uk``/``w_uv``), in place: the module swap.
+* :func:`absorb` is the user-facing entry: ``convert_form`` into an absorbed form; given a transformers
+  DeepSeek-V2/V3 model it returns an absorbed :class:`~mla_deploy.model.decoder.MLAForCausalLM` sharing
+  that model's tensors.
 """
 
 from __future__ import annotations
@@ -98,26 +99,6 @@ def convert_form(model: nn.Module, form: str = "A_CC") -> nn.Module:
     return model
 
 
-def convert_to_absorbed(model: nn.Module, form: str = "A_CC") -> nn.Module:
-    """Swap every original-form MLA attention for the absorbed form (``A_CC`` or ``A_CC_ME``)."""
-    if form not in ABSORBED_FORMS:
-        raise ValueError(f"absorbed form must be one of {ABSORBED_FORMS}, got {form!r}")
-    return convert_form(model, form)
-
-
-HF_DEEPSEEK_CLASSES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-
-
-def is_hf_deepseek(model: object) -> bool:
-    """True for a transformers ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (transformers not imported):
-    by class name, or a ``PreTrainedModel`` with an ``lm_head`` whose ``config.model_type`` is deepseek_v2/v3."""
-    if type(model).__name__ in HF_DEEPSEEK_CLASSES:
-        return True
-    bases = {cls.__name__ for cls in type(model).__mro__}
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return "PreTrainedModel" in bases and hasattr(model, "lm_head") and model_type in ("deepseek_v2", "deepseek_v3")
-
-
 def absorb(model: nn.Module, form: str = "A_CC") -> nn.Module:
     """The absorbed form of ``model`` (outputs unchanged up to rounding).
 
@@ -132,8 +113,8 @@ def absorb(model: nn.Module, form: str = "A_CC") -> nn.Module:
     """
     if form not in ABSORBED_FORMS:
         raise ValueError(f"absorbed form must be one of {ABSORBED_FORMS}, got {form!r}")
-    if is_hf_deepseek(model):
-        from ..checkpoint import from_hf_model
+    from .hf import from_hf_model, is_hf_deepseek
 
-        return from_hf_model(model, form)
-    return convert_to_absorbed(model, form)
+    if is_hf_deepseek(model):
+        model = from_hf_model(model)
+    return convert_form(model, form)

@@ -99,6 +99,15 @@ class MLAForCausalLM(nn.Module):
             presents.append(present)
         return self.lm_head(self.model.norm(x)), presents
 
+    def assign_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Put ``state``'s tensors into this (meta-built) model without copying, rebuild the rope buffer and
+        re-tie the embeddings. ``state`` holds every key of :meth:`state_dict` (strict)."""
+        self.load_state_dict(state, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary_emb = RotaryEmbedding(self.config).to(self.model.embed_tokens.weight.device)
+        assert not any(t.is_meta for t in self.state_dict().values()), "a tensor was left on the meta device"
+
     def empty_cache(self, batch: int, length: int = 0, layout="concat",
                     dtype: torch.dtype | None = None, device=None) -> list:
         """Zero caches for every layer.
@@ -142,16 +151,3 @@ def init_random_(model: nn.Module, std: float = 0.02, seed: int = 0) -> nn.Modul
         else:
             tensor.copy_(std * torch.randn(tensor.shape, generator=gen))
     return model
-
-
-def build_model(config: MLAConfig, form: str = "CC", std: float = 0.02, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> MLAForCausalLM:
-    """An :class:`MLAForCausalLM` with random weights (see :func:`init_random_`), in eval mode.
-
-    The weights are drawn for the original form and rewritten into ``form``, so every form built
-    with the same ``seed`` computes the same function.
-    """
-    from .absorb import convert_form
-
-    model = init_random_(MLAForCausalLM(config, "CC"), std=std, seed=seed)
-    return convert_form(model, form).to(dtype).eval()

@@ -84,7 +84,7 @@ def test_static_cache_equals_concat_cache(form):
     model = tiny_model(form)
     prompt, steps = _padded_inputs()
     pre_c, dec_c = run_padded_batch(model, prompt, LENGTHS, steps, static=False)
-    pre_s, dec_s = run_padded_batch(model, prompt, LENGTHS, steps, layout="static", capacity=24)
+    pre_s, dec_s = run_padded_batch(model, prompt, LENGTHS, steps, static=True, capacity=24)
     for b, n in enumerate(LENGTHS.tolist()):
         assert rel_err(pre_s[b, :n], pre_c[b, :n]) <= TOL
     for step_c, step_s in zip(dec_c, dec_s):
