@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from mla_deploy.cache_layout import STATIC
 from mla_deploy import MLAConfig, load_recipe
 from mla_deploy.model import ConcatCache, StaticCache, build_model
 
@@ -69,7 +70,7 @@ def run_padded_batch(model, prompt: torch.Tensor, lengths: torch.Tensor, steps: 
     """
     batch, width = prompt.shape
     if static:
-        past = model.empty_cache(batch, capacity, layout="static")
+        past = model.empty_cache(batch, capacity, layout=STATIC)
         cache = StaticCache(torch.zeros(batch, dtype=torch.long))
     else:
         past = model.empty_cache(batch)

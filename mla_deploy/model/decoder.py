@@ -108,31 +108,30 @@ class MLAForCausalLM(nn.Module):
         self.model.rotary_emb = RotaryEmbedding(self.config).to(self.model.embed_tokens.weight.device)
         assert not any(t.is_meta for t in self.state_dict().values()), "a tensor was left on the meta device"
 
-    def empty_cache(self, batch: int, length: int = 0, layout="concat",
+    def empty_cache(self, batch: int, length: int = 0, layout=None,
                     dtype: torch.dtype | None = None, device=None) -> list:
         """Zero caches for every layer.
 
         Args:
             batch: B.
             length: rows (``P`` for concat, the capacity ``T_max`` for static).
-            layout: a :class:`~mla_deploy.cache_layout.CacheLayout` or its mode name (``concat``, ``static``).
+            layout: a :class:`~mla_deploy.cache_layout.CacheLayout` (e.g. ``STATIC``); None: a growing cache.
         Returns:
             per layer: the latent cache in the layout's shape (concat ``[B, length, C]``, static
             ``[B, 1, length, C]``), or for CD ``(k [B, H, length, dn+dr], v [B, H, length, dv])`` (the per-head
             cache has one shape for both layouts).
         """
-        from ..cache_layout import get_layout
-
         c = self.config
         dtype = dtype or self.lm_head.weight.dtype
         device = device or self.lm_head.weight.device
-        layout = get_layout(layout)
         if self.form == "CD":
             h = c.num_attention_heads
             return [(torch.zeros(batch, h, length, c.qk_head_dim, dtype=dtype, device=device),
                      torch.zeros(batch, h, length, c.v_head_dim, dtype=dtype, device=device))
                     for _ in range(c.num_hidden_layers)]
-        return layout.empty(batch, length, c.latent_dim, c.num_hidden_layers, dtype=dtype, device=device)
+        if layout is not None:
+            return layout.empty(batch, length, c.latent_dim, c.num_hidden_layers, dtype=dtype, device=device)
+        return [torch.zeros(batch, length, c.latent_dim, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import TOL, positions, rel_err, run_chunks, run_padded_batch, tiny_config, tiny_model
+from mla_deploy.cache_layout import STATIC
 from mla_deploy.model import (FORMS, absorb, absorb_state_dict, build_model, convert_form, unabsorb_state_dict)
 
 # chunk sizes fed through the concat cache; the reference runs the whole sequence in one call
@@ -113,7 +114,7 @@ def test_static_cache_layout_and_capacity():
 
     model = tiny_model("A_CC")
     c = model.config
-    past = model.empty_cache(2, 10, layout="static")
+    past = model.empty_cache(2, 10, layout=STATIC)
     _, present = model(_ids(2, 6), positions(2, 0, 6), past, StaticCache(torch.zeros(2, dtype=torch.long)))
     assert all(p.shape == (2, 1, 10, c.latent_dim) for p in present)
     with pytest.raises(CacheCapacityError):
