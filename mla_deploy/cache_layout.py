@@ -61,12 +61,18 @@ class CacheLayout:
         control: the graph input that tells the step where it is (``attention_mask`` or ``write_indices``).
         in_place: the present cache is the past buffer (bind one buffer as both).
         has_capacity: the cache has a fixed number of slots per sequence (``max_cache_length``).
+        min_opset: the oldest ONNX opset its graphs export to (the static cache's in-place write is
+            ``TensorScatter``, opset 24).
+        supports_plugin: the decode graph can use the ``mla_deploy::MlaDecode`` TensorRT plugin (it reads the
+            per-sequence valid lengths from the control input and the cache as ``[B, 1, T, C]``).
     """
 
     mode: str = ""
     control: str = ""
     in_place: bool = False
     has_capacity: bool = False
+    min_opset: int = 18
+    supports_plugin: bool = False
 
     def __repr__(self) -> str:
         return f"<CacheLayout {self.mode}>"
@@ -127,12 +133,14 @@ class CacheLayout:
         return int(max_cache_length) if self.has_capacity and max_cache_length else None
 
     # tracing and PyTorch ----------------------------------------------------------------------------
-    def dynamic_shapes(self, layers: int, batch) -> tuple[dict, tuple[dict, ...]]:
+    def dynamic_shapes(self, layers: int, batch, steps: int | None = None) -> tuple[dict, tuple[dict, ...]]:
         """``torch.export`` dynamic shapes of the control input and the ``layers`` caches.
 
         Args:
             layers: number of caches.
             batch: the ``torch.export.Dim`` of the batch axis (shared with the head inputs).
+            steps: the new rows per step when the graph's sequence axis is fixed (e.g. 1 for a decode-only
+                graph); None when it is dynamic (``sequence_length``).
         Returns:
             ``(control dims, (cache dims, ...))``.
         """
@@ -217,12 +225,14 @@ class ConcatLayout(CacheLayout):
     def cache_shapes(self, width: int) -> tuple[tuple, tuple]:
         return (BATCH, PAST, width), (BATCH, TOTAL, width)
 
-    def dynamic_shapes(self, layers: int, batch):
+    def dynamic_shapes(self, layers: int, batch, steps: int | None = None):
         from torch.export import Dim
 
         past = Dim(PAST, min=0, max=1 << 20)
-        # the mask's axis is past + sequence, derived by the exporter and renamed after export
-        return {0: batch, 1: Dim.DYNAMIC}, tuple({0: batch, 1: past} for _ in range(layers))
+        # the mask's axis is past + sequence, derived by the exporter and renamed after export; with a fixed
+        # sequence length torch.export needs the relation spelled out
+        total = Dim.DYNAMIC if steps is None else past + steps
+        return {0: batch, 1: total}, tuple({0: batch, 1: past} for _ in range(layers))
 
     def example_state(self, batch, past, steps, width, layers, capacity, dtype):
         import torch
@@ -267,6 +277,7 @@ class StaticLayout(CacheLayout):
     """A fixed-capacity cache ``[B, 1, capacity, C]`` written in place at ``write_indices`` (slot t = position t)."""
 
     mode, control, in_place, has_capacity = "static", "write_indices", True, True
+    min_opset, supports_plugin = 24, True
 
     def control_spec(self) -> TensorSpec:
         return TensorSpec(self.control, "int64", (BATCH,))
@@ -275,7 +286,7 @@ class StaticLayout(CacheLayout):
         shape = (BATCH, 1, CAPACITY, width)
         return shape, shape
 
-    def dynamic_shapes(self, layers: int, batch):
+    def dynamic_shapes(self, layers: int, batch, steps: int | None = None):
         from torch.export import Dim
 
         capacity = Dim(CAPACITY, min=2, max=1 << 22)

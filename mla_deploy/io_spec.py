@@ -20,15 +20,17 @@ after ``kv_a_layernorm``; ``[kv_lora_rank, C)`` are ``k_pe`` after rope, adjacen
 ``total_sequence_length = past_sequence_length + sequence_length``. Logits and latent tensors have the
 export's precision (every float input, output and weight does); rope angles, RMSNorm statistics and the
 softmax run in float32 inside the graph, as in DeepSeek's reference code.
+
+This module holds the names and :class:`TensorSpec`; what each cache mode means (which control input, the
+cache shapes, the per-mode I/O lists and the manifest's ``cache`` entry) is decided by the layouts of
+:mod:`mla_deploy.cache_layout` (:meth:`~mla_deploy.cache_layout.CacheLayout.io`,
+:meth:`~mla_deploy.cache_layout.CacheLayout.describe`, :data:`~mla_deploy.cache_layout.CACHE_MODES`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import MLAConfig
-
-CACHE_MODES = ("concat", "static")
 ROLES = ("prefill", "decode")
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -63,47 +65,3 @@ def past_name(layer: int) -> str:
 def present_name(layer: int) -> str:
     """Output name of layer ``layer``'s cache."""
     return f"present_latent.{layer}"
-
-
-def decoder_io(config: MLAConfig, cache_mode: str, precision: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of a decoder graph (prefill and decode share them).
-
-    Args:
-        config: the model.
-        cache_mode: ``concat`` or ``static``.
-        precision: ``fp32``, ``fp16`` or ``bf16`` (the latent caches' dtype).
-    Returns:
-        (inputs, outputs) in graph order.
-    """
-    if cache_mode not in CACHE_MODES:
-        raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
-    dtype = PRECISIONS[precision]
-    c = config.latent_dim
-    inputs = [TensorSpec("input_ids", "int64", (BATCH, SEQ)), TensorSpec("position_ids", "int64", (BATCH, SEQ))]
-    if cache_mode == "concat":
-        inputs.append(TensorSpec("attention_mask", "int64", (BATCH, TOTAL)))
-        past_shape: tuple = (BATCH, PAST, c)
-        present_shape: tuple = (BATCH, TOTAL, c)
-    else:
-        inputs.append(TensorSpec("write_indices", "int64", (BATCH,)))
-        past_shape = present_shape = (BATCH, 1, CAPACITY, c)
-    layers = range(config.num_hidden_layers)
-    inputs += [TensorSpec(past_name(i), dtype, past_shape) for i in layers]
-    outputs = [TensorSpec("logits", dtype, (BATCH, SEQ, config.vocab_size))]
-    outputs += [TensorSpec(present_name(i), dtype, present_shape) for i in layers]
-    return inputs, outputs
-
-
-def cache_layout(config: MLAConfig, cache_mode: str) -> dict:
-    """The manifest's description of the latent cache."""
-    r, c = config.kv_lora_rank, config.latent_dim
-    return {
-        "mode": cache_mode,
-        "width": c,
-        "channels": {"c_kv": [0, r], "k_pe": [r, c]},
-        "c_kv": "kv_a_layernorm(c_kv), the compressed key/value latent",
-        "k_pe": "rope(k_pe) shared by all heads, adjacent pairs (2i, 2i+1) interleaved as in DeepSeek's weights",
-        "sequence_axis": -2,
-        "layers": [{"past": past_name(i), "present": present_name(i)} for i in range(config.num_hidden_layers)],
-        "aliased": cache_mode == "static",
-    }

@@ -11,10 +11,13 @@ import dataclasses
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import MLAConfig
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .cache_layout import CacheLayout
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,7 +44,7 @@ class ExportSettings:
         max_cache_length: capacity of the static cache (tokens per sequence).
         prefill_form: attention form of the prefill graph (``CC`` re-expands K/V: cheaper for long prompts).
         decode_form: attention form of the decode graph (``A_CC`` or ``A_CC_ME``).
-        opset: ONNX opset (static mode needs >= 24 for ``TensorScatter``).
+        opset: ONNX opset (>= the layout's ``min_opset``: 18, or 24 for the static cache's ``TensorScatter``).
         external_data_threshold: graphs whose weights exceed this many bytes keep them in a side file.
         seed: seed of the random weights of a preset export (checkpoint exports use the checkpoint's).
         init_std: standard deviation of those random weights.
@@ -62,12 +65,14 @@ class ExportSettings:
     decode_attention: str = "standard"
 
     def __post_init__(self) -> None:
-        from .io_spec import CACHE_MODES, PRECISIONS
+        from .cache_layout import CACHE_MODES, get_layout
+        from .io_spec import PRECISIONS
 
         if self.precision not in PRECISIONS:
             raise ConfigError(f"[export] precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.cache_mode not in CACHE_MODES:
             raise ConfigError(f"[export] cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        layout = get_layout(self.cache_mode)
         if self.max_cache_length < 2:
             raise ConfigError("[export] max_cache_length must be at least 2")
         if self.prefill_form not in ("CD", "CC", "A_CC", "A_CC_ME") or self.prefill_form == "CD":
@@ -76,13 +81,22 @@ class ExportSettings:
             raise ConfigError(f"[export] decode_form must be A_CC or A_CC_ME, got {self.decode_form!r}")
         if not self.init_std > 0:
             raise ConfigError("[export] init_std must be positive")
-        if self.opset < 18 or (self.cache_mode == "static" and self.opset < 24):
-            raise ConfigError(f"[export] opset {self.opset} is too old (>= 18; >= 24 for the static cache)")
+        if self.opset < layout.min_opset:
+            raise ConfigError(f"[export] opset {self.opset} is too old (the {layout.mode} cache needs >= "
+                              f"{layout.min_opset})")
         if self.decode_attention not in ("standard", "plugin"):
             raise ConfigError(f"[export] decode_attention must be standard or plugin, got {self.decode_attention!r}")
-        if self.decode_attention == "plugin" and self.cache_mode != "static":
-            raise ConfigError("[export] decode_attention = \"plugin\" needs cache_mode = \"static\" "
-                              "(the plugin reads per-sequence valid lengths, not a padding mask)")
+        if self.decode_attention == "plugin" and not layout.supports_plugin:
+            able = " or ".join(f'"{m}"' for m in CACHE_MODES if get_layout(m).supports_plugin)
+            raise ConfigError(f"[export] decode_attention = \"plugin\" needs cache_mode = {able} "
+                              f"(the plugin reads per-sequence valid lengths, not a padding mask)")
+
+    @property
+    def layout(self) -> "CacheLayout":
+        """The :class:`~mla_deploy.cache_layout.CacheLayout` of :attr:`cache_mode`."""
+        from .cache_layout import get_layout
+
+        return get_layout(self.cache_mode)
 
 
 def _range(name: str, value) -> tuple[int, int, int]:

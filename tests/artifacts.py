@@ -35,9 +35,9 @@ def reference_model(artifact: Path):
     """The original-form (CC) fp32 PyTorch model an artifact was exported from."""
     from safetensors.torch import load_file
 
+    from mla_deploy.artifact import load_manifest
     from mla_deploy.model import MLAForCausalLM
-    from mla_deploy.runtime.artifact import load_manifest, manifest_config
 
-    model = MLAForCausalLM(manifest_config(load_manifest(artifact)), "CC").eval()
+    model = MLAForCausalLM(load_manifest(artifact).config, "CC").eval()
     model.load_state_dict(load_file(str(artifact / "reference.safetensors")))
     return model

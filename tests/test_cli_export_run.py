@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from artifacts import tiny_artifact
+from mla_deploy.artifact import load_manifest
 
 
 def cli(*args, cwd=None):
@@ -30,8 +31,7 @@ def test_export_then_run_the_tiny_preset(tmp_path):
     done = cli("export", "--preset", "tiny", "--cache-mode", "concat", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "exported tiny" in done.stdout and "decode" in done.stdout
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["cache"]["mode"] == "concat"
+    assert load_manifest(out).layout.mode == "concat"
     ran = cli("run", str(out), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "8")
     assert ran.returncode == 0, ran.stderr
     lines = ran.stdout.splitlines()
@@ -55,3 +55,5 @@ def test_export_dump_recipe_and_bad_option(tmp_path):
     assert dumped.returncode == 0 and json.loads(dumped.stdout)["export"]["precision"] == "bf16"
     assert not (tmp_path / "x").exists()
     assert "exactly one" in _one_line_error(cli("export", "--out", str(tmp_path / "y")))
+    too_many = cli("export", "--preset", "tiny", "--out", str(tmp_path / "z"), "--layers", "999")
+    assert "layers must be an integer in 1..2" in _one_line_error(too_many) and not (tmp_path / "z").exists()

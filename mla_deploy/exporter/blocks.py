@@ -10,18 +10,17 @@ Perceiver-style latent cross-attention (no cache). Sized from an :class:`~mla_de
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from ..artifact import MANIFEST, REFERENCE_WEIGHTS, atomic_dir
 from ..config import MLAConfig
 from ..errors import ExportError
 from ..io_spec import BATCH, PAST, SEQ, TOTAL, TensorSpec
 from ..model.baselines import LatentCrossAttention, MultiHeadAttention
 from ..model.decoder import init_random_
-from .artifact import MANIFEST, versions
+from .export import versions
 from .graphs import LatentCrossAttentionGraph, MHAGraph
 from .onnx_export import trace_to_onnx
 
@@ -53,7 +52,8 @@ def block_io(kind: str, config: MLAConfig, n_latents: int = 16) -> tuple[list[Te
 
 def export_block(kind: str, config: MLAConfig, out: str | Path, n_latents: int = 16, seed: int = 0,
                  overwrite: bool = False) -> dict:
-    """Export the ``kind`` block to ``out/<kind>.onnx`` with a manifest (written to a temp dir, then renamed)."""
+    """Export the ``kind`` block to ``out/<kind>.onnx`` with its reference weights and a manifest (a plain dict, format
+    ``mla-deploy-block``), written with :func:`~mla_deploy.artifact.atomic_dir`."""
     from torch.export import Dim
 
     out = Path(out)
@@ -73,23 +73,14 @@ def export_block(kind: str, config: MLAConfig, out: str | Path, n_latents: int =
         args = (torch.randn(2, 3, config.hidden_size),)
         shapes = ({0: batch, 1: seq},)
         wrapper = LatentCrossAttentionGraph(block)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         with torch.no_grad():
             trace_to_onnx(wrapper.eval(), args, tmp / f"{kind}.onnx", inputs, outputs, shapes, 18, False)
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(tmp / "reference.safetensors"))
+        save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(tmp / REFERENCE_WEIGHTS))
         manifest = {"format": "mla-deploy-block", "block": kind, "model": config.to_dict(), "n_latents": n_latents,
                     "seed": seed, "file": f"{kind}.onnx", "inputs": [t.to_dict() for t in inputs],
                     "outputs": [t.to_dict() for t in outputs], "versions": versions()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest

@@ -1,32 +1,37 @@
-"""Export-friendly wrappers: flat, named tensor I/O around the models (see :mod:`mla_deploy.io_spec`)."""
+"""Export-friendly wrappers: flat, named tensor I/O around the models (see :mod:`mla_deploy.io_spec` and
+:mod:`mla_deploy.cache_layout`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..cache_layout import CacheLayout, get_layout
 from ..model.baselines import LatentCrossAttention, MultiHeadAttention
-from ..model.cache import ConcatCache, StaticCache
 from ..model.decoder import MLAForCausalLM
 
 
 class DecoderGraph(nn.Module):
-    """``(input_ids, position_ids, attention_mask | write_indices, *past_latent) -> (logits, *present_latent)``.
+    """``(input_ids, position_ids, control, *past_latent) -> (logits, *present_latent)``, the control input being
+    the layout's (``attention_mask`` or ``write_indices``).
+
+    Any module called as ``model(x, position_ids, past: list, cache_policy) -> (out, presents)`` fits (the
+    decoder, or an attention stack whose ``x`` is ``hidden_states``).
 
     Args:
         model: the decoder (its attention form decides prefill vs decode math).
-        cache_mode: ``concat`` or ``static``.
+        layout: the cache layout (a :class:`~mla_deploy.cache_layout.CacheLayout` or its mode name).
     """
 
-    def __init__(self, model: MLAForCausalLM, cache_mode: str):
+    def __init__(self, model: nn.Module, layout: CacheLayout | str):
         super().__init__()
         self.model = model
-        self.cache_mode = cache_mode
+        self.layout = get_layout(layout)
 
-    def forward(self, input_ids, position_ids, mask_or_indices, *past):
-        """Shapes as in :func:`mla_deploy.io_spec.decoder_io`."""
-        cache = ConcatCache(mask_or_indices) if self.cache_mode == "concat" else StaticCache(mask_or_indices)
-        logits, presents = self.model(input_ids, position_ids, list(past), cache)
+    def forward(self, input_ids, position_ids, control, *past):
+        """Shapes as :meth:`CacheLayout.io <mla_deploy.cache_layout.CacheLayout.io>` gives them: ids and positions
+        ``[B, S]``, ``control`` the layout's, ``past`` one cache per layer."""
+        logits, presents = self.model(input_ids, position_ids, list(past), self.layout.policy(control))
         return (logits, *presents)
 
 
@@ -54,18 +59,21 @@ class LatentCrossAttentionGraph(nn.Module):
         return self.block(inputs)
 
 
-def example_decoder_inputs(model: MLAForCausalLM, cache_mode: str, capacity: int, dtype: torch.dtype):
-    """Example inputs for tracing, every dynamic axis >= 2 (an axis traced at 1 is frozen to a constant).
+def example_decoder_inputs(model: MLAForCausalLM, layout: CacheLayout | str, capacity: int, dtype: torch.dtype):
+    """Example inputs for tracing :class:`DecoderGraph`, every dynamic axis >= 2 (an axis traced at 1 is frozen).
 
-    Returns: (args tuple, batch, seq, past) with batch 2, sequence 3, past 5 (static: capacity rows).
+    Args:
+        model: the decoder (its config gives the cache width and layer count).
+        layout: the cache layout.
+        capacity: the cache slots of a fixed-capacity layout (unused by a growing one).
+        dtype: the caches' dtype.
+    Returns:
+        ``(input_ids [2, 3], position_ids [2, 3], control, *caches)``: batch 2, 3 new tokens after 5 cached ones.
     """
     batch, seq, past = 2, 3, 5
+    config = model.config
     ids = torch.zeros(batch, seq, dtype=torch.long)
     positions = torch.arange(past, past + seq).expand(batch, seq).contiguous()
-    if cache_mode == "concat":
-        cache = model.empty_cache(batch, past, dtype=dtype)
-        mask_or_indices = torch.ones(batch, past + seq, dtype=torch.long)
-    else:
-        cache = model.empty_cache(batch, capacity, layout="static", dtype=dtype)
-        mask_or_indices = torch.full((batch,), past, dtype=torch.long)
-    return (ids, positions, mask_or_indices, *cache)
+    control, caches = get_layout(layout).example_state(batch, past, seq, config.latent_dim, config.num_hidden_layers,
+                                                       capacity, dtype)
+    return (ids, positions, control, *caches)

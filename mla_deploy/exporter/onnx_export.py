@@ -14,12 +14,14 @@ import io
 import logging
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import onnx
 import torch
 
+from ..cache_layout import CacheLayout, get_layout
 from ..config import MLAConfig
-from ..errors import ExportError
+from ..errors import ConfigError, ExportError
 from ..io_spec import BATCH, CAPACITY, PAST, SEQ, TOTAL, TensorSpec
 
 _TOTAL_ALIASES = ("sequence_length + past_sequence_length", "past_sequence_length + sequence_length")
@@ -32,20 +34,39 @@ def _tensor_scatter_onnx(past, update, write_indices):
     return op.TensorScatter(past, update, write_indices, axis=-2, mode="linear")
 
 
-def decoder_dynamic_shapes(cache_mode: str, layers: int):
-    """``dynamic_shapes`` for :class:`~mla_deploy.exporter.graphs.DecoderGraph` (one dict per argument)."""
+def cached_dynamic_shapes(layout: CacheLayout | str, head_axes: Sequence[dict[int, str]], layers: int,
+                          steps: int | None = None) -> tuple:
+    """``torch.export`` dynamic shapes of a module called as ``(*head, control, *caches)``: the head tensors, then
+    the layout's control input and ``layers`` caches (the inputs of :meth:`CacheLayout.io
+    <mla_deploy.cache_layout.CacheLayout.io>`, in the same order).
+
+    Args:
+        layout: the cache layout (or its mode name).
+        head_axes: per head input, its dynamic axes by name, ``{axis: BATCH | SEQ}`` (e.g. ``{0: BATCH, 1: SEQ}``
+            for ``input_ids [batch_size, sequence_length]``, ``{0: BATCH}`` for ``hidden_states [batch_size, 1, D]``).
+        layers: the number of caches.
+        steps: the new rows per step when no head input has a ``sequence_length`` axis (e.g. 1 for a graph of
+            ``hidden_states [batch_size, 1, D]``); None when the heads' sequence axis is dynamic.
+    Returns:
+        ``(*head dims, control dims, (cache dims, ...))``; every batch axis is one ``Dim``.
+    Raises:
+        ConfigError: a head axis named other than ``batch_size`` or ``sequence_length``.
+    """
     from torch.export import Dim
 
-    batch, seq = Dim(BATCH, min=1, max=4096), Dim(SEQ, min=1, max=1 << 20)
-    if cache_mode == "concat":
-        past = Dim(PAST, min=0, max=1 << 20)
-        cache = tuple({0: batch, 1: past} for _ in range(layers))
-        third = {0: batch, 1: Dim.DYNAMIC}  # total = past + seq, renamed after export
-    else:
-        capacity = Dim(CAPACITY, min=2, max=1 << 22)
-        cache = tuple({0: batch, 2: capacity} for _ in range(layers))
-        third = {0: batch}
-    return ({0: batch, 1: seq}, {0: batch, 1: seq}, third, cache)
+    dims = {BATCH: Dim(BATCH, min=1, max=4096), SEQ: Dim(SEQ, min=1, max=1 << 20)}
+    unknown = sorted({name for axes in head_axes for name in axes.values()} - set(dims))
+    if unknown:
+        raise ConfigError(f"head inputs can have only {BATCH} and {SEQ} as dynamic axes, not {', '.join(unknown)}")
+    head = tuple({axis: dims[name] for axis, name in axes.items()} for axes in head_axes)
+    control, caches = get_layout(layout).dynamic_shapes(layers, dims[BATCH], steps)
+    return (*head, control, caches)
+
+
+def decoder_dynamic_shapes(layout: CacheLayout | str, layers: int) -> tuple:
+    """``dynamic_shapes`` for :class:`~mla_deploy.exporter.graphs.DecoderGraph`: ``input_ids`` and ``position_ids``
+    ``[batch_size, sequence_length]``, then the layout's control input and ``layers`` caches."""
+    return cached_dynamic_shapes(layout, ({0: BATCH, 1: SEQ}, {0: BATCH, 1: SEQ}), layers)
 
 
 def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list[TensorSpec],

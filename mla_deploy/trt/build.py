@@ -5,21 +5,22 @@ Precision: TensorRT 11 networks are always strongly typed (the ONNX graphs carry
 builder flags no longer exist), so the network is parsed with ``strongly_typed=True``. On TensorRT 10 the
 network is weakly typed by default and the manifest's precision turns on ``fp16`` or ``bf16`` in
 ``CreateConfig`` (``strongly_typed=True`` can be asked for instead). Everything is written under a
-temporary folder beside ``trt/`` and renamed into place at the end.
+temporary folder beside ``trt/`` and swapped into place at the end (:func:`~mla_deploy.artifact.atomic_dir`).
+
+``build.json`` is TensorRT's build record (a plain dict, format ``mla-deploy-trt-build``), not the artifact's
+manifest; :func:`read_build_record` reads it back.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from ..artifact_check import sha256_file
-from ..errors import ConfigError, ExportError, RuntimeMissingError
+from ..artifact import Manifest, atomic_dir, atomic_write_text, load_manifest, now, sha256_file
+from ..errors import ArtifactError, ConfigError, ExportError, RuntimeMissingError
 from ..recipe import BuildSettings
 from .profiles import engine_profiles, polygraphy_profile, profiles_to_json
 
@@ -76,50 +77,53 @@ def precision_flags(precision: str, trt_version: str, strongly_typed: bool | Non
     return {"strongly_typed": False, "fp16": precision == "fp16", "bf16": precision == "bf16"}
 
 
-def build_plan(manifest: dict[str, Any], build: BuildSettings | None, trt_version: str,
+def build_plan(manifest: Manifest, build: BuildSettings | None, trt_version: str,
                strongly_typed: bool | None = None, roles: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """What to build, per role: ``{role: {"onnx", "engine", "profile", "attention", strongly_typed/fp16/bf16}}``."""
-    flags = precision_flags(manifest["precision"], trt_version, strongly_typed)
+    """What to build, per role: ``{role: {"onnx", "engine", "profile", "attention", strongly_typed/fp16/bf16}}``.
+
+    Args:
+        manifest: the artifact's manifest.
+        build: profile ranges (default: the manifest's recorded ``[build]``).
+        trt_version: the TensorRT version (decides the precision handling, :func:`precision_flags`).
+        roles: the graphs to build (default: all of the manifest's).
+    Raises:
+        ConfigError: a role the artifact has no graph for, or ranges that do not fit.
+    """
+    flags = precision_flags(manifest.precision, trt_version, strongly_typed)
     profiles = engine_profiles(manifest, build)
-    roles = roles or tuple(manifest["graphs"])
-    unknown = [r for r in roles if r not in manifest["graphs"]]
+    roles = roles or tuple(manifest.graphs)
+    unknown = [r for r in roles if r not in manifest.graphs]
     if unknown:
-        raise ConfigError(f"the artifact has no {', '.join(unknown)} graph; it has {', '.join(manifest['graphs'])}")
-    return {role: {"onnx": manifest["graphs"][role]["file"], "engine": f"{role}.engine", "profile": profiles[role],
-                   "attention": manifest["graphs"][role].get("attention", "standard"), **flags} for role in roles}
+        raise ConfigError(f"the artifact has no {', '.join(unknown)} graph; it has {', '.join(manifest.graphs)}")
+    return {role: {"onnx": manifest.graphs[role].file, "engine": f"{role}.engine", "profile": profiles[role],
+                   "attention": manifest.graphs[role].attention, **flags} for role in roles}
 
 
-def build_record(manifest: dict[str, Any], plan: dict[str, dict], engines: dict[str, dict], trt_version: str,
+def build_record(manifest: Manifest, plan: dict[str, dict], engines: dict[str, dict], trt_version: str,
                  gpu: str, workspace_mib: int, timing_cache: str | None) -> dict[str, Any]:
     """The content of ``build.json``."""
     from polygraphy import __version__ as polygraphy_version
 
     first = next(iter(plan.values()))
     return {
-        "format": RECORD_FORMAT, "format_version": 1, "fingerprint": manifest.get("fingerprint"),
-        "tensorrt": trt_version, "polygraphy": polygraphy_version, "gpu": gpu, "precision": manifest["precision"],
+        "format": RECORD_FORMAT, "format_version": 1, "fingerprint": manifest.fingerprint,
+        "tensorrt": trt_version, "polygraphy": polygraphy_version, "gpu": gpu, "precision": manifest.precision,
         "strongly_typed": first["strongly_typed"],
         "precision_flags": [f for f in ("fp16", "bf16") if first[f]],
         "profiles": profiles_to_json({role: p["profile"] for role, p in plan.items()}),
         "engines": engines, "workspace_mib": workspace_mib, "timing_cache": timing_cache,
         "build_seconds": round(sum(e.get("build_seconds", 0.0) for e in engines.values()), 3),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": now(),
     }
 
 
 def write_build_record(folder: str | Path, record: dict[str, Any]) -> Path:
-    """Write ``build.json`` into ``folder`` via a temporary file and a rename; returns its path."""
-    path = Path(folder) / BUILD_RECORD
-    tmp = path.with_name(f".{BUILD_RECORD}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    """Write ``build.json`` into ``folder`` atomically; returns its path."""
+    return atomic_write_text(Path(folder) / BUILD_RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def read_build_record(artifact: str | Path) -> dict[str, Any]:
     """``<artifact>/trt/build.json``. Raises: ArtifactError: missing or unreadable."""
-    from ..errors import ArtifactError
-
     path = Path(artifact) / TRT_DIR / BUILD_RECORD
     try:
         record = json.loads(path.read_text())
@@ -130,14 +134,6 @@ def read_build_record(artifact: str | Path) -> dict[str, Any]:
     if record.get("format") != RECORD_FORMAT:
         raise ArtifactError(f"{path} is not an mla-deploy build record")
     return record
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _build_one(trt, spec: dict, root: Path, tmp: Path, cache: Path | None, workspace_mib: int,
@@ -179,23 +175,17 @@ def build_engines(artifact: str | Path, build: BuildSettings | None = None, stro
         RuntimeMissingError: no TensorRT or no GPU (checked first). ArtifactError: a bad artifact.
         ConfigError: profile ranges that do not fit. ExportError: TensorRT failed to parse or build a graph.
     """
-    from ..runtime.artifact import load_manifest
-    from .profiles import build_settings_from_manifest
-
     trt, gpu = require_tensorrt()
     root = Path(artifact)
     manifest = load_manifest(root)
-    build = build or build_settings_from_manifest(manifest)
+    build = build or manifest.build_settings()
     plan = build_plan(manifest, build, trt.__version__, strongly_typed)
-    if any(spec["attention"] == "plugin" for spec in plan.values()):
+    if any(manifest.graphs[role].uses_plugin for role in plan):
         from .plugin_loader import register_mla_decode_plugin
 
         register_mla_decode_plugin()
     out = root / TRT_DIR
-    tmp = root / f".{TRT_DIR}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         cache = tmp / TIMING_CACHE if timing_cache else None
         if cache is not None and (out / TIMING_CACHE).is_file():
             shutil.copyfile(out / TIMING_CACHE, cache)
@@ -211,8 +201,4 @@ def build_engines(artifact: str | Path, build: BuildSettings | None = None, stro
         write_build_record(tmp, record)
         for lock in tmp.glob("*.lock"):  # Polygraphy's timing-cache lock files; this folder is ours alone
             lock.unlink()
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record

@@ -1,6 +1,7 @@
 """TensorRT optimisation profiles from a recipe's ``[build]`` ranges and an artifact's manifest (pure Python).
 
-Every symbolic axis of :mod:`mla_deploy.io_spec` gets a ``(min, opt, max)`` range per graph role:
+Every symbolic axis of :mod:`mla_deploy.io_spec` gets a ``(min, opt, max)`` range per graph role, as the cache
+layout decides (:meth:`mla_deploy.cache_layout.CacheLayout.axis_ranges`):
 
 =========================== ========================================= =====================================
 axis                        prefill                                   decode
@@ -17,38 +18,30 @@ Fixed sizes (the latent width, ``1`` of the static cache's head axis) are kept a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..errors import ArtifactError, ConfigError
-from ..io_spec import BATCH, CAPACITY, PAST, SEQ, TOTAL
+from ..cache_layout import CacheLayout, get_layout
+from ..errors import ArtifactError
 from ..recipe import BuildSettings
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
 
 Range = tuple[int, int, int]
 Shapes = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
-def axis_ranges(role: str, build: BuildSettings, cache_mode: str, capacity: int | None) -> dict[str, Range]:
-    """``(min, opt, max)`` of every symbolic axis for ``role`` (``prefill`` or ``decode``).
+def axis_ranges(role: str, build: BuildSettings, layout: CacheLayout | str, capacity: int | None) -> dict[str, Range]:
+    """``(min, opt, max)`` of every symbolic axis for ``role`` (``prefill`` or ``decode``): the layout's
+    :meth:`~mla_deploy.cache_layout.CacheLayout.axis_ranges`.
 
+    Args:
+        layout: the artifact's cache layout (or its mode name).
+        capacity: the artifact's capacity (a fixed-capacity layout needs one).
     Raises:
-        ConfigError: a static cache without a capacity, or a prompt range beyond the capacity.
+        ConfigError: an unknown role, a static cache without a capacity, or a prompt range beyond the capacity.
     """
-    if role not in ("prefill", "decode"):
-        raise ConfigError(f"unknown graph role {role!r}; expected prefill or decode")
-    seq: Range = tuple(build.prompt_length) if role == "prefill" else (1, 1, 1)
-    ranges: dict[str, Range] = {BATCH: tuple(build.batch), SEQ: seq}
-    if cache_mode == "static":
-        if not capacity or capacity < 1:
-            raise ConfigError("a static-cache artifact needs max_cache_length in its manifest")
-        if build.prompt_length[2] > capacity:
-            raise ConfigError(f"[build] prompt_length max {build.prompt_length[2]} exceeds the static cache "
-                              f"capacity {capacity}")
-        ranges[CAPACITY] = (capacity, capacity, capacity)
-    else:
-        past: Range = tuple(build.past_length) if role == "decode" else (0, 0, build.past_length[2])
-        ranges[PAST] = past
-        ranges[TOTAL] = tuple(p + s for p, s in zip(past, seq))
-    return ranges
+    return get_layout(layout).axis_ranges(role, build, capacity)
 
 
 def input_shapes(shape: list | tuple, ranges: dict[str, Range], name: str = "?") -> Shapes:
@@ -70,29 +63,20 @@ def input_shapes(shape: list | tuple, ranges: dict[str, Range], name: str = "?")
     return tuple(out[0]), tuple(out[1]), tuple(out[2])
 
 
-def build_settings_from_manifest(manifest: dict[str, Any]) -> BuildSettings:
-    """The ``[build]`` section recorded in a manifest's recipe (defaults when there is none)."""
-    raw = dict(manifest.get("recipe", {}).get("build", {}) or {})
-    try:
-        return BuildSettings(**raw)
-    except TypeError as exc:
-        raise ArtifactError(f"manifest.json [build]: {exc}") from None
-
-
-def engine_profiles(manifest: dict[str, Any], build: BuildSettings | None = None) -> dict[str, dict[str, Shapes]]:
+def engine_profiles(manifest: Manifest, build: BuildSettings | None = None) -> dict[str, dict[str, Shapes]]:
     """One profile per graph role: ``{role: {input name: (min, opt, max)}}``, in graph input order.
 
     Args:
-        manifest: an artifact's ``manifest.json`` (its ``graphs``, ``cache`` and ``max_cache_length``).
+        manifest: an artifact's :class:`~mla_deploy.artifact.Manifest` (its graphs, cache layout and capacity).
         build: the ranges (default: the ``[build]`` section the manifest's recipe recorded).
+    Raises:
+        ConfigError: ranges that do not fit the layout. ArtifactError: an input axis no range covers.
     """
-    build = build or build_settings_from_manifest(manifest)
-    mode = manifest["cache"]["mode"]
-    capacity = manifest.get("max_cache_length")
+    build = build or manifest.build_settings()
     profiles = {}
-    for role, graph in manifest["graphs"].items():
-        ranges = axis_ranges(role, build, mode, capacity)
-        profiles[role] = {t["name"]: input_shapes(t["shape"], ranges, t["name"]) for t in graph["inputs"]}
+    for role, graph in manifest.graphs.items():
+        ranges = axis_ranges(role, build, manifest.layout, manifest.capacity)
+        profiles[role] = {t.name: input_shapes(t.shape, ranges, t.name) for t in graph.inputs}
     return profiles
 
 

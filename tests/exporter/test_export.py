@@ -10,8 +10,8 @@ import pytest
 
 from artifacts import tiny_artifact, tiny_recipe
 from mla_deploy.errors import ExportError
+from mla_deploy.artifact import Manifest, load_manifest
 from mla_deploy.exporter import check_onnx_file, export_recipe, per_head_kv_tensors
-from mla_deploy.runtime.artifact import load_manifest, manifest_config
 
 MODES = ("static", "concat")
 
@@ -25,24 +25,24 @@ def test_manifest_names_every_input_and_output(mode):
     """manifest.json names each tensor with dtype and symbolic shape, the cache layout, roles, opset, versions."""
     root = tiny_artifact(mode)
     manifest = load_manifest(root)
-    config = manifest_config(manifest)
+    config = manifest.config
     c = config.latent_dim
-    assert manifest["precision"] == "fp32" and manifest["opset"] == 24
-    assert set(manifest["versions"]) >= {"mla_deploy", "torch", "onnx", "python"}
-    assert manifest["cache"]["channels"] == {"c_kv": [0, config.kv_lora_rank], "k_pe": [config.kv_lora_rank, c]}
-    assert [layer["past"] for layer in manifest["cache"]["layers"]] == ["past_latent.0", "past_latent.1"]
-    assert {r: g["form"] for r, g in manifest["graphs"].items()} == {"prefill": "CC", "decode": "A_CC"}
-    inputs = {t["name"]: t for t in manifest["graphs"]["decode"]["inputs"]}
+    assert manifest.precision == "fp32" and manifest.opset == 24
+    assert set(manifest.versions) >= {"mla_deploy", "torch", "onnx", "python"}
+    assert manifest.cache["channels"] == {"c_kv": [0, config.kv_lora_rank], "k_pe": [config.kv_lora_rank, c]}
+    assert [layer["past"] for layer in manifest.cache["layers"]] == ["past_latent.0", "past_latent.1"]
+    assert {r: g.form for r, g in manifest.graphs.items()} == {"prefill": "CC", "decode": "A_CC"}
+    inputs = {t.name: t.to_dict() for t in manifest.graphs["decode"].inputs}
     if mode == "concat":
         assert inputs["past_latent.0"]["shape"] == ["batch_size", "past_sequence_length", c]
         assert inputs["attention_mask"]["shape"] == ["batch_size", "total_sequence_length"]
     else:
         assert inputs["past_latent.0"]["shape"] == ["batch_size", 1, "max_cache_length", c]
         assert inputs["write_indices"] == {"name": "write_indices", "dtype": "int64", "shape": ["batch_size"]}
-    for role, graph in manifest["graphs"].items():
-        model = onnx.load(str(root / graph["file"]), load_external_data=False)
-        for value, spec in zip(list(model.graph.input) + list(model.graph.output), graph["inputs"] + graph["outputs"]):
-            assert value.name == spec["name"] and _dims(value) == spec["shape"], (role, value.name)
+    for role, graph in manifest.graphs.items():
+        model = onnx.load(str(root / graph.file), load_external_data=False)
+        for value, spec in zip(list(model.graph.input) + list(model.graph.output), graph.inputs + graph.outputs):
+            assert value.name == spec.name and _dims(value) == list(spec.shape), (role, value.name)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -58,7 +58,7 @@ def test_graphs_pass_full_checker_and_strict_shape_inference(mode):
 def test_decode_graph_holds_no_per_head_kv_but_the_cc_prefill_does(mode):
     """The check is real: the CC-form prefill re-expands K/V per head over the cache and is flagged."""
     root = tiny_artifact(mode)
-    config = manifest_config(load_manifest(root))
+    config = load_manifest(root).config
     assert per_head_kv_tensors(check_onnx_file(root / "decode.onnx"), config) == []
     flagged = per_head_kv_tensors(check_onnx_file(root / "prefill.onnx"), config)
     assert flagged, "the CC prefill re-expands K and V per head; the detector must see it"
@@ -90,7 +90,7 @@ def test_low_precision_exports_carry_their_dtype(precision, elem):
         weights = [i for i in model.graph.initializer if i.data_type == elem]
         assert len(weights) > 20 and sum(int(np.prod(w.dims)) for w in weights) > 10_000
         fp32 = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
-        assert all(int(np.prod(i.dims)) <= load_manifest(root)["model"]["qk_rope_head_dim"] // 2 for i in fp32)
+        assert all(int(np.prod(i.dims)) <= load_manifest(root).config.qk_rope_head_dim // 2 for i in fp32)
 
 
 def test_export_refuses_a_directory_holding_another_model(tmp_path):
@@ -105,13 +105,53 @@ def test_export_refuses_a_directory_holding_another_model(tmp_path):
         export_recipe(tiny_recipe(), tmp_path / "busy")
 
 
+def test_export_returns_the_manifest_it_writes(tmp_path):
+    """export_recipe returns the Manifest saved as manifest.json; --overwrite replaces another model's folder."""
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"format": "mla-deploy-artifact", "fingerprint": "other"}))
+    manifest = export_recipe(tiny_recipe("concat"), out, overwrite=True)
+    assert isinstance(manifest, Manifest) and manifest.layout.mode == "concat" and manifest.capacity is None
+    assert json.loads((out / "manifest.json").read_text()) == json.loads(json.dumps(manifest.to_dict()))
+    assert load_manifest(out).graphs == manifest.graphs and manifest.weights.file == "reference.safetensors"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
+
+
 def test_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
-    import mla_deploy.exporter.artifact as artifact
+    import mla_deploy.exporter.export as export
 
     def fail(*args, **kwargs):
         raise ExportError("simulated failure")
 
-    monkeypatch.setattr(artifact, "trace_to_onnx", fail)
+    monkeypatch.setattr(export, "trace_to_onnx", fail)
     with pytest.raises(ExportError, match="simulated"):
         export_recipe(tiny_recipe(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_public_tracing_pieces_export_a_fixed_length_head(tmp_path, mode):
+    """DecoderGraph + cached_dynamic_shapes + trace_to_onnx (what the bench reuses) trace a graph whose head inputs
+    have one new token ([batch_size, 1]) with the layout's control input and caches; the I/O is the layout's."""
+    import torch
+
+    from mla_deploy.cache_layout import get_layout
+    from mla_deploy.exporter import DecoderGraph, cached_dynamic_shapes, trace_to_onnx
+    from mla_deploy.io_spec import BATCH, TensorSpec
+    from mla_deploy.model import build_model
+
+    layout = get_layout(mode)
+    config = tiny_recipe().model.replace(num_hidden_layers=1)
+    model = build_model(config, "A_CC", seed=0).eval()
+    head = [TensorSpec("input_ids", "int64", (BATCH, 1)), TensorSpec("position_ids", "int64", (BATCH, 1))]
+    inputs, outputs = layout.io(config, "fp32", head_inputs=head,
+                                head_outputs=[TensorSpec("logits", "float32", (BATCH, 1, config.vocab_size))])
+    control, caches = layout.example_state(2, 5, 1, config.latent_dim, 1, 8, torch.float32)
+    args = (torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1), 5), control, *caches)
+    path = tmp_path / "step.onnx"
+    with torch.no_grad():
+        trace_to_onnx(DecoderGraph(model, layout).eval(), args, path, inputs, outputs,
+                      cached_dynamic_shapes(layout, ({0: BATCH}, {0: BATCH}), 1, steps=1), 24, False)
+    graph = check_onnx_file(path).graph
+    assert [v.name for v in graph.input] == [t.name for t in inputs]
+    assert [_dims(v) for v in graph.input] == [list(t.shape) for t in inputs]

@@ -8,13 +8,13 @@ compared with the standard absorbed attention.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import onnx
 import pytest
 import torch
 
 from mla_deploy import load_recipe
+from mla_deploy.cache_layout import STATIC
 from mla_deploy.errors import ConfigError
 from mla_deploy.exporter import check_onnx_file
 from mla_deploy.exporter.decode_plugin import DOMAIN, OP_TYPE, PluginDecodeAttention, use_decode_plugin
@@ -71,8 +71,10 @@ def test_decode_graph_holds_one_mla_decode_node_per_layer(artifact):
 def test_prefill_stays_standard_and_the_manifest_says_so(artifact):
     prefill = onnx.load(str(artifact / "prefill.onnx"), load_external_data=False)
     assert not [n for n in prefill.graph.node if n.op_type == OP_TYPE]
-    graphs = json.loads((artifact / "manifest.json").read_text())["graphs"]
-    assert graphs["decode"]["attention"] == "plugin" and graphs["prefill"]["attention"] == "standard"
+    from mla_deploy.artifact import load_manifest
+
+    graphs = load_manifest(artifact).graphs
+    assert graphs["decode"].attention == "plugin" and graphs["prefill"].attention == "standard"
 
 
 @pytest.mark.parametrize("form", ["A_CC", "A_CC_ME"])
@@ -86,8 +88,8 @@ def test_plugin_attention_equals_the_standard_absorbed_attention(form):
     plugin = use_decode_plugin(build_model(config, form, std=0.3, seed=0))
     assert all(isinstance(layer.self_attn, PluginDecodeAttention) for layer in plugin.model.layers)
     batch, capacity = 3, 16
-    past_a = standard.empty_cache(batch, capacity, layout="static")
-    past_b = plugin.empty_cache(batch, capacity, layout="static")
+    past_a = standard.empty_cache(batch, capacity, layout=STATIC)
+    past_b = plugin.empty_cache(batch, capacity, layout=STATIC)
     lengths = torch.tensor([0, 2, 5])
     for step, width in enumerate([3, 1, 1, 2]):
         ids = torch.randint(0, config.vocab_size, (batch, width), generator=torch.Generator().manual_seed(step))
@@ -103,8 +105,8 @@ def test_plugin_attention_equals_the_standard_absorbed_attention(form):
 
 def test_plugin_graph_wrapper_keeps_the_io_contract():
     model = use_decode_plugin(build_model(plugin_recipe().model, "A_CC", std=0.3))
-    wrapper = DecoderGraph(model, "static")
-    past = model.empty_cache(2, 8, layout="static")
+    wrapper = DecoderGraph(model, STATIC)
+    past = model.empty_cache(2, 8, layout=STATIC)
     logits, present = wrapper(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[1], [4]]), torch.tensor([1, 4]),
                               *past)
     assert logits.shape == (2, 1, model.config.vocab_size) and present.shape == past[0].shape
@@ -136,7 +138,7 @@ def test_plugin_needs_an_absorbed_form_and_the_static_cache():
 
 def test_real_manifest_gives_static_profiles_and_a_plugin_build_plan(artifact):
     """The exported manifest (static cache, plugin decode) feeds the TensorRT profiles and build plan."""
-    from mla_deploy.runtime.artifact import load_manifest
+    from mla_deploy.artifact import load_manifest
     from mla_deploy.trt.build import build_plan
 
     plan = build_plan(load_manifest(artifact), None, "11.4.0.106")
@@ -148,7 +150,7 @@ def test_real_manifest_gives_static_profiles_and_a_plugin_build_plan(artifact):
 
 def test_onnx_runtime_refuses_a_plugin_artifact_with_one_clear_error(artifact):
     from mla_deploy.errors import RuntimeMissingError
-    from mla_deploy.runtime.ort_engine import OrtEngine
+    from mla_deploy.engines.ort_engine import OrtEngine
 
     with pytest.raises(RuntimeMissingError, match='decode_attention = "standard"'):
         OrtEngine(artifact)

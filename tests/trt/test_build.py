@@ -103,7 +103,7 @@ def test_build_record_written_and_read_back(manifest_factory, tmp_path):
     path = write_build_record(folder, record)
     assert path.name == BUILD_RECORD and sorted(p.name for p in folder.iterdir()) == [BUILD_RECORD]  # no temp file
     data = json.loads(path.read_text())
-    assert data["format"] == RECORD_FORMAT and data["fingerprint"] == manifest["fingerprint"]
+    assert data["format"] == RECORD_FORMAT and data["fingerprint"] == manifest.fingerprint
     assert data["tensorrt"] == "10.13.0" and data["gpu"] == "NVIDIA H100 80GB HBM3"
     assert data["precision"] == "fp16" and data["strongly_typed"] is False and data["precision_flags"] == ["fp16"]
     assert data["build_seconds"] == 2.5 and data["workspace_mib"] == 4096 and data["timing_cache"] == "timing.cache"

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from mla_deploy.artifact import Manifest
 from mla_deploy.errors import ArtifactError, ConfigError
 from mla_deploy.recipe import BuildSettings
-from mla_deploy.trt.profiles import (axis_ranges, build_settings_from_manifest, engine_profiles, input_shapes,
-                                     polygraphy_profile, profiles_to_json)
+from mla_deploy.trt.profiles import axis_ranges, engine_profiles, input_shapes, polygraphy_profile, profiles_to_json
 
 # tiny.toml: batch [1, 2, 4], prompt_length [1, 8, 32], past_length [1, 32, 64]; max_cache_length 64; C = 24
 
@@ -45,12 +46,13 @@ def test_explicit_build_settings_override_the_manifest(manifest_factory):
 
 
 def test_manifest_build_section_round_trips_through_json(manifest_factory):
-    manifest = json.loads(json.dumps(manifest_factory("static")))  # lists, as read from manifest.json
-    build = build_settings_from_manifest(manifest)
+    written = manifest_factory("static")
+    manifest = Manifest.from_dict(json.loads(json.dumps(written.to_dict())))  # lists, as read from manifest.json
+    build = manifest.build_settings()
     assert build.batch == (1, 2, 4) and build.past_length == (1, 32, 64)
-    assert build_settings_from_manifest({}) == BuildSettings()
+    assert dataclasses.replace(written, recipe={}).build_settings() == BuildSettings()
     with pytest.raises(ArtifactError, match="build"):
-        build_settings_from_manifest({"recipe": {"build": {"batches": [1, 1, 1]}}})
+        dataclasses.replace(written, recipe={"build": {"batches": [1, 1, 1]}}).build_settings()
 
 
 def test_axis_ranges_errors():
