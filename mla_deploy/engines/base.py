@@ -190,7 +190,7 @@ class Engine:
         self._synchronize()
         out = {"logits": self._to_host(logits)}
         for i, cache in enumerate(state.caches):
-            out[present_name(i)] = self._to_host(self.layout.held(cache, state))
+            out[present_name(i)] = self.layout.held(self._to_host(cache), state)  # an OrtValue cannot be sliced
         return out
 
     # generation --------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """TensorRT engines: optimisation profiles (:mod:`.profiles`, pure Python), the Polygraphy build
-(:mod:`.build`), the engine runner (:mod:`.runner`) and the loader of the ``plugins/mla_decode`` sources
-(:mod:`.plugin_loader`). ``tensorrt`` is imported only by the functions that need it.
+(:mod:`.build`) and the loader of the ``plugins/mla_decode`` sources (:mod:`.plugin_loader`). The engine that
+runs the built engines is :class:`mla_deploy.engines.trt_engine.TrtEngine` (also reachable here as ``TrtEngine``).
+``tensorrt`` is imported only by the functions that need it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ _LAZY = {
     "engine_profiles": ".profiles",
     "build_engines": ".build",
     "require_tensorrt": ".build",
-    "TrtEngine": ".runner",
+    "TrtEngine": "mla_deploy.engines.trt_engine",
     "register_mla_decode_plugin": ".plugin_loader",
 }
 

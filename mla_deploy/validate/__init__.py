@@ -8,10 +8,11 @@ Main entry points (imported lazily: Polygraphy, torch and onnxruntime load on fi
     result.raise_for_failure()                             # AccuracyError naming the worst output and step
 
 * :mod:`.trajectory`: the prefill + teacher-forced decode trajectory as Polygraphy feed dicts.
-* :mod:`.runners`: stateful Polygraphy runners (PyTorch reference, ONNX Runtime, optional TensorRT).
+* :mod:`.runners`: stateful Polygraphy runners (PyTorch reference, ONNX Runtime, optional TensorRT), over the
+  engines of :mod:`mla_deploy.engines`.
 * :mod:`.compat`: Polygraphy 0.49 - 0.53 differences.
 * :mod:`.metrics`, :mod:`.report`, :mod:`.report_html`: figures and the report files.
-* :func:`check_artifact` (from :mod:`mla_deploy.artifact_check`): artifact integrity, usable by any command.
+* :func:`check_artifact` (from :mod:`mla_deploy.artifact`): artifact integrity, usable by any command.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 _LAZY = {
     "validate_artifact": "mla_deploy.validate.core",
     "ValidationResult": "mla_deploy.validate.core",
-    "check_artifact": "mla_deploy.artifact_check",
+    "check_artifact": "mla_deploy.artifact",
     "Trajectory": "mla_deploy.validate.trajectory",
     "TrajectoryLoader": "mla_deploy.validate.trajectory",
     "make_trajectory": "mla_deploy.validate.trajectory",

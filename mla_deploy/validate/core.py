@@ -1,6 +1,6 @@
 """``validate_artifact``: run an artifact and its PyTorch original over one trajectory and compare them.
 
-1. :func:`~mla_deploy.artifact_check.check_artifact` (files whole, manifest consistent with the graphs).
+1. :func:`~mla_deploy.artifact.check_artifact` (files whole, manifest consistent with the graphs).
 2. The runners (:class:`TorchRunner` reference, :class:`OrtRunner`, optionally TensorRT) go through
    ``Comparator.run`` over a :class:`TrajectoryLoader` (prefill, then teacher-forced decode steps); the
    ``RunResults`` are saved (``run_results.json``, ``inputs.json``) so they can be compared again later.
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import AccuracyError, InputError, MLADeployError
+from ..artifact import Manifest, check_artifact
+from ..errors import AccuracyError, InputError
 from ..recipe import Tolerance, ValidateSettings
+from .report import INPUTS_FILE, REPORT_JSON, build_report, environment
+from .report import write_reports as write_files
 
-RESULTS_FILE = "run_results.json"
-INPUTS_FILE = "inputs.json"
-REPORT_FILES = ("report.json", "report.html", "report.md")
 RUNTIMES = ("onnxrt", "tensorrt")
 
 
@@ -71,17 +71,6 @@ class ValidationResult:
         return self.summary()
 
 
-def validate_settings(manifest: dict[str, Any]) -> ValidateSettings:
-    """The ``[validate]`` section of the recipe recorded in the manifest (defaults when absent)."""
-    raw = dict((manifest.get("recipe") or {}).get("validate") or {})
-    try:
-        return ValidateSettings(**raw)
-    except (TypeError, ValueError, MLADeployError) as exc:
-        from ..errors import ArtifactError
-
-        raise ArtifactError(f"manifest.json [recipe.validate] is not valid: {exc}") from None
-
-
 def output_names(layers: int) -> list[str]:
     """``logits`` then ``present_latent.{i}`` for each layer: what every runner returns per step."""
     from ..io_spec import present_name
@@ -120,25 +109,21 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
         RuntimeMissingError: Polygraphy, ONNX Runtime (or TensorRT when asked for) is unavailable.
         InputError: bad ``runtimes``/``steps``/``load_results``. CacheCapacityError: the trajectory does not fit.
     """
-    from ..artifact_check import check_artifact
-    from ..runtime.artifact import manifest_config
     from . import compat
-    from .report import build_report, environment, write_reports as write_files
 
     compat.polygraphy_version()
     root = Path(artifact_dir)
     manifest = check_artifact(root)
-    config = manifest_config(manifest)
-    settings = validate_settings(manifest)
-    names = output_names(config.num_hidden_layers)
-    tolerances = _tolerances(tolerance, settings, manifest["precision"], names)
+    settings = manifest.validate_settings()
+    names = output_names(manifest.config.num_hidden_layers)
+    tolerances = _tolerances(tolerance, settings, manifest.precision, names)
     out = Path(out_dir) if out_dir is not None else root / "validation"
     if load_results is not None:
         with compat.quiet(quiet):
             run_results, feeds, providers, trajectory = _load(Path(load_results), names)
     else:
-        run_results, feeds, providers, trajectory = _run(root, manifest, config, settings, steps, runtimes,
-                                                         provider, threads, prompt_lengths, quiet)
+        run_results, feeds, providers, trajectory = _run(root, manifest, settings, steps, runtimes, provider,
+                                                         threads, prompt_lengths, quiet)
     runners = compat.runner_names(run_results)
     reference = "torch" if "torch" in runners else runners[0]
     others = [name for name in runners if name != reference]
@@ -176,7 +161,8 @@ def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: li
     return out
 
 
-def _run(root, manifest, config, settings, steps, runtimes, provider, threads, prompt_lengths, quiet):
+def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runtimes, provider, threads,
+         prompt_lengths, quiet):
     from . import compat
     from .runners import OrtRunner, TorchRunner, trt_runner
     from .trajectory import TrajectoryLoader, make_trajectory
@@ -185,9 +171,8 @@ def _run(root, manifest, config, settings, steps, runtimes, provider, threads, p
     if unknown or not runtimes:
         raise InputError(f"runtimes must be among {', '.join(RUNTIMES)}, got {list(runtimes)}")
     decode_steps = settings.decode_steps if steps is None else int(steps)
-    capacity = manifest.get("max_cache_length") if manifest["cache"].get("mode") == "static" else None
-    trajectory = make_trajectory(config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
-                                 settings.seed, prompt_lengths, capacity)
+    trajectory = make_trajectory(manifest.config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
+                                 settings.seed, prompt_lengths, manifest.capacity)
     runners = [TorchRunner.from_artifact(root, manifest)]
     if "onnxrt" in runtimes:
         runners.append(OrtRunner(root, provider=provider, threads=threads))
@@ -216,7 +201,7 @@ def _load(path: Path, names: list[str]):
     inputs = path.parent / INPUTS_FILE
     if inputs.is_file():
         feeds = compat.load_feed_dicts(inputs)
-    previous = path.parent / "report.json"
+    previous = path.parent / REPORT_JSON
     if previous.is_file():
         try:
             old = json.loads(previous.read_text())

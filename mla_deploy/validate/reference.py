@@ -1,19 +1,20 @@
 """The PyTorch reference of an artifact: the original (non-absorbed, ``CC``) model in float32.
 
-Rebuilt from the artifact itself: the manifest's model config (:meth:`MLAConfig.from_dict`) and either the
-original-form weights of a preset export (``reference.safetensors``, named by ``manifest["weights"]["file"]``)
-or, for ``"kind": "hf"``, the Hugging Face checkpoint at ``manifest["weights"]["path"]``.
+Rebuilt from the artifact itself: the manifest's model config (:attr:`Manifest.config
+<mla_deploy.artifact.Manifest.config>`) and either the original-form weights of a preset export
+(``reference.safetensors``, named by ``manifest.weights.file``) or, for ``kind == "hf"``, the Hugging Face
+checkpoint at ``manifest.weights.path``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from ..artifact import Manifest
 from ..errors import ArtifactError, CheckpointError
 
 
-def load_reference_model(artifact_dir: str | Path, manifest: dict[str, Any]):
+def load_reference_model(artifact_dir: str | Path, manifest: Manifest):
     """The fp32 ``CC``-form :class:`~mla_deploy.model.decoder.MLAForCausalLM` an artifact was exported from.
 
     Raises:
@@ -23,14 +24,12 @@ def load_reference_model(artifact_dir: str | Path, manifest: dict[str, Any]):
     import torch
 
     from ..model.decoder import MLAForCausalLM
-    from ..runtime.artifact import manifest_config
 
     root = Path(artifact_dir)
-    config = manifest_config(manifest)
-    weights = manifest.get("weights") or {}
-    kind = weights.get("kind")
-    if weights.get("file"):
-        path = root / weights["file"]
+    config, weights = manifest.config, manifest.weights
+    kind = weights.kind
+    if weights.file:
+        path = root / weights.file
         if not path.is_file():
             raise ArtifactError(f"the reference weights {path} named by manifest.json are missing")
         from safetensors import SafetensorError
@@ -47,9 +46,9 @@ def load_reference_model(artifact_dir: str | Path, manifest: dict[str, Any]):
             first = str(exc).strip().splitlines()[0]
             raise ArtifactError(f"{path} does not hold the weights of the manifest's model: {first}") from None
     elif kind == "hf":
-        path = Path(str(weights.get("path", "")))
-        if not weights.get("path") or not path.exists():
-            raise ArtifactError(f"the checkpoint {weights.get('path')!r} named by manifest.json is not there; "
+        path = Path(str(weights.path or ""))
+        if not weights.path or not path.exists():
+            raise ArtifactError(f"the checkpoint {weights.path!r} named by manifest.json is not there; "
                                 f"the PyTorch reference needs it")
         from ..checkpoint import load_checkpoint
 

@@ -1,5 +1,6 @@
 """The validation report: ``report.json`` (every figure), ``report.md`` (a pull-request summary) and
-``report.html`` (:mod:`.report_html`). Each file is written under a temporary name and renamed into place.
+``report.html`` (:mod:`.report_html`), beside Polygraphy's ``run_results.json`` and ``inputs.json`` of the run.
+Each file is written under a temporary name and renamed into place (:mod:`mla_deploy.artifact.files`).
 
 ``report.json`` layout::
 
@@ -18,16 +19,20 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..artifact import Manifest, atomic_file, atomic_write_bytes
 from .metrics import StepFigures, error_figures, severity, step_masks, top1_agreement
 from .trajectory import step_role
 
 FORMAT = "mla-deploy-validation"
 FORMAT_VERSION = 1
+RESULTS_FILE = "run_results.json"
+INPUTS_FILE = "inputs.json"
+REPORT_JSON, REPORT_HTML, REPORT_MD = "report.json", "report.html", "report.md"
+REPORT_FILES = (REPORT_JSON, REPORT_HTML, REPORT_MD)
 
 
 def environment(providers: dict[str, str]) -> dict[str, Any]:
@@ -45,7 +50,7 @@ def environment(providers: dict[str, str]) -> dict[str, Any]:
             "machine": platform.machine()}
 
 
-def build_report(root: Path, manifest: dict, run_results, accuracy, reference: str, others: Sequence[str],
+def build_report(root: Path, manifest: Manifest, run_results, accuracy, reference: str, others: Sequence[str],
                  names: Sequence[str], feeds: list[dict] | None, tolerances: dict, check_error_stat: str,
                  env: dict, trajectory: dict, source: str) -> dict[str, Any]:
     """Every figure of a comparison as plain data (see the module docstring)."""
@@ -90,15 +95,14 @@ def build_report(root: Path, manifest: dict, run_results, accuracy, reference: s
         worst = {"runner": runner, "reference": reference, "output": name, "step": fig.step, "role": fig.role,
                  "max_abs": fig.max_abs, "max_rel": fig.max_rel, "mean_abs": fig.mean_abs, "cosine": fig.cosine,
                  "atol": tol.atol, "rtol": tol.rtol, "passed": not failed, "severity": sev}
-    graphs = manifest.get("graphs", {})
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "passed": all(r["passed"] for r in runners.values()),
-        "artifact": {"path": str(root), "name": manifest.get("name"), "fingerprint": manifest.get("fingerprint"),
-                     "precision": manifest.get("precision"), "cache_mode": manifest.get("cache", {}).get("mode"),
+        "artifact": {"path": str(root), "name": manifest.name, "fingerprint": manifest.fingerprint,
+                     "precision": manifest.precision, "cache_mode": manifest.layout.mode,
                      "layers": len(names) - 1,
-                     "graphs": {role: {"file": g.get("file"), "form": g.get("form"), "sha256": g.get("sha256")}
-                                for role, g in graphs.items()}},
+                     "graphs": {role: {"file": g.file, "form": g.form, "sha256": g.sha256}
+                                for role, g in manifest.graphs.items()}},
         "environment": env,
         "trajectory": {**trajectory, "source": source, "valid_masks": feeds is not None},
         "comparison": {"reference": reference, "runners": list(others), "check_error_stat": check_error_stat,
@@ -119,20 +123,9 @@ def _rate(top1: list[dict]) -> float:
     return sum(t["agree"] for t in top1) / positions if positions else 1.0
 
 
-def atomic_write(path: Path, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        if isinstance(data, str):
-            tmp.write_text(data, encoding="utf-8")
-        else:
-            tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+def _write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` as UTF-8, atomically."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_reports(out: Path, report: dict, run_results=None, feeds: list[dict] | None = None) -> dict[str, Path]:
@@ -148,27 +141,23 @@ def write_reports(out: Path, report: dict, run_results=None, feeds: list[dict] |
     files: dict[str, Path] = {}
     with compat.quiet():
         _save_results(out, files, run_results, feeds)
-    report = {**report, "files": {**{k: k for k in files}, "report.json": "report.json",
-                                  "report.html": "report.html", "report.md": "report.md"}}
-    files["report.json"] = atomic_write(out / "report.json", json.dumps(report, indent=2, default=_json_default) + "\n")
-    files["report.md"] = atomic_write(out / "report.md", render_markdown(report))
-    files["report.html"] = atomic_write(out / "report.html", render_html(report))
+    report = {**report, "files": {**{k: k for k in files}, **{k: k for k in REPORT_FILES}}}
+    files[REPORT_JSON] = _write_text(out / REPORT_JSON, json.dumps(report, indent=2, default=_json_default) + "\n")
+    files[REPORT_MD] = _write_text(out / REPORT_MD, render_markdown(report))
+    files[REPORT_HTML] = _write_text(out / REPORT_HTML, render_html(report))
     return files
 
 
 def _save_results(out: Path, files: dict, run_results, feeds) -> None:
     from . import compat
-    from .core import INPUTS_FILE, RESULTS_FILE
 
     if run_results is not None:
-        tmp = out / f".{RESULTS_FILE}.tmp-{os.getpid()}"
-        compat.save_run_results(run_results, tmp)
-        os.replace(tmp, out / RESULTS_FILE)
+        with atomic_file(out / RESULTS_FILE) as tmp:
+            compat.save_run_results(run_results, tmp)
         files[RESULTS_FILE] = out / RESULTS_FILE
     if feeds is not None:
-        tmp = out / f".{INPUTS_FILE}.tmp-{os.getpid()}"
-        compat.save_feed_dicts(feeds, tmp)
-        os.replace(tmp, out / INPUTS_FILE)
+        with atomic_file(out / INPUTS_FILE) as tmp:
+            compat.save_feed_dicts(feeds, tmp)
         files[INPUTS_FILE] = out / INPUTS_FILE
 
 

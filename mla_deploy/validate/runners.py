@@ -6,8 +6,12 @@ graph (or the reference model) on the runner's own cache from the previous step.
 out their caches differently (concat with padding holes, static buffers) compare element for element.
 
 * :class:`TorchRunner`: the original ``CC``-form model in fp32, rebuilt from the artifact.
-* :class:`OrtRunner`: the artifact run by :class:`~mla_deploy.runtime.ort_engine.OrtEngine`.
-* :func:`trt_runner`: an optional hook for a TensorRT engine with the same protocol (``mla_deploy.trt``).
+* :class:`OrtRunner`: the artifact run by :class:`~mla_deploy.engines.ort_engine.OrtEngine`.
+* :func:`trt_runner`: the artifact's TensorRT engines run by :class:`~mla_deploy.engines.trt_engine.TrtEngine`.
+
+Which cache rows belong to real tokens is asked of the runner's
+:class:`~mla_deploy.cache_layout.CacheLayout` (a row-less :class:`~mla_deploy.cache_layout.CacheState`
+kept beside the runner's own state).
 
 Polygraphy's own ``PytRunner`` cannot be used (it calls the module with no arguments, casts with Polygraphy
 dtypes, moves inputs to CUDA unconditionally and returns a tuple).
@@ -18,12 +22,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
 
-from ..errors import InputError, RuntimeMissingError
+from ..artifact import Manifest
+from ..cache_layout import CONCAT, CacheLayout, CacheState
+from ..errors import InputError
 from ..io_spec import present_name
 from .trajectory import canonical_logits, canonical_rows, input_metadata, step_role
 
@@ -33,26 +39,28 @@ class TrajectoryRunner(BaseRunner):
 
     Args:
         layers: number of decoder layers (one ``present_latent.{i}`` output each).
-        layout: how the runner's cache rows are laid out: ``concat`` (slots appended in order, padding slots
-            included) or ``static`` (slot ``t`` holds position ``t``).
+        layout: the :class:`~mla_deploy.cache_layout.CacheLayout` of the rows the runner returns (e.g.
+            :data:`~mla_deploy.cache_layout.CONCAT`: slots appended in order, padding slots included;
+            :data:`~mla_deploy.cache_layout.STATIC`: slot ``t`` holds position ``t``).
         name: the runner's name in Polygraphy's results.
+    Raises:
+        TypeError: ``layout`` is not a CacheLayout.
     """
 
-    def __init__(self, layers: int, layout: str, name: str, prefix: str):
+    def __init__(self, layers: int, layout: CacheLayout, name: str, prefix: str):
         super().__init__(name=name, prefix=prefix)
-        if layout not in ("concat", "static"):
-            raise ValueError(f"layout must be concat or static, got {layout!r}")
+        if not isinstance(layout, CacheLayout):
+            raise TypeError(f"layout must be a CacheLayout (CONCAT or STATIC), got {layout!r}")
         self.layers = layers
         self.layout = layout
 
     # Polygraphy interface -------------------------------------------------------------------
     def activate_impl(self) -> None:
         self._state = None
-        self._slot_valid = None
-        self._lengths = None
+        self._slots = None
 
     def deactivate_impl(self) -> None:
-        del self._state, self._slot_valid, self._lengths
+        del self._state, self._slots
 
     def get_input_metadata_impl(self):
         return input_metadata()
@@ -72,24 +80,17 @@ class TrajectoryRunner(BaseRunner):
         batch = ids.shape[0]
         if step == 0:
             self._state = self._new_state(batch)
-            self._slot_valid = np.zeros((batch, 0), dtype=np.int64)
-            self._lengths = np.zeros(batch, dtype=np.int64)
+            self._slots = _slot_bookkeeping(batch)
         elif self._state is None:
             raise InputError(f"{self.name}: a trajectory must start with a prefill (step 0), got step {step}")
         start = time.perf_counter()
         logits, rows = self._forward(step_role(step), ids, pos, valid)
         self.inference_time = time.perf_counter() - start
-        self._lengths = self._lengths + valid.sum(axis=1)
-        if self.layout == "concat":
-            self._slot_valid = np.concatenate((self._slot_valid, valid), axis=1)
+        self.layout.advance(self._slots, valid, self.layout.control_input(self._slots, valid), [])
         out = OrderedDict(logits=canonical_logits(logits, valid))
         for i, layer_rows in enumerate(rows):
             layer_rows = np.asarray(layer_rows, dtype=np.float32)
-            if self.layout == "concat":
-                slot_valid = self._slot_valid
-            else:
-                slot_valid = np.arange(layer_rows.shape[1])[None, :] < self._lengths[:, None]
-            out[present_name(i)] = canonical_rows(layer_rows, slot_valid)
+            out[present_name(i)] = canonical_rows(layer_rows, self.layout.slot_valid(self._slots, layer_rows.shape[1]))
         return out
 
     # subclass interface ---------------------------------------------------------------------
@@ -101,6 +102,12 @@ class TrajectoryRunner(BaseRunner):
         raise NotImplementedError
 
 
+def _slot_bookkeeping(batch: int) -> CacheState:
+    """A row-less cache state of ``batch`` sequences: the lengths (and key-valid mask, for a layout that keeps
+    one) that :meth:`CacheLayout.slot_valid` reads, advanced like an engine's."""
+    return CacheState(np.zeros(batch, dtype=np.int64), [], np.zeros((batch, 0), dtype=np.int64))
+
+
 class TorchRunner(TrajectoryRunner):
     """The PyTorch reference: the original ``CC``-form model in fp32 with a growing (concat) latent cache.
 
@@ -110,11 +117,11 @@ class TorchRunner(TrajectoryRunner):
     """
 
     def __init__(self, model, name: str = "torch"):
-        super().__init__(model.config.num_hidden_layers, "concat", name, "torch-runner")
+        super().__init__(model.config.num_hidden_layers, CONCAT, name, "torch-runner")
         self._model = model
 
     @classmethod
-    def from_artifact(cls, artifact_dir: str | Path, manifest: dict[str, Any], name: str = "torch") -> "TorchRunner":
+    def from_artifact(cls, artifact_dir: str | Path, manifest: Manifest, name: str = "torch") -> "TorchRunner":
         from .reference import load_reference_model
 
         return cls(load_reference_model(artifact_dir, manifest), name=name)
@@ -123,26 +130,24 @@ class TorchRunner(TrajectoryRunner):
         """Per layer ``[B, 0, C]`` float32 caches and the key-valid mask ``[B, 0]``."""
         import torch
 
-        return {"caches": self._model.empty_cache(batch, 0, dtype=torch.float32),
+        return {"caches": self._model.empty_cache(batch, 0, CONCAT, dtype=torch.float32),
                 "key_valid": torch.zeros(batch, 0, dtype=torch.long)}
 
     def _forward(self, role, ids, pos, valid):
         import torch
 
-        from ..model.cache import ConcatCache
-
         key_valid = torch.cat((self._state["key_valid"], torch.from_numpy(valid)), dim=1)
         with torch.inference_mode():
             logits, presents = self._model(torch.from_numpy(ids), torch.from_numpy(pos), self._state["caches"],
-                                           ConcatCache(key_valid))
+                                           CONCAT.policy(key_valid))
         self._state = {"caches": presents, "key_valid": key_valid}
         return logits.float().numpy(), [p.float().numpy() for p in presents]
 
 
 class EngineRunner(TrajectoryRunner):
-    """Any engine with :class:`~mla_deploy.runtime.ort_engine.OrtEngine`'s protocol: ``.config``, ``.cache_mode``,
+    """Any engine with :class:`~mla_deploy.engines.base.Engine`'s protocol: ``.config``, ``.layout``,
     ``.new_state(batch)`` and ``.forward(role, input_ids, position_ids, state, valid)`` returning ``logits`` and
-    ``present_latent.{i}`` (concat: every slot held; static: rows ``0 .. max(lengths)``).
+    ``present_latent.{i}`` (the rows :meth:`CacheLayout.held <mla_deploy.cache_layout.CacheLayout.held>` gives).
 
     Args:
         engine: the engine (built once; :meth:`activate` only resets the trajectory).
@@ -151,7 +156,7 @@ class EngineRunner(TrajectoryRunner):
     """
 
     def __init__(self, engine, name: str, provider: str | None = None, prefix: str = "engine-runner"):
-        super().__init__(engine.config.num_hidden_layers, engine.cache_mode, name, prefix)
+        super().__init__(engine.config.num_hidden_layers, engine.layout, name, prefix)
         self.engine = engine
         self.provider = provider or getattr(engine, "provider", None)
 
@@ -175,26 +180,20 @@ class OrtRunner(EngineRunner):
 
     def __init__(self, artifact_dir: str | Path, provider: str = "cpu", threads: int | None = None,
                  name: str = "onnxrt"):
-        from ..runtime.ort_engine import OrtEngine
+        from ..engines.ort_engine import OrtEngine
 
         engine = OrtEngine(artifact_dir, provider=provider, threads=threads)
         super().__init__(engine, name, engine.provider, prefix="onnxrt-runner")
 
 
 def trt_runner(artifact_dir: str | Path, name: str = "tensorrt", **kwargs) -> EngineRunner:
-    """A TensorRT runner, when ``mla_deploy.trt`` provides an engine with the OrtEngine protocol.
-
-    Looks for ``mla_deploy.trt.TrtEngine(artifact_dir, **kwargs)``.
+    """The artifact's TensorRT engines (built by ``mla-deploy build``) as a runner:
+    :class:`~mla_deploy.engines.trt_engine.TrtEngine` ``(artifact_dir, **kwargs)``.
 
     Raises:
-        RuntimeMissingError: ``mla_deploy.trt`` (or its ``TrtEngine``) is absent, or TensorRT is not installed.
+        RuntimeMissingError: TensorRT or a CUDA GPU is missing. ArtifactError: no, stale or unloadable engines.
     """
-    try:
-        from .. import trt as trt_module
-    except ImportError as exc:
-        raise RuntimeMissingError(f"no TensorRT runtime in this mla-deploy (mla_deploy.trt: {exc})") from None
-    factory: Callable | None = getattr(trt_module, "TrtEngine", None)
-    if factory is None:
-        raise RuntimeMissingError("mla_deploy.trt provides no TrtEngine to validate")
-    engine = factory(artifact_dir, **kwargs)
-    return EngineRunner(engine, name, getattr(engine, "provider", "TensorRT"), prefix="trt-runner")
+    from ..engines.trt_engine import TrtEngine
+
+    engine = TrtEngine(artifact_dir, **kwargs)
+    return EngineRunner(engine, name, engine.provider, prefix="trt-runner")

@@ -10,12 +10,12 @@ import torch
 from mla_deploy import load_recipe
 from mla_deploy.exporter import export_recipe
 from mla_deploy.model import build_model
-from mla_deploy.runtime.ort_engine import OrtEngine
+from mla_deploy.engines.ort_engine import OrtEngine
 
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "tiny"
 recipe = load_recipe("tiny")  # export/tiny.toml: static (in-place) cache, fp32, opset 24
-manifest = export_recipe(recipe, out, overwrite=True)
-print("graphs:", {role: g["form"] for role, g in manifest["graphs"].items()}, "cache:", manifest["cache"]["width"], "wide")
+manifest = export_recipe(recipe, out, overwrite=True)  # a mla_deploy.artifact.Manifest
+print("graphs:", {role: g.form for role, g in manifest.graphs.items()}, "cache:", manifest.cache["width"], "wide")
 
 engine = OrtEngine(out, threads=1)
 prompts = [[1, 2, 3, 4], [9, 8]]

@@ -1,4 +1,4 @@
-"""The TensorRT runner's pure parts (binding addresses, profile bounds, prompt padding) and the plugin loader."""
+"""The TensorRT engine's pure parts (binding addresses, profile bounds, prompt padding) and the plugin loader."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mla_deploy.errors import CacheCapacityError, InputError, RuntimeMissingError, ShapeError
+from mla_deploy.engines.base import pad_prompts
+from mla_deploy.engines.trt_engine import ALIGNMENT, binding_address, check_in_profile
 from mla_deploy.trt.plugin_loader import load_plugin_module, plugins_dir
-from mla_deploy.trt.runner import ALIGNMENT, binding_address, check_in_profile, pad_prompts
 
 
 def _aligned(nbytes: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from mla_deploy.artifact_check import check_artifact
+from mla_deploy.artifact import check_artifact
 from mla_deploy.cli import main
 from mla_deploy.errors import ArtifactError
 from validate_helpers import rerecord, scale_initializer
@@ -29,7 +29,7 @@ def _truncate(artifact, role="prefill"):
 
 def test_intact_artifact(tiny_static):
     manifest = check_artifact(tiny_static)
-    assert set(manifest["graphs"]) == {"prefill", "decode"}
+    assert set(manifest.graphs) == {"prefill", "decode"}
 
 
 DAMAGE = {

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mla_deploy.cache_layout import get_layout
 from mla_deploy.validate import compat
 from mla_deploy.validate.metrics import error_figures, step_masks, top1_agreement
 from mla_deploy.validate.runners import EngineRunner
@@ -25,10 +26,11 @@ GARBAGE = 999.0
 
 
 class ToyEngine:
-    """OrtEngine's protocol over a toy model: row(token, pos, layer) = [token, pos, layer + 1]."""
+    """The engines' protocol over a toy model: row(token, pos, layer) = [token, pos, layer + 1]."""
 
     def __init__(self, cache_mode: str, capacity: int = 32, bug_at_position: int | None = None):
         self.config = SimpleNamespace(num_hidden_layers=LAYERS)
+        self.layout = get_layout(cache_mode)
         self.cache_mode, self.capacity, self.bug = cache_mode, capacity, bug_at_position
         self.provider = f"toy-{cache_mode}"
 
@@ -182,3 +184,11 @@ def test_trajectory_feeds():
 
     with pytest.raises(CacheCapacityError):
         make_trajectory(V, 2, 4, 30, capacity=32)
+
+
+def test_runner_layout_is_a_cache_layout_not_a_mode_name():
+    engine = ToyEngine("static")
+    assert EngineRunner(engine, "x").layout is engine.layout
+    engine.layout = "static"
+    with pytest.raises(TypeError, match="CacheLayout"):
+        EngineRunner(engine, "x")

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from artifacts import reference_model, tiny_artifact
+from mla_deploy.cache_layout import get_layout
 from mla_deploy.errors import ArtifactError, CacheCapacityError, InputError, RuntimeMissingError, ShapeError
 from mla_deploy.model import ConcatCache, StaticCache
-from mla_deploy.runtime.ort_engine import OrtEngine
+from mla_deploy.engines.ort_engine import OrtEngine
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [27, 18, 28, 18]]  # lengths 7 and 4
 STEPS = 64
@@ -30,7 +31,7 @@ class TorchTrajectory:
 
     def __init__(self, model, mode: str, batch: int, capacity: int):
         self.model, self.mode = model, mode
-        self.past = model.empty_cache(batch, capacity if mode == "static" else 0, layout=mode)
+        self.past = model.empty_cache(batch, capacity if mode == "static" else 0, layout=get_layout(mode))
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self.key_valid = torch.zeros(batch, 0, dtype=torch.long)
 

@@ -1,1 +1,0 @@
-"""Runtimes that execute exported artifacts."""

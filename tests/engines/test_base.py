@@ -1,0 +1,184 @@
+"""The shared engine interface (mla_deploy.engines.base): prompt padding, the one prefill + decode loop over a
+toy NumPy engine, both cache layouts giving the same tokens through it on a real artifact, capacity refusals
+that come from the layout, and the TensorRT engine standing on the base alone."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from artifacts import tiny_artifact
+from mla_deploy.cache_layout import CONCAT, STATIC
+from mla_deploy.engines.base import Engine, Generation, check_ids, pad_prompts
+from mla_deploy.errors import CacheCapacityError, InputError, ShapeError
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [27, 18, 28, 18]]  # lengths 7 and 4
+V, C = 16, 2
+
+
+# padding and ids ----------------------------------------------------------------------------------------
+def test_pad_prompts_right_pads_and_reports_lengths():
+    ids, valid, lengths = pad_prompts([[5, 6, 7], [9], [1, 2]], vocab_size=10)
+    assert ids.dtype == valid.dtype == lengths.dtype == np.int64
+    assert ids.tolist() == [[5, 6, 7], [9, 0, 0], [1, 2, 0]]
+    assert valid.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert lengths.tolist() == [3, 1, 2]
+
+
+@pytest.mark.parametrize("prompts,message", [([], "at least one token"), ([[1], []], "at least one token"),
+                                             ([[1, 10]], "token id 10 is outside"),
+                                             ([[-1, 2]], "token id -1 is outside")])
+def test_pad_prompts_errors(prompts, message):
+    with pytest.raises(InputError, match=message):
+        pad_prompts(prompts, vocab_size=10)
+
+
+def test_check_ids():
+    check_ids(np.zeros((2, 0), np.int64), 4)  # nothing to check
+    check_ids(np.array([[0, 3]]), 4)
+    with pytest.raises(InputError, match=r"token id 4 is outside the vocabulary \[0, 4\)"):
+        check_ids(np.array([[0, 4, 5]]), 4)
+
+
+# the loop over a toy engine -------------------------------------------------------------------------------
+class ToyEngine(Engine):
+    """A NumPy runtime on the base: the next token is ``(id + 1) % V``; the cache row of a token is
+    ``[id, position]``. Records every run."""
+
+    provider = "toy"
+
+    def __init__(self, layout, capacity=None):
+        config = SimpleNamespace(latent_dim=C, num_hidden_layers=2, vocab_size=V)
+        manifest = SimpleNamespace(config=config, layout=layout, precision="fp32", capacity=capacity)
+        super().__init__("toy", manifest)
+        self.runs = []
+
+    def _allocate(self, shape):
+        return np.zeros(shape, np.float32)
+
+    def _run(self, role, ids, positions, control, state):
+        self.runs.append((role, ids.copy(), positions.copy(), control.copy()))
+        logits = np.eye(V, dtype=np.float32)[(ids + 1) % V]
+        rows = np.stack([ids, positions], axis=-1).astype(np.float32)  # [B, S, C]
+        presents = []
+        for cache in state.caches:
+            if self.layout.in_place:
+                for b, start in enumerate(state.lengths):
+                    cache[b, 0, start: start + ids.shape[1]] = rows[b]
+                presents.append(cache)
+            else:
+                presents.append(np.concatenate((cache, rows), axis=1))
+        return logits, presents
+
+
+@pytest.mark.parametrize("layout", [CONCAT, STATIC], ids=["concat", "static"])
+def test_generate_is_prefill_then_decode_steps(layout):
+    engine = ToyEngine(layout, capacity=16)
+    result = engine.generate([[3, 4, 5], [7]], max_new_tokens=4)
+    assert isinstance(result, Generation)
+    assert result.tokens == [[6, 7, 8, 9], [8, 9, 10, 11]]  # each sequence continues from its own last token
+    assert result.decode_steps == 3 and result.provider == "toy" and len(engine.runs) == 4
+    role, ids, positions, control = engine.runs[0]
+    assert role == "prefill" and ids.tolist() == [[3, 4, 5], [7, 0, 0]] and positions.tolist() == [[0, 1, 2]] * 2
+    assert [run[0] for run in engine.runs[1:]] == ["decode"] * 3
+    assert [run[2][:, 0].tolist() for run in engine.runs[1:]] == [[3, 1], [4, 2], [5, 3]]  # own positions
+    if layout.in_place:
+        assert control.tolist() == [0, 0] and engine.runs[1][3].tolist() == [3, 1]  # write indices = rows held
+    else:
+        assert control.tolist() == [[1, 1, 1], [1, 0, 0]]  # the mask of the padded prompt
+        assert engine.runs[1][3].tolist() == [[1, 1, 1, 1], [1, 0, 0, 1]]
+    assert result.tokens_per_second > 0
+    info = engine.info()
+    assert info["cache_mode"] == layout.mode and info["capacity"] == (16 if layout.has_capacity else None)
+
+
+@pytest.mark.parametrize("layout", [CONCAT, STATIC], ids=["concat", "static"])
+def test_forward_returns_the_rows_held(layout):
+    engine = ToyEngine(layout, capacity=8)
+    state = engine.new_state(2)
+    ids, valid, _ = pad_prompts([[3, 4, 5], [7]], V)
+    out = engine.forward("prefill", ids, np.broadcast_to(np.arange(3), ids.shape), state, valid)
+    assert out["logits"].shape == (2, 3, V) and state.lengths.tolist() == [3, 1]
+    rows = out["present_latent.1"]
+    assert rows.shape == (2, 3, C)  # concat: every slot, padding included; static: slots 0 .. max(lengths)
+    keep = layout.slot_valid(state, rows.shape[1])
+    assert keep.tolist() == [[True] * 3, [True, False, False]]
+    assert rows[1, 0].tolist() == [7, 0] and rows[0, :, 1].tolist() == [0, 1, 2]
+
+
+def test_step_errors_are_typed():
+    engine = ToyEngine(CONCAT)
+    state = engine.new_state(2)
+    with pytest.raises(ShapeError, match=r"must both be \[2, S\]"):
+        engine.step("prefill", np.ones((1, 2), np.int64), np.zeros((1, 2), np.int64), state)
+    with pytest.raises(ShapeError, match="valid"):
+        engine.step("prefill", np.ones((2, 2), np.int64), np.zeros((2, 2), np.int64), state, np.ones((2, 3)))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        engine.step("prefill", np.full((2, 1), V), np.zeros((2, 1), np.int64), state)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        engine.generate([[1]], 0)
+    assert engine.runs == []  # nothing ran
+
+
+def test_capacity_refusals_come_from_the_layout():
+    """The engine's refusals are the layout's own: a fixed-capacity layout refuses, a growing one never does."""
+    engine = ToyEngine(STATIC, capacity=8)
+    with pytest.raises(CacheCapacityError) as by_layout:
+        STATIC.check_request(7, 4, 8)
+    with pytest.raises(CacheCapacityError) as by_engine:
+        engine.generate([[1] * 7], 4)
+    assert str(by_engine.value) == str(by_layout.value) and "capacity 8" in str(by_layout.value)
+    state = engine.new_state(1)
+    with pytest.raises(CacheCapacityError, match="0 cached \\+ 9 new tokens exceed the static cache capacity 8"):
+        engine.step("prefill", np.ones((1, 9), np.int64), np.arange(9)[None], state)
+    assert engine.runs == []
+    CONCAT.check_request(1000, 1000, None)  # a growing cache has no capacity to refuse
+    assert len(ToyEngine(CONCAT).generate([[1] * 20], 20).tokens[0]) == 20
+
+
+# the real ONNX Runtime engine through the shared loop --------------------------------------------------------
+def test_concat_and_static_artifacts_generate_the_same_tokens():
+    from mla_deploy.engines.ort_engine import OrtEngine
+
+    engines = [OrtEngine(tiny_artifact(mode), threads=1) for mode in ("concat", "static")]
+    assert [e.layout for e in engines] == [CONCAT, STATIC]
+    results = [e.generate(PROMPTS, 12) for e in engines]
+    assert results[0].tokens == results[1].tokens
+    assert all(r.decode_steps == 11 and len(r.tokens) == 2 for r in results)
+    states = [e.new_state(2) for e in engines]
+    ids, valid, _ = pad_prompts(PROMPTS, engines[0].config.vocab_size)
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    outs = [e.forward("prefill", ids, positions, s, valid) for e, s in zip(engines, states)]
+    for layer in range(engines[0].config.num_hidden_layers):  # the real rows agree once padding is dropped
+        kept = [o[f"present_latent.{layer}"][e.layout.slot_valid(s, o[f"present_latent.{layer}"].shape[1])]
+                for e, s, o in zip(engines, states, outs)]
+        np.testing.assert_allclose(kept[0], kept[1], atol=1e-5, rtol=0)
+
+
+# the TensorRT engine stands on the base alone ----------------------------------------------------------------
+def _imported_modules(path: Path) -> set[str]:
+    package = "mla_deploy.engines"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found |= {module, *(f"{module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found
+
+
+def test_trt_engine_imports_nothing_from_the_ort_engine():
+    import mla_deploy.engines.trt_engine as trt_engine
+
+    imported = _imported_modules(Path(trt_engine.__file__))
+    assert "mla_deploy.engines.base" in imported  # the loop comes from the base
+    assert not [m for m in imported if m.startswith(("mla_deploy.engines.ort_engine", "mla_deploy.runtime"))]
+    assert issubclass(trt_engine.TrtEngine, Engine)
+    for name in ("generate", "step", "forward"):  # not redefined: the shared loop
+        assert name not in vars(trt_engine.TrtEngine)
