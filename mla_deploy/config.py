@@ -224,6 +224,17 @@ class MLAConfig:
             raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes)
 
+    def first_layers(self, layers: int) -> "MLAConfig":
+        """The model cut to its first ``layers`` decoder layers (dense layers stay dense).
+
+        Raises:
+            ConfigError: ``layers`` outside ``1 .. num_hidden_layers``.
+        """
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.num_hidden_layers:
+            raise ConfigError(f"layers must be an integer in 1..{self.num_hidden_layers} (the model's "
+                              f"num_hidden_layers), got {layers!r}")
+        return self.replace(num_hidden_layers=layers, first_k_dense_replace=min(self.first_k_dense_replace, layers))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON/TOML friendly); ``rope_scaling`` becomes a nested dict or is dropped."""
         out = dataclasses.asdict(self)
@@ -270,7 +281,10 @@ def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source}: rope_scaling must be a table, got {raw!r}")
     raw = dict(raw)
-    kind = raw.pop("type", None) or raw.pop("rope_type", None)
+    kinds = {k for k in (raw.pop("type", None), raw.pop("rope_type", None)) if k is not None}
+    if len(kinds) > 1:  # transformers 5 writes both spellings when it converts a legacy rope_scaling
+        raise ConfigError(f"{source}: rope_scaling type and rope_type disagree ({', '.join(sorted(kinds))})")
+    kind = kinds.pop() if kinds else None
     raw.pop("rope_theta", None)
     if kind in (None, "default"):
         if any(k in raw for k in ("factor", "original_max_position_embeddings")):
@@ -402,3 +416,51 @@ def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | N
         theta = raw.get("rope_theta", 10000.0)
     yarn = _yarn_from_mapping(block, label) if block else None
     return float(theta), yarn
+
+
+_HF_ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_HF_MOE = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+           "topk_group", "topk_method", "scoring_func", "routed_scaling_factor", "norm_topk_prob")
+
+
+def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
+    """``config`` as a Hugging Face ``config.json`` dict: the inverse of :func:`from_hf_config`.
+
+    Every key transformers' ``DeepseekV2Config`` / ``DeepseekV3Config`` needs for the same model: the dimensions,
+    ``num_key_value_heads`` = the head count, the fixed math (``hidden_act`` silu, no attention bias), the rope
+    as transformers 5 writes it (one ``rope_parameters`` block: ``rope_type`` default or yarn, ``rope_theta``,
+    YaRN's fields), ``model_type`` and ``architectures``; for V3 also ``rope_interleave`` and
+    ``num_nextn_predict_layers = 0`` (no multi-token-prediction layers). A dense model (no routed experts) has no
+    MoE keys and ``first_k_dense_replace = num_hidden_layers``, so transformers builds a dense MLP in every layer.
+    ``from_hf_config(to_hf_config(c), name=c.name) == c``.
+
+    Args:
+        config: the model.
+        overrides: keys to set or replace (e.g. ``num_hidden_layers=2``, ``torch_dtype="bfloat16"``).
+    Returns:
+        a JSON-serialisable dict (``transformers.AutoConfig.for_model(**d)`` builds the transformers config).
+    """
+    c = config
+    out: dict[str, Any] = {
+        "architectures": [_HF_ARCHITECTURES[c.model_type]], "model_type": c.model_type,
+        **{k: getattr(c, k) for k in _HF_DIRECT if k not in _HF_MOE},
+        "num_key_value_heads": c.num_attention_heads, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "rope_parameters": _hf_rope_parameters(c),
+    }
+    if c.is_moe:
+        out.update({k: getattr(c, k) for k in _HF_MOE})
+    if c.model_type == "deepseek_v3":
+        out.update(rope_interleave=True, num_nextn_predict_layers=0)
+    out.update(overrides)
+    if not c.is_moe and "first_k_dense_replace" not in overrides:
+        out["first_k_dense_replace"] = out["num_hidden_layers"]  # every layer dense
+    return out
+
+
+def _hf_rope_parameters(config: MLAConfig) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` block: ``rope_type`` (default or yarn), ``rope_theta``, YaRN's fields."""
+    theta = float(config.rope_theta)
+    if config.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    yarn = {k: v for k, v in dataclasses.asdict(config.rope_scaling).items() if v is not None}
+    return {"rope_type": "yarn", "rope_theta": theta, **yarn}

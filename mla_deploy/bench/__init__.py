@@ -2,9 +2,10 @@
 (transformers' own attention) and against this machine's roofline.
 
 Modules: :mod:`.spec` (what is measured), :mod:`.stack` (the benched unit), :mod:`.graph` (its ONNX export),
-:mod:`.inputs`, one runner per family of paths (:mod:`.hf_path`, :mod:`.torch_paths`, :mod:`.ort_path`,
-:mod:`.trt_path`), :mod:`.worker` (one process per variant and pass), :mod:`.machine` (bandwidth, GEMM and
-memory probes), :mod:`.roofline`, :mod:`.driver` and :mod:`.report`. Heavy modules are imported lazily.
+:mod:`.inputs`, one timed-path class per family of paths (:mod:`.hf_path`, :mod:`.torch_paths`,
+:mod:`.ort_path`, :mod:`.trt_path`), :mod:`.worker` (one process per variant and pass), :mod:`.machine`
+(bandwidth, GEMM and memory probes), :mod:`.roofline`, :mod:`.driver` and :mod:`.report`. Heavy modules are
+imported lazily.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .spec import PATHS, BenchSpec
+from .spec import GRAPH_LAYOUTS, PATHS, BenchSpec
 
 
 def path_availability(paths) -> dict[str, dict]:
@@ -44,8 +44,9 @@ def path_availability(paths) -> dict[str, dict]:
 
 
 def _export_graphs(spec: BenchSpec, work: Path, paths, status: dict, echo) -> dict[str, str]:
-    """Export the concat and static graphs the requested paths need; a failure marks those paths unavailable."""
-    modes = {"ort-concat": "concat", "ort-static": "static", "trt": "static"}
+    """Export the graphs the requested paths need, one per cache layout (:data:`~.spec.GRAPH_LAYOUTS`), keyed by
+    the layout's mode; a failure marks the paths of that graph unavailable. TensorRT's engine is keyed ``trt``."""
+    modes = {p: layout.mode for p, layout in GRAPH_LAYOUTS.items()}
     wanted = sorted({modes[p] for p in paths if p in modes and status[p]["available"]})
     graphs = {}
     if not wanted:
@@ -73,19 +74,26 @@ def _export_graphs(spec: BenchSpec, work: Path, paths, status: dict, echo) -> di
         for p, m in modes.items():
             if m == mode and p in status:
                 status[p] = {"available": False, "reason": reason}
-    if "trt" in paths and status["trt"]["available"] and "static" in graphs:
+    if "trt" in paths and status["trt"]["available"] and modes["trt"] in graphs:
         from .trt_path import build_engine
 
         try:
             start = time.perf_counter()
-            engine = build_engine(graphs["static"], work / "attention_stack_static.engine", max(spec.batches),
-                                  max(spec.contexts) + spec.static_margin)
+            engine = build_engine(graphs[modes["trt"]], work / f"attention_stack_{modes['trt']}.engine", spec,
+                                  GRAPH_LAYOUTS["trt"])
             graphs["trt"] = str(engine)
             echo(f"built the TensorRT engine in {time.perf_counter() - start:.1f} s")
         except Exception as exc:  # TensorRT/Polygraphy raise many types; the row then says why
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             status["trt"] = {"available": False, "reason": f"engine build failed: {first}"}
     return graphs
+
+
+def _graph_of(path: str, graphs: dict[str, str]) -> str | None:
+    """The file ``path`` runs: TensorRT its engine, ONNX Runtime the graph of its layout, the others none."""
+    if path == "trt":
+        return graphs.get("trt")
+    return graphs.get(GRAPH_LAYOUTS[path].mode) if path in GRAPH_LAYOUTS else None
 
 
 def _run_worker(spec: BenchSpec, path: str, points, pass_index: int, work: Path, graph: str | None,
@@ -181,7 +189,7 @@ def run_bench(spec: BenchSpec, out_dir: str | Path, echo: Callable[[str], None] 
                 order, points = order[::-1], points[::-1]
             for path in order:
                 start = time.perf_counter()
-                graph = graphs.get("trt") if path == "trt" else graphs.get(path.split("-", 1)[1]) if path.startswith("ort-") else None
+                graph = _graph_of(path, graphs)
                 records, probes, info = _run_worker(spec, path, points, p, work, graph, echo)
                 runs.append({"path": path, "pass": p, "records": records, "probes": probes, "info": info,
                              "seconds": time.perf_counter() - start})

@@ -1,16 +1,19 @@
 """ONNX export of the benched unit (an attention stack's decode step), for ONNX Runtime and TensorRT.
 
 Not part of the exporter's public artifact contract: a bench-only graph built with the same machinery
-(:func:`mla_deploy.exporter.onnx_export.trace_to_onnx`, the model classes, the cache policies).
+(:func:`mla_deploy.exporter.trace_to_onnx` and ``cached_dynamic_shapes``, the cache layout's I/O, example
+state and cache policy). Its I/O
+is the layout's (:meth:`~mla_deploy.cache_layout.CacheLayout.io`) with the stack's own head:
 
 ==================== =========================================== ==============================================
 tensor               concat                                      static
 ==================== =========================================== ==============================================
-``hidden_states``    float32 [batch_size, 1, D]                  same
-``position_ids``     int64 [batch_size, 1]                       same
-``write_indices``    (absent)                                    int64 [batch_size]: rows held = write slot
+``hidden_states``    float32 [batch_size, sequence_length, D]    same (the bench feeds sequence_length 1)
+``position_ids``     int64 [batch_size, sequence_length]         same
+control input        ``attention_mask`` int64 [batch_size,       ``write_indices`` int64 [batch_size]: rows
+                     total_sequence_length] (all ones here)      held = write slot
 ``past_latent.{i}``  [batch_size, past_sequence_length, C]       [batch_size, 1, max_cache_length, C]
-``output``           float32 [batch_size, 1, D]                  same
+``output``           float32 [batch_size, sequence_length, D]    same
 ``present_latent.{i}`` [batch_size, total_sequence_length, C]    [batch_size, 1, max_cache_length, C] (in place)
 ==================== =========================================== ==============================================
 """
@@ -21,70 +24,52 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
+from ..cache_layout import CacheLayout, get_layout
+from ..config import MLAConfig
+from ..io_spec import BATCH, SEQ, TensorSpec
+from ..model import AttentionStack
 
-from ..io_spec import BATCH, CAPACITY, PAST, SEQ, TOTAL, TensorSpec, past_name, present_name
-from ..model.cache import ConcatCache, StaticCache
-from .stack import AttentionStack
-
-
-class AttentionStackGraph(nn.Module):
-    """``(hidden_states, position_ids, [write_indices], *past) -> (output, *present)``."""
-
-    def __init__(self, stack: AttentionStack, cache_mode: str):
-        super().__init__()
-        self.stack = stack
-        self.cache_mode = cache_mode
-
-    def forward(self, hidden_states, position_ids, *rest):
-        if self.cache_mode == "static":
-            cache, past = StaticCache(rest[0]), list(rest[1:])
-        else:
-            cache, past = ConcatCache(), list(rest)
-        out, presents = self.stack(hidden_states, position_ids, past, cache)
-        return (out, *presents)
+#: example sizes the graph is traced at (every dynamic axis >= 2: an axis traced at 1 is frozen)
+_TRACE_BATCH, _TRACE_STEPS, _TRACE_PAST, _TRACE_CAPACITY = 2, 2, 5, 8
 
 
-def stack_io(stack: AttentionStack, cache_mode: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The graph's inputs and outputs (fp32)."""
+def stack_io(config: MLAConfig, layers: int, layout: CacheLayout) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The graph's inputs and outputs (fp32): ``hidden_states [B, S, D]``, ``position_ids [B, S]``, the layout's
+    control input and ``layers`` caches in; ``output [B, S, D]`` and the present caches out.
+
+    The bench feeds ``S = 1`` (TensorRT's decode profile pins it). The axis is symbolic, as in the exporter's
+    decode graph, because a graph fixed at ``S = 1`` does not trace with the concat layout's mask: torch.export
+    then demands the mask axis be declared as ``past + 1``.
+    """
+    d = config.hidden_size
+    head_inputs = [TensorSpec("hidden_states", "float32", (BATCH, SEQ, d)),
+                   TensorSpec("position_ids", "int64", (BATCH, SEQ))]
+    head_outputs = [TensorSpec("output", "float32", (BATCH, SEQ, d))]
+    return layout.io(config, "fp32", head_inputs=head_inputs, head_outputs=head_outputs, layers=layers)
+
+
+def export_stack(stack: AttentionStack, layout: CacheLayout | str, path: str | Path, opset: int = 24) -> Path:
+    """Export ``stack``'s step (the bench runs one new token) with ``layout``'s cache to ``path`` (weights inside
+    the file).
+
+    Raises:
+        ExportError: the export or its checks failed.
+    """
+    from ..exporter import DecoderGraph, cached_dynamic_shapes, trace_to_onnx
+
+    layout = get_layout(layout)
     c, n = stack.config, len(stack.layers)
-    inputs = [TensorSpec("hidden_states", "float32", (BATCH, 1, c.hidden_size)),
-              TensorSpec("position_ids", "int64", (BATCH, 1))]
-    if cache_mode == "static":
-        inputs.append(TensorSpec("write_indices", "int64", (BATCH,)))
-        cache_in = cache_out = (BATCH, 1, CAPACITY, c.latent_dim)
-    else:
-        cache_in, cache_out = (BATCH, PAST, c.latent_dim), (BATCH, TOTAL, c.latent_dim)
-    inputs += [TensorSpec(past_name(i), "float32", cache_in) for i in range(n)]
-    outputs = [TensorSpec("output", "float32", (BATCH, 1, c.hidden_size))]
-    outputs += [TensorSpec(present_name(i), "float32", cache_out) for i in range(n)]
-    return inputs, outputs
-
-
-def export_stack(stack: AttentionStack, cache_mode: str, path: str | Path, opset: int = 24) -> Path:
-    """Export ``stack``'s decode step (one new token) to ``path`` (weights inside the file)."""
-    from torch.export import Dim
-
-    from ..exporter.onnx_export import trace_to_onnx
-
-    c, n = stack.config, len(stack.layers)
-    batch = Dim(BATCH, min=1, max=4096)
-    hidden = torch.zeros(2, 1, c.hidden_size)
-    positions = torch.full((2, 1), 5, dtype=torch.long)
-    if cache_mode == "static":
-        capacity = Dim(CAPACITY, min=2, max=1 << 22)
-        args = (hidden, positions, torch.full((2,), 5, dtype=torch.long),
-                *(torch.zeros(2, 1, 8, c.latent_dim) for _ in range(n)))
-        shapes = ({0: batch}, {0: batch}, ({0: batch}, *({0: batch, 2: capacity} for _ in range(n))))
-    else:
-        past = Dim(PAST, min=1, max=1 << 22)
-        args = (hidden, positions, *(torch.zeros(2, 5, c.latent_dim) for _ in range(n)))
-        shapes = ({0: batch}, {0: batch}, tuple({0: batch, 1: past} for _ in range(n)))
-    inputs, outputs = stack_io(stack, cache_mode)
+    head_axes = [{0: BATCH, 1: SEQ}, {0: BATCH, 1: SEQ}]  # hidden_states, position_ids
+    shapes = cached_dynamic_shapes(layout, head_axes, n)
+    control, caches = layout.example_state(_TRACE_BATCH, _TRACE_PAST, _TRACE_STEPS, c.latent_dim, n,
+                                           _TRACE_CAPACITY, torch.float32)
+    hidden = torch.zeros(_TRACE_BATCH, _TRACE_STEPS, c.hidden_size)
+    positions = torch.arange(_TRACE_PAST, _TRACE_PAST + _TRACE_STEPS).expand(_TRACE_BATCH, -1).contiguous()
+    inputs, outputs = stack_io(c, n, layout)
     path = Path(path)
     with torch.no_grad():
-        trace_to_onnx(AttentionStackGraph(stack, cache_mode).eval(), args, path, inputs, outputs, shapes,
-                      opset, external_data=False)
+        trace_to_onnx(DecoderGraph(stack, layout).eval(), (hidden, positions, control, *caches), path,
+                      inputs, outputs, shapes, opset, external_data=False)
     return path
 
 
@@ -94,7 +79,7 @@ def main(job_file: str) -> int:
 
     from ..errors import MLADeployError
     from .spec import BenchSpec
-    from .stack import build_stack
+    from ..model import build_stack
 
     job = json.loads(Path(job_file).read_text())
     spec = BenchSpec.from_dict(job["spec"])

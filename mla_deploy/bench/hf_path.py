@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import MLAConfig
+from ..config import MLAConfig, to_hf_config
 from ..errors import RuntimeMissingError
 from .inputs import PointInputs
-from .stack import build_stack
+from ..model import build_stack
 
 
 def transformers_version() -> str | None:
@@ -29,35 +29,18 @@ def transformers_version() -> str | None:
 
 
 def hf_config(c: MLAConfig, layers: int, impl: str):
-    """A transformers ``DeepseekV2Config`` / ``DeepseekV3Config`` with ``c``'s attention dimensions."""
+    """A transformers ``DeepseekV2Config`` / ``DeepseekV3Config`` of ``c`` with ``layers`` layers
+    (:func:`~mla_deploy.config.to_hf_config`), attention implementation ``impl``."""
     import transformers
 
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling is not None:
-        y = c.rope_scaling
-        rope = {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
-                "original_max_position_embeddings": y.original_max_position_embeddings,
-                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
-                "mscale_all_dim": y.mscale_all_dim}
-        if y.attention_factor is not None:
-            rope["attention_factor"] = y.attention_factor
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                  num_hidden_layers=layers, num_attention_heads=c.num_attention_heads,
-                  num_key_value_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-                  qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-                  v_head_dim=c.v_head_dim, max_position_embeddings=c.max_position_embeddings,
-                  rms_norm_eps=c.rms_norm_eps, attention_bias=False, rope_parameters=rope)
-    if c.model_type == "deepseek_v3":
-        cfg = transformers.DeepseekV3Config(**common, rope_interleave=True, num_nextn_predict_layers=0)
-    else:
-        cfg = transformers.DeepseekV2Config(**common)
+    cfg = transformers.AutoConfig.for_model(**to_hf_config(c, num_hidden_layers=layers))
     cfg._attn_implementation = impl
     return cfg
 
 
-class HFRunner:
-    """Args: config, layers, seed: the weights (this project's, loaded into transformers' modules); impl:
-    ``eager`` or ``sdpa``."""
+class HFPath:
+    """The ``hf-*`` paths. Args: config, layers, seed: the weights (this project's, loaded into transformers'
+    modules); impl: ``eager`` or ``sdpa``."""
 
     def __init__(self, config: MLAConfig, layers: int, seed: int, impl: str):
         try:
@@ -76,7 +59,7 @@ class HFRunner:
         self.layers = []
         for i, layer in enumerate(ours.layers):
             attn = attn_cls(cfg, layer_idx=i)
-            attn.load_state_dict(layer.state_dict(), strict=True)
+            attn.load_state_dict(layer.self_attn.state_dict(), strict=True)
             self.layers.append(attn.eval())
         self.rotary = rope_cls(cfg).eval()
         self.v3 = config.model_type == "deepseek_v3"

@@ -1,85 +1,74 @@
-"""The exported absorbed graph (:mod:`.graph`) in ONNX Runtime, run as :class:`~mla_deploy.runtime.ort_engine.OrtEngine`
-runs it: ``session.intra_op.allow_spinning = 0``, every input and output bound through IO binding.
+"""The exported absorbed graph (:mod:`.graph`) in ONNX Runtime, in a session as
+:class:`~mla_deploy.engines.ort_engine.OrtEngine` opens it (``open_session``: ``session.intra_op.allow_spinning = 0``,
+sequential execution, every graph optimisation), every input and output bound through IO binding.
 
-* ``concat``: the past ``[B, T, C]`` and a preallocated present ``[B, T+1, C]`` (ONNX ``Concat`` writes into it).
-* ``static``: one ``[B, 1, T + margin, C]`` buffer per layer, wrapped (not copied) in an ``OrtValue`` and bound
-  as both ``past_latent.i`` and ``present_latent.i``, so ``TensorScatter`` writes row T in place. After the first
-  step the worker checks that the row landed in that very buffer and that the rows before it are unchanged.
+The cache layout decides the buffers (:func:`~.inputs.point_state`) and the control input:
+
+* a growing layout (concat): the past ``[B, T, C]`` and a preallocated present ``[B, T+1, C]`` (ONNX ``Concat``
+  writes into it); the ``attention_mask`` is all ones.
+* an in-place layout (static): one ``[B, 1, T + margin, C]`` buffer per layer, wrapped (not copied) in an
+  ``OrtValue`` and bound as both ``past_latent.i`` and ``present_latent.i``, so ``TensorScatter`` writes row T in
+  place. After the first step the path checks that the row landed in that very buffer and that the rows before
+  it are unchanged.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import RuntimeMissingError
+from ..cache_layout import CacheLayout, get_layout
 from ..io_spec import past_name, present_name
-from .inputs import PointInputs
+from .inputs import PointInputs, held_rows, point_state
 
 #: ONNX Runtime logs "TensorScatter: in-place optimization not activated, copying ..." when it copies the cache
 COPY_WARNING = "in-place optimization not activated"
+#: ONNX Runtime's log severity in the bench: 2 lets warnings (the copy warning above) reach stderr
+LOG_SEVERITY = 2
 
 
-def make_session(path: str, threads: int, log_severity: int = 2):
-    """An ONNX Runtime CPU session: ``threads`` intra-op threads, sequential, no spinning, all graph optimisations."""
-    try:
+class OrtPath:
+    """The ``ort-*`` paths. Args: graph: the exported ``.onnx``; layout: its cache layout (or mode name);
+    threads: intra-op threads; margin: fixed-capacity layouts hold ``T + margin`` slots."""
+
+    def __init__(self, graph: str, layout: CacheLayout | str, threads: int, margin: int):
         import onnxruntime as ort
-    except ImportError as exc:
-        raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = log_severity  # 2: warnings reach stderr (the copy warning above)
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
-
-class OrtRunner:
-    """Args: graph: the exported ``.onnx``; mode: ``concat`` or ``static``; threads; margin: static capacity - T."""
-
-    def __init__(self, graph: str, mode: str, threads: int, margin: int):
-        import onnxruntime as ort
+        from ..engines.ort_engine import open_session
 
         self.ort = ort
-        self.mode, self.margin = mode, margin
-        self.session = make_session(graph, threads)
+        self.layout, self.margin = get_layout(layout), margin
+        self.session = open_session(graph, "cpu", threads, LOG_SEVERITY)
         self.run_options = ort.RunOptions()
-        self.run_options.log_severity_level = 2
-        if self.session.get_providers()[0] != "CPUExecutionProvider":  # pragma: no cover
-            raise RuntimeMissingError(f"ONNX Runtime runs {self.session.get_providers()[0]}, not the CPU provider")
+        self.run_options.log_severity_level = LOG_SEVERITY
         self.provider = self.session.get_providers()[0]
 
     def setup(self, inputs: PointInputs) -> None:
-        ort = self.ort
+        ort, layout = self.ort, self.layout
         b, t = inputs.batch, inputs.context
         self.context = t
         self.x = np.ascontiguousarray(inputs.hidden.numpy())
         self.out = np.zeros_like(self.x)
+        self.state = point_state(layout, inputs, self.margin, lambda shape: np.zeros(shape, dtype=np.float32),
+                                 lambda rows: np.ascontiguousarray(rows.numpy()))
+        new = np.ones((b, 1), dtype=np.int64)  # one real token per sequence
         io = self.session.io_binding()
         io.bind_cpu_input("hidden_states", self.x)
         io.bind_cpu_input("position_ids", inputs.positions.numpy())
-        self.buffers, self.values, self.samples = [], [], []
-        if self.mode == "static":
-            io.bind_cpu_input("write_indices", np.full(b, t, dtype=np.int64))
-            for i, rows in enumerate(inputs.latent):
-                buf = np.zeros((b, 1, t + self.margin, rows.shape[-1]), dtype=np.float32)
-                buf[:, 0, :t] = rows.numpy()
-                self.samples.append(buf[:, 0, :t:max(1, t // 64)].copy())  # sampled past rows, checked after a step
-                value = ort.OrtValue.ortvalue_from_numpy(buf)  # wraps buf's memory
-                io.bind_ortvalue_input(past_name(i), value)
-                io.bind_ortvalue_output(present_name(i), value)  # the same buffer: updated in place
-                self.buffers.append(buf)
-                self.values.append(value)
-        else:
-            for i, rows in enumerate(inputs.latent):
-                past = np.ascontiguousarray(rows.numpy())
-                present = np.empty((b, t + 1, past.shape[-1]), dtype=np.float32)
-                pv, qv = ort.OrtValue.ortvalue_from_numpy(past), ort.OrtValue.ortvalue_from_numpy(present)
-                io.bind_ortvalue_input(past_name(i), pv)
-                io.bind_ortvalue_output(present_name(i), qv)
-                self.buffers.append((past, present))
-                self.values.append((pv, qv))
+        io.bind_cpu_input(layout.control, layout.control_input(self.state, new))
+        stride = max(1, t // 64)
+        self.buffers, self.presents, self.values = [], [], []
+        self.samples = [held_rows(layout, past, t)[:, ::stride].copy() for past in self.state.caches]
+        for i, past in enumerate(self.state.caches):
+            value = ort.OrtValue.ortvalue_from_numpy(past)  # wraps past's memory
+            present, out_value = past, value  # in place: the same buffer is the present
+            if not layout.in_place:
+                present = np.empty(layout.cache_shape(b, t + 1, past.shape[-1]), dtype=np.float32)
+                out_value = ort.OrtValue.ortvalue_from_numpy(present)
+            io.bind_ortvalue_input(past_name(i), value)
+            io.bind_ortvalue_output(present_name(i), out_value)
+            self.buffers.append(past)
+            self.presents.append(present)
+            self.values.append((value, out_value))
         self.out_value = ort.OrtValue.ortvalue_from_numpy(self.out)
         io.bind_ortvalue_output("output", self.out_value)
         self.io = io
@@ -92,18 +81,19 @@ class OrtRunner:
 
     def _check_first_step(self) -> dict:
         """After the first step: did the cache rows land where they should, without a copy of the cache?"""
-        t = self.context
-        if self.mode == "static":
-            same = all(v.data_ptr() == buf.ctypes.data for v, buf in zip(self.values, self.buffers))
-            row_written = all(bool(np.any(buf[:, 0, t] != 0)) for buf in self.buffers)
-            untouched = all(not np.any(buf[:, 0, t + 1:]) for buf in self.buffers)
-            kept = all(np.array_equal(buf[:, 0, :t:max(1, t // 64)], sample)
-                       for buf, sample in zip(self.buffers, self.samples))
-            return {"in_place": bool(same and row_written and untouched and kept), "same_buffer_in_and_out": same,
-                    "row_T_written_into_bound_buffer": row_written, "rows_after_T_untouched": untouched,
-                    "past_rows_unchanged": kept}
-        exact = all(np.array_equal(present[:, :t], past) for past, present in self.buffers)
-        return {"present_written_into_bound_buffer": bool(exact)}
+        layout, t = self.layout, self.context
+        if not layout.in_place:
+            exact = all(np.array_equal(held_rows(layout, present, t + 1)[:, :t], held_rows(layout, past, t))
+                        for past, present in zip(self.buffers, self.presents))
+            return {"present_written_into_bound_buffer": bool(exact)}
+        slots = [held_rows(layout, buf, buf.shape[-2]) for buf in self.buffers]  # every slot, [B, T + margin, C]
+        same = all(out.data_ptr() == buf.ctypes.data for (_, out), buf in zip(self.values, self.buffers))
+        row_written = all(bool(np.any(rows[:, t] != 0)) for rows in slots)
+        untouched = all(not np.any(rows[:, t + 1:]) for rows in slots)
+        kept = all(np.array_equal(rows[:, :t:max(1, t // 64)], sample) for rows, sample in zip(slots, self.samples))
+        return {"in_place": bool(same and row_written and untouched and kept), "same_buffer_in_and_out": same,
+                "row_T_written_into_bound_buffer": row_written, "rows_after_T_untouched": untouched,
+                "past_rows_unchanged": kept}
 
     def output(self) -> np.ndarray:
         return self.out.copy()
@@ -112,4 +102,4 @@ class OrtRunner:
         return dict(self._checks or {})
 
     def teardown(self) -> None:
-        self.io = self.buffers = self.values = self.samples = self.out_value = None
+        self.io = self.buffers = self.presents = self.values = self.samples = self.out_value = self.state = None

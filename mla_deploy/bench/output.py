@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
 
 def _ms(value: float) -> str:
     return f"{value:.2f}" if value >= 0.1 else f"{value:.3g}"
@@ -162,17 +162,11 @@ def plot(report: dict, path: Path) -> None:
 
 def write_outputs(report: dict, out: Path) -> dict[str, Path]:
     """Write bench.json, bench.md and bench.png into ``out``: each to a temporary name, then renamed."""
-    files = {}
-    for name, write in (("bench.json", lambda p: p.write_text(json.dumps(report, indent=2) + "\n")),
-                        ("bench.md", lambda p: p.write_text(markdown(report))),
-                        ("bench.png", lambda p: plot(report, p))):
-        target = out / name
-        tmp = out / f".{name}.tmp-{os.getpid()}{target.suffix}"
-        try:
-            write(tmp)
-            os.replace(tmp, target)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        files[name] = target
+    from ..artifact import atomic_file, atomic_write_text
+
+    files = {"bench.json": atomic_write_text(out / "bench.json", json.dumps(report, indent=2) + "\n"),
+             "bench.md": atomic_write_text(out / "bench.md", markdown(report))}
+    with atomic_file(out / "bench.png") as tmp:
+        plot(report, tmp)
+    files["bench.png"] = out / "bench.png"
     return files

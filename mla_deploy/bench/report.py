@@ -13,7 +13,7 @@ import numpy as np
 from .. import __version__
 from .machine import describe
 from .roofline import cache_bytes_per_token, implemented_flops, step_cost
-from .spec import NAIVE_PATHS, PATH_LABELS, PATHS, BenchSpec
+from .spec import NAIVE_PATHS, PATH_LABELS, PATHS, BenchSpec, fixed_capacity
 
 FORMAT = "mla-deploy-bench"
 UNIT = ("decode step (one new token per sequence) of {layers} MLA attention sub-layer(s) chained with residuals "
@@ -61,7 +61,7 @@ def _row(spec: BenchSpec, path: str, context: int, batch: int, records: list[dic
     c, layers = spec.config, spec.layers
     capacity = context + spec.static_margin
     per_token = cache_bytes_per_token(c, path) * layers
-    held = capacity if path in ("ort-static", "trt") else context
+    held = capacity if fixed_capacity(path) else context
     row = {"path": path, "context": context, "batch": batch, "label": PATH_LABELS[path],
            "cache_bytes_per_token": per_token, "cache_bytes_total": per_token * batch * held,
            "cache_rows_held": held}

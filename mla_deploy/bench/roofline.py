@@ -17,6 +17,7 @@ of its capacity), for the report only.
 from __future__ import annotations
 
 from ..config import MLAConfig
+from .spec import fixed_capacity
 
 FP32 = 4
 GIB = float(1 << 30)
@@ -67,7 +68,7 @@ def implemented_flops(c: MLAConfig, path: str, layers: int, context: int, batch:
         return layers * (proj + expand + attn)
     if path == "torch-cd":
         return layers * (proj + 2 * batch * h * rows * (c.qk_head_dim + c.v_head_dim))
-    slots = capacity if path in ("ort-static", "trt") else rows
+    slots = capacity if fixed_capacity(path) else rows
     return layers * (proj + 2 * batch * h * slots * 2 * c.latent_dim)
 
 
@@ -85,8 +86,8 @@ def memory_estimate(c: MLAConfig, path: str, layers: int, context: int, batch: i
         need = 2 * cd + latent_layer + batch * context * h * (c.qk_nope_head_dim + c.v_head_dim) * FP32
     elif path == "torch-absorbed":
         need = 2 * latent + batch * (context + 1) * h * 2 * FP32
-    elif path == "ort-concat":
-        need = 2 * latent + latent_layer + 2 * weights
-    else:  # static (ORT, TensorRT host side)
+    elif fixed_capacity(path):  # ORT static, TensorRT host side
         need = layers * batch * capacity * c.latent_dim * FP32 + latent_layer + 2 * weights
+    else:  # ORT concat
+        need = 2 * latent + latent_layer + 2 * weights
     return int(weights + need + PROCESS_OVERHEAD)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cache_layout import CONCAT, STATIC, CacheLayout
 from ..config import MLAConfig
 from ..errors import InputError
 
@@ -23,6 +24,15 @@ PATH_LABELS = {
     "ort-static": "ONNX Runtime, absorbed graph, static cache in place (one OrtValue bound as past and present)",
     "trt": "TensorRT engine of the absorbed static graph",
 }
+
+#: The paths that run the exported graph (:mod:`.graph`), and the cache layout of the graph each one runs.
+GRAPH_LAYOUTS: dict[str, CacheLayout] = {"ort-concat": CONCAT, "ort-static": STATIC, "trt": STATIC}
+
+
+def fixed_capacity(path: str) -> bool:
+    """True when ``path`` holds a fixed-capacity cache (``T + static_margin`` slots per sequence, all attended)."""
+    layout = GRAPH_LAYOUTS.get(path)
+    return layout is not None and layout.has_capacity
 
 
 def parse_int_list(text: str | int | list, option: str, minimum: int = 1) -> tuple[int, ...]:

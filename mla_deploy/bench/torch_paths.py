@@ -8,11 +8,11 @@ import torch
 
 from ..model.cache import ConcatCache
 from .inputs import PointInputs
-from .stack import build_stack
+from ..model import build_stack
 
 
-class TorchRunner:
-    """Args: config, layers, seed: the weights; form: ``CD`` or ``A_CC``."""
+class TorchPath:
+    """The ``torch-*`` paths. Args: config, layers, seed: the weights; form: ``CD`` or ``A_CC``."""
 
     def __init__(self, config, layers: int, seed: int, form: str):
         self.form = form
@@ -30,7 +30,8 @@ class TorchRunner:
         self.past = []
         for layer, rows in zip(self.stack.layers, inputs.latent):
             c_kv, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-            k_nope, v = layer.expand(c_kv)  # [B, H, T, dn], [B, H, T, dv]: the per-head cache the CD form keeps
+            # [B, H, T, dn], [B, H, T, dv]: the per-head cache the CD form keeps
+            k_nope, v = layer.self_attn.expand(c_kv)
             k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, c.num_attention_heads, -1, -1)), dim=-1)
             self.past.append((k, v.contiguous()))
             del k_nope, v

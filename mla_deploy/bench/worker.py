@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .spec import GRAPH_LAYOUTS
+
 #: test hook: ``path:T:B`` makes the worker SIGKILL itself when it reaches that point
 KILL_AT_ENV = "MLA_DEPLOY_BENCH_KILL_AT"
 OOM_WORDS = ("out of memory", "cannot allocate", "bad_alloc", "not enough memory", "failed to allocate",
@@ -26,34 +28,36 @@ OOM_WORDS = ("out of memory", "cannot allocate", "bad_alloc", "not enough memory
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    from ..artifact import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data))
 
 
-def make_runner(path: str, spec, job: dict):
-    """The runner object of ``path`` (see :mod:`.torch_paths`, :mod:`.hf_path`, :mod:`.ort_path`, :mod:`.trt_path`)."""
+def make_path(path: str, spec, job: dict):
+    """The object that times ``path``: ``setup(inputs)``, ``step()``, ``output()``, ``checks()``, ``teardown()``
+    (see :mod:`.torch_paths`, :mod:`.hf_path`, :mod:`.ort_path`, :mod:`.trt_path`)."""
     if path in ("hf-eager", "hf-sdpa"):
-        from .hf_path import HFRunner
+        from .hf_path import HFPath
 
-        return HFRunner(spec.config, spec.layers, spec.seed, path.split("-", 1)[1])
+        return HFPath(spec.config, spec.layers, spec.seed, path.split("-", 1)[1])
     if path in ("torch-cd", "torch-absorbed"):
-        from .torch_paths import TorchRunner
+        from .torch_paths import TorchPath
 
-        return TorchRunner(spec.config, spec.layers, spec.seed, "CD" if path == "torch-cd" else "A_CC")
-    if path in ("ort-concat", "ort-static"):
-        from .ort_path import OrtRunner
-
-        return OrtRunner(job["graph"], path.split("-", 1)[1], spec.threads, spec.static_margin)
+        return TorchPath(spec.config, spec.layers, spec.seed, "CD" if path == "torch-cd" else "A_CC")
     if path == "trt":
-        from .trt_path import TrtRunner
+        from .trt_path import TrtPath
 
-        return TrtRunner(job["graph"], spec.static_margin)
+        return TrtPath(job["graph"], GRAPH_LAYOUTS[path], spec.static_margin)
+    if path in GRAPH_LAYOUTS:
+        from .ort_path import OrtPath
+
+        return OrtPath(job["graph"], GRAPH_LAYOUTS[path], spec.threads, spec.static_margin)
     raise ValueError(f"unknown path {path!r}")
 
 
-def run_point(runner, spec, path: str, context: int, batch: int, outputs_dir: str | None) -> dict:
-    """Time one point; returns its record (``status`` ok / does not fit / out of memory / error)."""
+def run_point(timed, spec, path: str, context: int, batch: int, outputs_dir: str | None) -> dict:
+    """Time one point of ``timed`` (:func:`make_path`'s object); returns its record (``status`` ok / does not
+    fit / out of memory / error)."""
     import numpy as np
 
     from . import machine
@@ -74,31 +78,31 @@ def run_point(runner, spec, path: str, context: int, batch: int, outputs_dir: st
     record["peak_is_per_point"] = machine.reset_peak()
     try:
         inputs = make_inputs(spec.config, spec.layers, context, batch, spec.seed)
-        runner.setup(inputs)
+        timed.setup(inputs)
         del inputs
         gc.collect()
         begin = time.perf_counter()
         for i in range(spec.warmup):
-            runner.step()
+            timed.step()
             if time.perf_counter() - begin > spec.max_seconds / 3:
                 break
         times = []
         timed_start = time.perf_counter()
         for _ in range(spec.repeat):
             start = time.perf_counter()
-            runner.step()
+            timed.step()
             times.append(time.perf_counter() - start)
             if len(times) >= 3 and time.perf_counter() - timed_start > spec.max_seconds:
                 break
-        record.update(status="ok", times_s=times, warmup_calls=spec.warmup, checks=runner.checks())
+        record.update(status="ok", times_s=times, warmup_calls=spec.warmup, checks=timed.checks())
         if outputs_dir:
-            np.save(Path(outputs_dir) / f"{path}_T{context}_B{batch}.npy", runner.output())
+            np.save(Path(outputs_dir) / f"{path}_T{context}_B{batch}.npy", timed.output())
     except (MemoryError, RuntimeError) as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         oom = isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in OOM_WORDS)
         record.update(status="out of memory" if oom else "error", detail=f"{type(exc).__name__}: {text[:300]}")
     finally:
-        runner.teardown()
+        timed.teardown()
         gc.collect()
     record["peak_memory_bytes"] = machine.peak_bytes()
     return record
@@ -135,19 +139,19 @@ def main(job_file: str) -> int:
               "current": None, "torch_threads": torch.get_num_threads()}
     result["probes"].append({"at": "start", **machine.probe(threads, spec.probe_mib), "loadavg_1min": _load()})
     _write(result_path, result)
-    runner = make_runner(job["path"], spec, job)
-    result["provider"] = getattr(runner, "provider", None)
+    timed = make_path(job["path"], spec, job)
+    result["provider"] = getattr(timed, "provider", None)
     kill_at = os.environ.get(KILL_AT_ENV)  # test hook: die like the kernel's OOM killer would, at this point
     for context, batch in job["points"]:
         result["current"] = [context, batch]
         _write(result_path, result)
         if kill_at == f"{job['path']}:{context}:{batch}":
             os.kill(os.getpid(), signal.SIGKILL)
-        record = run_point(runner, spec, job["path"], context, batch, job.get("outputs_dir"))
+        record = run_point(timed, spec, job["path"], context, batch, job.get("outputs_dir"))
         result["points"].append(record)
         result["current"] = None
         _write(result_path, result)
-    del runner
+    del timed
     gc.collect()
     result["probes"].append({"at": "end", **machine.probe(threads, spec.probe_mib), "loadavg_1min": _load()})
     result["done"] = True

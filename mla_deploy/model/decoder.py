@@ -3,6 +3,10 @@
 embedding -> [RMSNorm -> MLA -> residual -> RMSNorm -> SwiGLU MLP or MoE -> residual] x L -> RMSNorm -> lm_head.
 State-dict keys equal those of Hugging Face's ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``
 (``model.layers.{i}.self_attn.kv_b_proj.weight``, ...), so their weights load without renaming.
+
+:func:`run_layers` is the one layer loop (rope table, mask, each layer with the cache policy); both
+:class:`MLAForCausalLM` and :class:`AttentionStack` (the attention sub-layers alone, ``x <- x + attn_i(x)``,
+as ``mla-deploy bench`` times them) run through it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,89 @@ class DecoderLayer(nn.Module):
         h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), present
+
+
+class AttentionSublayer(nn.Module):
+    """An attention sub-layer with its residual and nothing else: ``x + self_attn(x)`` (no norm, no MLP).
+
+    Parameter names as in a decoder layer (``self_attn.kv_b_proj.weight``, ...).
+    """
+
+    def __init__(self, config: MLAConfig, form: str):
+        super().__init__()
+        self.self_attn = make_attention(config, form)
+
+    def forward(self, x, cos, sin, mask, past, cache):
+        """Args: x ``[B, S, D]`` and the attention's arguments. Returns: ``[B, S, D]`` and the present cache."""
+        h, present = self.self_attn(x, cos, sin, mask, past, cache)
+        return x + h, present
+
+
+def run_layers(layers: Sequence[nn.Module], rotary_emb: nn.Module, x: torch.Tensor, position_ids: torch.Tensor,
+               past: Sequence, cache) -> tuple[torch.Tensor, list]:
+    """The layer loop of one step: one rope table and one mask for the step, then every layer in turn.
+
+    Args:
+        layers: modules called as ``layer(x, cos, sin, mask, past, cache) -> (x [B, S, D], present)``
+            (:class:`DecoderLayer`, :class:`AttentionSublayer`).
+        rotary_emb: the :class:`~mla_deploy.model.rope.RotaryEmbedding` giving ``cos, sin`` of the positions.
+        x: ``[B, S, D]``, entering the first layer.
+        position_ids: ``[B, S]`` int64, the absolute position of each new token.
+        past: one cache per layer in the form's layout (the mask is read from the first one's shape).
+        cache: the cache policy (:class:`~mla_deploy.model.cache.ConcatCache` or ``StaticCache``).
+    Returns:
+        ``[B, S, D]`` leaving the last layer and the list of present caches.
+    Raises:
+        ValueError: not one cache per layer.
+    """
+    if len(past) != len(layers):
+        raise ValueError(f"expected {len(layers)} layer caches, got {len(past)}")
+    cos, sin = rotary_emb(position_ids)
+    first = past[0][0] if isinstance(past[0], (tuple, list)) else past[0]
+    mask = cache.mask(x.shape[1], first)
+    presents = []
+    for layer, layer_past in zip(layers, past):
+        x, present = layer(x, cos, sin, mask, layer_past, cache)
+        presents.append(present)
+    return x, presents
+
+
+class AttentionStack(nn.Module):
+    """``N`` attention sub-layers of one form chained with residuals, one rope table: ``x <- x + attn_i(x)``.
+
+    The decoder without embedding, norms, MLP/MoE and lm_head (the unit ``mla-deploy bench`` times), run by
+    the same layer loop (:func:`run_layers`).
+
+    Args:
+        config: the dimensions (``num_hidden_layers`` is ignored: ``layers`` counts).
+        layers: number of attention sub-layers.
+        form: their attention form (``CD``, ``CC``, ``A_CC``, ``A_CC_ME``).
+    """
+
+    def __init__(self, config: MLAConfig, layers: int, form: str = "CC"):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(AttentionSublayer(config, form) for _ in range(layers))
+        self.rotary_emb = RotaryEmbedding(config)
+
+    @property
+    def form(self) -> str:
+        """The attention form of the layers."""
+        return self.layers[0].self_attn.form
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, past: Sequence, cache=None):
+        """Run ``S`` new tokens of each sequence.
+
+        Args:
+            x: ``[B, S, D]`` hidden states entering the first sub-layer.
+            position_ids: ``[B, S]`` int64, the absolute position of each new token.
+            past: one cache per sub-layer, in the form's layout (as :meth:`MLAForCausalLM.empty_cache`).
+            cache: a :class:`~mla_deploy.model.cache.ConcatCache` (default) or ``StaticCache`` policy.
+        Returns:
+            ``[B, S, D]`` and the list of present caches.
+        """
+        cache = ConcatCache() if cache is None else cache
+        return run_layers(self.layers, self.rotary_emb, x, position_ids, past, cache)
 
 
 class MLAModel(nn.Module):
@@ -87,16 +174,8 @@ class MLAForCausalLM(nn.Module):
             logits ``[B, S, vocab_size]`` and the list of present caches.
         """
         cache = ConcatCache() if cache is None else cache
-        if len(past) != len(self.model.layers):
-            raise ValueError(f"expected {len(self.model.layers)} layer caches, got {len(past)}")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(position_ids)
-        first = past[0][0] if isinstance(past[0], (tuple, list)) else past[0]
-        mask = cache.mask(input_ids.shape[1], first)
-        presents = []
-        for layer, layer_past in zip(self.model.layers, past):
-            x, present = layer(x, cos, sin, mask, layer_past, cache)
-            presents.append(present)
+        x, presents = run_layers(self.model.layers, self.model.rotary_emb, x, position_ids, past, cache)
         return self.lm_head(self.model.norm(x)), presents
 
     def assign_weights(self, state: dict[str, torch.Tensor]) -> None:
