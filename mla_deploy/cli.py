@@ -97,8 +97,7 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
     if layers is not None:
         if hf:
             raise ConfigError("--layers applies to presets, not to checkpoints")
-        result = result.replace(model=result.model.replace(num_hidden_layers=layers,
-                                                           first_k_dense_replace=min(result.model.first_k_dense_replace, layers)))
+        result = result.replace(model=result.model.first_layers(layers))
     return result
 
 
@@ -140,18 +139,19 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
     if hf:
         from pathlib import Path
 
+        from .artifact import WeightsSource
         from .checkpoint import load_checkpoint
 
         model = load_checkpoint(hf, form="CC", dtype="float32")
-        weights = {"kind": "hf", "path": str(Path(hf).resolve())}
+        weights = WeightsSource(kind="hf", path=str(Path(hf).resolve()))
     start = time.perf_counter()
     manifest = export_recipe(resolved, out, model=model, weights=weights, overwrite=overwrite)
     export_s = time.perf_counter() - start
-    settings = resolved.export
-    click.echo(f"exported {resolved.name} to {out} in {export_s:.1f} s: {settings.precision}, "
-               f"{settings.cache_mode} cache, opset {settings.opset}, latent {resolved.model.latent_dim} per token per layer")
-    for role, graph in manifest["graphs"].items():
-        click.echo(f"  {role:<7} {graph['file']:<13} form {graph['form']:<7} {graph['bytes'] / 1e6:.2f} MB")
+    click.echo(f"exported {manifest.name} to {out} in {export_s:.1f} s: {manifest.precision}, "
+               f"{manifest.layout.mode} cache, opset {manifest.opset}, "
+               f"latent {manifest.config.latent_dim} per token per layer")
+    for role, graph in manifest.graphs.items():
+        click.echo(f"  {role:<7} {graph.file:<13} form {graph.form:<7} {graph.bytes / 1e6:.2f} MB")
     if run_validation:
         from .validate import validate_artifact
 
@@ -183,7 +183,7 @@ def _parse_ids(values) -> list[list[int]]:
 @_one_line_errors
 def run(artifact, prompt_ids, max_new_tokens, provider, threads):
     """Generate greedily from an exported artifact with ONNX Runtime."""
-    from .runtime.ort_engine import OrtEngine
+    from .engines.ort_engine import OrtEngine
 
     engine = OrtEngine(artifact, provider=provider, threads=threads)
     result = engine.generate(_parse_ids(prompt_ids), max_new_tokens)
@@ -252,11 +252,9 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
     require_tensorrt()  # before anything else: one line naming what is missing
     settings = None
     if workspace_mib:
-        from .runtime.artifact import load_manifest
-        from .trt.profiles import build_settings_from_manifest
+        from .artifact import load_manifest
 
-        settings = dataclasses.replace(build_settings_from_manifest(load_manifest(artifact_dir)),
-                                       workspace_mib=workspace_mib)
+        settings = dataclasses.replace(load_manifest(artifact_dir).build_settings(), workspace_mib=workspace_mib)
     record = build_engines(artifact_dir, settings, strongly_typed=strongly_typed, timing_cache=not no_timing_cache,
                            optimization_level=opt_level)
     for role, engine in record["engines"].items():

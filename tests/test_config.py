@@ -59,6 +59,23 @@ def test_published_v3_config_json_equals_preset(spelling):
     assert _load_quietly(raw) == load_recipe("deepseek-v3").model
 
 
+def test_published_config_through_transformers_autoconfig_equals_preset(tmp_path):
+    """transformers 5 turns a published legacy ``rope_scaling`` into ``rope_parameters`` holding both ``type`` and
+    ``rope_type``; the config it hands over (``AutoConfig`` -> ``to_dict()``, what ``absorb(hf_model)`` reads) is
+    read as the published file is. Disagreeing spellings are refused."""
+    transformers = pytest.importorskip("transformers")
+    raw = {k: v for k, v in V3_CONFIG_JSON.items() if k not in ("auto_map", "quantization_config")}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    converted = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
+    block = converted.get("rope_parameters") or converted.get("rope_scaling")
+    assert {"type", "rope_type"} <= set(block)  # the spelling that used to be refused
+    assert from_hf_config(converted, name="deepseek-v3") == load_recipe("deepseek-v3").model
+    bad = copy.deepcopy(converted)
+    (bad.get("rope_parameters") or bad["rope_scaling"])["type"] = "linear"
+    with pytest.raises(ConfigError, match="disagree"):
+        from_hf_config(bad)
+
+
 def test_both_spellings_agree_on_yarn_values():
     """rope_theta and every YaRN field come through either spelling (spot check of non-default values)."""
     raw = copy.deepcopy(V3_CONFIG_JSON)
@@ -155,6 +172,18 @@ def test_mla_config_validation(change, message):
         base.replace(**change)
 
 
+def test_first_layers_keeps_dense_layers_and_refuses_out_of_range():
+    v2l = load_recipe("deepseek-v2-lite").model  # layer 0 dense, the rest MoE
+    two = v2l.first_layers(2)
+    assert (two.num_hidden_layers, two.first_k_dense_replace) == (2, 1)
+    assert [two.is_moe_layer(i) for i in range(2)] == [False, True]
+    v3 = load_recipe("deepseek-v3").model.first_layers(2)  # the first 3 layers of V3 are dense
+    assert (v3.num_hidden_layers, v3.first_k_dense_replace) == (2, 2)
+    for bad in (0, v2l.num_hidden_layers + 1, 999, True, 2.0):
+        with pytest.raises(ConfigError, match="layers must be an integer in 1..27"):
+            v2l.first_layers(bad)
+
+
 def test_replace_rejects_unknown_fields():
     """replace() with a misspelt field is a ConfigError, not a silent no-op."""
     with pytest.raises(ConfigError, match="unknown config field"):
@@ -169,3 +198,56 @@ def test_yarn_scale_properties():
     odd = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=1.0)
     assert odd.cos_sin_scale == pytest.approx(0.921042, abs=1e-6)  # value measured with transformers
     assert YarnScaling(factor=40.0, original_max_position_embeddings=4096).softmax_mscale == 1.0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3"])
+def test_to_hf_config_round_trips(preset):
+    """to_hf_config is the inverse of from_hf_config for every preset: a JSON dict in transformers 5's spelling
+    (one rope_parameters block), every key known to from_hf_config (no warning), the same MLAConfig back."""
+    from mla_deploy.config import to_hf_config
+    from mla_deploy.recipe import preset_names
+
+    assert preset in preset_names()
+    config = load_recipe(preset).model
+    raw = json.loads(json.dumps(to_hf_config(config)))
+    assert raw["model_type"] == config.model_type and raw["num_key_value_heads"] == config.num_attention_heads
+    assert "rope_scaling" not in raw and raw["rope_parameters"]["rope_theta"] == config.rope_theta
+    assert raw["rope_parameters"]["rope_type"] == ("default" if config.rope_scaling is None else "yarn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert from_hf_config(raw, name=config.name) == config
+    assert to_hf_config(config, num_hidden_layers=3)["num_hidden_layers"] == 3
+
+
+def test_to_hf_config_without_yarn_or_experts():
+    """Plain rope and a dense model: rope_type default; no MoE keys, first_k_dense_replace = every layer."""
+    from mla_deploy.config import to_hf_config
+
+    config = load_recipe("tiny").model.replace(model_type="deepseek_v2", rope_scaling=None, rope_theta=5000.0)
+    assert not config.is_moe
+    raw = to_hf_config(config, num_hidden_layers=4)
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 5000.0}
+    assert "n_routed_experts" not in raw and raw["first_k_dense_replace"] == 4
+    assert from_hf_config(raw, name=config.name) == config.replace(num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite", "deepseek-v3"])
+def test_to_hf_config_builds_the_transformers_config(preset):
+    """transformers accepts the dict (AutoConfig.for_model picks V2 or V3) and describes the same model: equal
+    for MoE presets; a dense preset gets transformers' MoE defaults but no MoE layer."""
+    transformers = pytest.importorskip("transformers")
+    from mla_deploy.config import to_hf_config
+
+    config = load_recipe(preset).model
+    hf = transformers.AutoConfig.for_model(**to_hf_config(config))
+    expected = {"deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}[config.model_type]
+    assert type(hf).__name__ == expected
+    back = from_hf_config(hf.to_dict(), name=config.name)
+    if config.is_moe:
+        assert back == config
+    else:
+        moe = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+               "topk_group", "topk_method", "scoring_func", "routed_scaling_factor", "norm_topk_prob",
+               "first_k_dense_replace")
+        assert back.replace(**{k: getattr(config, k) for k in moe}) == config
+        assert not any(back.is_moe_layer(i) for i in range(back.num_hidden_layers))

@@ -28,3 +28,15 @@ def test_absorb_sample():
     out = _run(SAMPLES / "02_absorb_a_checkpoint" / "example.py")
     difference = float(out.split("max |logits difference|:")[1].split()[0])
     assert difference < 1e-4 and "24 numbers per token" in out
+
+
+def test_random_checkpoint_sample(tmp_path):
+    out = _run(SAMPLES / "03_random_checkpoint" / "make_checkpoint.py", str(tmp_path / "ckpt"), "--preset", "tiny",
+               "--layers", "1", "--dtype", "fp32")
+    assert "wrote" in out and (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    from mla_deploy.checkpoint import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "ckpt").config.num_hidden_layers == 1
+    refused = subprocess.run([sys.executable, str(SAMPLES / "03_random_checkpoint" / "make_checkpoint.py"),
+                              str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "not an empty folder" in refused.stderr
