@@ -1,0 +1,181 @@
+"""The package's structure, checked from its source: no import cycle, one owner for the cache mode, the
+TensorRT engine independent of the ONNX Runtime one, bench on public names only.
+
+Every check reads the real source files with ``ast`` (imports inside functions included) and is shown to fail
+on a planted violation first, so none of them passes vacuously.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mla_deploy"
+MODE_NAMES = {"concat", "static"}
+#: where the cache mode may be branched on: the layouts themselves, and the CLI's option parsing
+MODE_OWNERS = {"cache_layout.py", "cli.py"}
+
+
+def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
+    """``{"mla_deploy.x.y": (path, is_package)}`` for every module of the package."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        out[".".join(parts)] = (path, is_package)
+    return out
+
+
+def imported_modules(name: str, is_package: bool, tree: ast.AST, known) -> set[str]:
+    """The package modules ``name`` imports anywhere in ``tree`` (module level or inside functions)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                if not is_package:
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            candidates = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in candidates:
+            # importing a submodule also runs its package's __init__: count the package too
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in known and dep != name and not name.startswith(dep + "."):
+                    found.add(dep)
+    return found
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imported_modules(name, pkg, ast.parse(path.read_text()), known) for name, (path, pkg) in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_detector_finds_a_planted_cycle(tmp_path):
+    pkg = tmp_path / "mla_deploy"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")  # inside a function: still counted
+    (pkg / "sub" / "b.py").write_text("from .. import a\n")
+    (pkg / "c.py").write_text("import mla_deploy.a\n")
+    assert cycles(import_graph(pkg)) == [["mla_deploy.a", "mla_deploy.sub.b"]]
+
+
+def test_no_import_cycle_in_the_package():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def mode_branches(path: Path) -> list[str]:
+    """Comparisons against a cache mode name (``== "static"``, ``in ("concat", "static")``, ...) in ``path``."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        names = set()
+        for operand in operands:
+            items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            names |= {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+        if names & MODE_NAMES:
+            hits.append(f"{path.name}:{node.lineno}")
+    return hits
+
+
+def test_mode_branch_detector_finds_a_planted_branch(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text("def f(mode):\n    if mode == 'static':\n        return 1\n    return mode in ('concat',)\n")
+    assert len(mode_branches(planted)) == 2
+
+
+def test_the_cache_mode_is_branched_on_only_by_the_layouts():
+    hits = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name not in MODE_OWNERS
+            for hit in mode_branches(path)]
+    assert not hits, f"branches on the cache mode outside cache_layout.py: {hits}"
+
+
+def imports_from(path: Path, package: str) -> list[str]:
+    """``module:name`` of every import in ``path`` (relative imports resolved) that reaches into ``package``."""
+    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: -node.level]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out += [f"{module}:{alias.name}" for alias in node.names if module.startswith(package)
+                    or f"{module}.{alias.name}".startswith(package)]
+        elif isinstance(node, ast.Import):
+            out += [f"{alias.name}:" for alias in node.names if alias.name.startswith(package)]
+    return out
+
+
+def test_the_tensorrt_engine_imports_nothing_from_the_onnxruntime_engine():
+    source = PACKAGE / "engines" / "trt_engine.py"
+    assert imports_from(source, "mla_deploy.engines.ort_engine") == []
+    assert any(i.startswith("mla_deploy.engines.base:") for i in imports_from(source, "mla_deploy.engines"))
+
+
+#: (package, whether bench must import from the package itself rather than its modules: the exporter's public
+#: API is what its __init__ exports)
+BENCH_DEPENDENCIES = [("mla_deploy.exporter", True), ("mla_deploy.trt", False), ("mla_deploy.model", False),
+                      ("mla_deploy.engines", False)]
+
+
+@pytest.mark.parametrize("package,root_only", BENCH_DEPENDENCIES, ids=[p for p, _ in BENCH_DEPENDENCIES])
+def test_bench_uses_only_public_names(package, root_only):
+    private = []
+    for path in sorted((PACKAGE / "bench").rglob("*.py")):
+        for item in imports_from(path, package):
+            module, _, name = item.partition(":")
+            if (any(part.startswith("_") for part in module.split(".")) or name.startswith("_")
+                    or (root_only and module != package and not f"{module}.{name}" == package)):
+                private.append(f"{path.name}: {item}")
+    assert not private, f"bench imports private names of {package}: {private}"
