@@ -131,27 +131,107 @@ def load_checkpoint(path: str | Path, form: str = "CC", dtype: torch.dtype | str
 
     if form not in FORMS:
         raise ConfigError(f"unknown attention form {form!r}; choose one of {', '.join(FORMS)}")
-    folder, files = checkpoint_files(path)
-    config = from_hf_config(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    sources = _read_headers(files)
+    tensors = CheckpointTensors(path, dtype)
     with torch.device("meta"):
-        model = MLAForCausalLM(config, "CC")
-    targets = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        del targets["lm_head.weight"]  # the same parameter as model.embed_tokens.weight
-    plan, scales, skipped = _plan(sources, targets, config, raw)
-    dtype = _resolve_dtype(dtype, sources)
-    report = LoadReport(str(folder), [f.name for f in files], dtype, skipped=skipped,
-                        bytes_on_disk=sum(f.stat().st_size for f in files))
-    state = _fill(targets, plan, scales, dtype, _block_size(raw), report)
-    if config.tie_word_embeddings:
+        model = MLAForCausalLM(tensors.config, "CC")
+    try:
+        state = {key: tensors.get(key) for key in tensors.keys()}
+    finally:
+        tensors.close()
+    if tensors.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.assign_weights(state)
     model = convert_form(model, form).eval()
-    model.load_report = report
-    log.info("%s: %s", folder, report.summary())
+    model.load_report = tensors.report
+    log.info("%s: %s", tensors.folder, tensors.report.summary())
     return model
+
+
+class CheckpointTensors:
+    """A checkpoint read one tensor at a time, in our state-dict layout (the original ``CC`` form).
+
+    Every on-disk tensor is planned and checked when this is made (names, shapes, coverage; headers only);
+    :meth:`get` then reads one of our tensors: a stacked ``mlp.experts.*`` tensor is assembled from its
+    per-expert pieces, float8 weights are block-dequantised. Memory stays at the tensor being read.
+
+    Args:
+        path: the checkpoint folder (or one of its files).
+        dtype: as :func:`load_checkpoint`'s.
+    Attributes:
+        config, folder, files, dtype, report (a :class:`LoadReport`, filled as tensors are read), and
+        ``shapes``: ``{key: shape}`` of every tensor :meth:`get` serves (a tied ``lm_head.weight`` excluded).
+    Raises:
+        CheckpointError, ConfigError: as :func:`load_checkpoint`.
+    """
+
+    def __init__(self, path: str | Path, dtype: torch.dtype | str | None = None):
+        from .model import MLAForCausalLM
+
+        self.folder, self.files = checkpoint_files(path)
+        self.config = from_hf_config(self.folder)
+        raw = json.loads((self.folder / "config.json").read_text())
+        sources = _read_headers(self.files)
+        with torch.device("meta"):
+            model = MLAForCausalLM(self.config, "CC")
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            del self.shapes["lm_head.weight"]  # the same parameter as model.embed_tokens.weight
+        plan, self._scales, skipped = _plan(sources, self.shapes, self.config, raw)
+        self._pieces: dict[str, list[tuple[_Source, _Slot]]] = {}
+        for src, slot in plan:
+            self._pieces.setdefault(slot.target, []).append((src, slot))
+        self._block = _block_size(raw)
+        self.dtype = _resolve_dtype(dtype, sources)
+        self.report = LoadReport(str(self.folder), [f.name for f in self.files], self.dtype, skipped=skipped,
+                                 bytes_on_disk=sum(f.stat().st_size for f in self.files))
+        self._reader = _Reader()
+
+    def keys(self) -> list[str]:
+        """Our state-dict keys, in the model's order."""
+        return list(self.shapes)
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read our tensor ``key`` (a new CPU tensor of :attr:`dtype`; the V3 routing bias in float32)."""
+        dtype = torch.promote_types(self.dtype, torch.float32) if key.endswith(KEEP_FP32) else self.dtype
+        out = torch.empty(self.shapes[key], dtype=dtype)
+        for src, slot in self._pieces[key]:
+            tensor = self._reader.get(src)
+            if src.dtype in _FP8:
+                tensor = dequantize_fp8(tensor, self._reader.get(self._scales[src.name]), self._block, torch.float32)
+                self.report.dequantized += 1
+            dest = out
+            if slot.expert is not None:
+                dest = dest[slot.expert]
+                if slot.block is not None:
+                    dest = dest.chunk(2, dim=0)[slot.block]
+            dest.copy_(tensor)
+            self.report.used += 1
+            del tensor
+        return out
+
+    def close(self) -> None:
+        """Release the memory maps."""
+        self._reader.close()
+
+    def identity(self) -> list[dict[str, Any]]:
+        """What identifies the files read: ``[{"file", "bytes", "header_sha256"}]`` (the safetensors header holds
+        every tensor's name, dtype, shape and offsets; hashing it is instant, unlike hashing tens of GB)."""
+        return [{"file": f.name, "bytes": f.stat().st_size, "header_sha256": safetensors_header_sha256(f)}
+                for f in self.files]
+
+
+def safetensors_header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's header (its 8-byte length and JSON)."""
+    import hashlib
+
+    with Path(path).open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file (shorter than its header)")
+        size = int.from_bytes(head, "little")
+        if size > 100 << 20:
+            raise CheckpointError(f"{path} is not a safetensors file (header of {size} bytes)")
+        return hashlib.sha256(head + f.read(size)).hexdigest()
 
 
 def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
@@ -344,33 +424,6 @@ class _Reader:
 
     def close(self) -> None:
         self._open.clear()
-
-
-def _fill(targets: dict[str, tuple[int, ...]], plan, scales, dtype: torch.dtype, block: tuple[int, int],
-          report: LoadReport) -> dict[str, torch.Tensor]:
-    """Read every planned tensor into a new CPU tensor of ``dtype``; returns our state dict (untied keys)."""
-    state: dict[str, torch.Tensor] = {}
-    reader = _Reader()
-    try:
-        for src, slot in sorted(plan, key=lambda p: (p[0].file, p[0].name)):
-            tensor = reader.get(src)
-            target_dtype = torch.promote_types(dtype, torch.float32) if slot.target.endswith(KEEP_FP32) else dtype
-            if src.dtype in _FP8:
-                tensor = dequantize_fp8(tensor, reader.get(scales[src.name]), block, torch.float32)
-                report.dequantized += 1
-            if slot.target not in state:
-                state[slot.target] = torch.empty(targets[slot.target], dtype=target_dtype)
-            dest = state[slot.target]
-            if slot.expert is not None:
-                dest = dest[slot.expert]
-                if slot.block is not None:
-                    dest = dest.chunk(2, dim=0)[slot.block]
-            dest.copy_(tensor)
-            report.used += 1
-            del tensor
-    finally:
-        reader.close()
-    return state
 
 
 def _block_size(raw: dict[str, Any]) -> tuple[int, int]:

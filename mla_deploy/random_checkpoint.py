@@ -3,11 +3,11 @@
 For measuring full-size models without downloading one: ``config.json`` (transformers' keys), sharded
 ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``. Routed experts are stored one
 tensor per expert (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``), as in the released
-checkpoints. Weights are ``N(0, std)``, norm scales ``1 + N(0, 0.1)``, the V3 routing bias ``N(0, 0.1)`` in
-float32 (as transformers keeps it).
+checkpoints. Values are :func:`~mla_deploy.model.decoder.random_tensor`'s (matrices ``N(0, std)``, norm scales
+``1 + N(0, 0.1)``, the V3 routing bias ``N(0, 0.1)``, kept in float32 as transformers keeps it).
 
-The files are streamed: each tensor is drawn in row chunks and written straight into its shard, so memory stays
-at one chunk (64 MiB) whatever the model's size. The folder is written under a temporary name and renamed into
+The files are streamed: each tensor is drawn and written straight into its shard, so memory stays at one tensor
+(the largest is the embedding: 0.8 GB while drawn in float32 for DeepSeek-V2-Lite) whatever the model's size. The folder is written under a temporary name and renamed into
 place, so an interrupted run leaves no half-written checkpoint.
 """
 
@@ -25,17 +25,15 @@ from .errors import ConfigError, ExportError
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"bf16": ("BF16", 2), "fp16": ("F16", 2), "fp32": ("F32", 4)}
-CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One on-disk tensor: its checkpoint name, shape, safetensors dtype and how it is initialised."""
+    """One on-disk tensor: its checkpoint name, shape and safetensors dtype."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    init: str  # "matrix", "norm" or "bias"
 
     @property
     def itemsize(self) -> int:
@@ -72,13 +70,13 @@ def checkpoint_tensors(config: MLAConfig, dtype: str = "bf16") -> list[TensorEnt
             prefix = name[: -len("down_proj")]
             experts, rows, cols = pending.pop(prefix)
             for e in range(experts):
-                entries += [TensorEntry(f"{prefix}{e}.gate_proj.weight", (rows // 2, cols), st_dtype, "matrix"),
-                            TensorEntry(f"{prefix}{e}.up_proj.weight", (rows // 2, cols), st_dtype, "matrix"),
-                            TensorEntry(f"{prefix}{e}.down_proj.weight", shape[1:], st_dtype, "matrix")]
+                entries += [TensorEntry(f"{prefix}{e}.gate_proj.weight", (rows // 2, cols), st_dtype),
+                            TensorEntry(f"{prefix}{e}.up_proj.weight", (rows // 2, cols), st_dtype),
+                            TensorEntry(f"{prefix}{e}.down_proj.weight", shape[1:], st_dtype)]
         elif name.endswith("e_score_correction_bias"):
-            entries.append(TensorEntry(name, shape, "F32", "bias"))
+            entries.append(TensorEntry(name, shape, "F32"))
         else:
-            entries.append(TensorEntry(name, shape, st_dtype, "norm" if len(shape) == 1 else "matrix"))
+            entries.append(TensorEntry(name, shape, st_dtype))
     assert not pending, f"experts without down_proj: {list(pending)}"
     return entries
 
@@ -125,15 +123,14 @@ def write_random_checkpoint(config: MLAConfig, out: str | Path, dtype: str = "bf
     shards = plan_shards(entries, shard_bytes)
     total = sum(e.nbytes for e in entries)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    start, written, index = time.perf_counter(), 0, 0
+    start, written = time.perf_counter(), 0
     weight_map = {}
     with atomic_dir(out) as tmp:
         for file, shard in zip(names, shards):
             with (tmp / file).open("wb") as f:
                 f.write(_header(shard))
                 for entry in shard:
-                    _write_tensor(f, entry, seed * 1_000_003 + index, std)
-                    index += 1
+                    _write_tensor(f, entry, seed, std)
                     written += entry.nbytes
                     weight_map[entry.name] = file
                     if progress is not None:
@@ -161,23 +158,11 @@ def _header(shard: list[TensorEntry]) -> bytes:
 
 
 def _write_tensor(f, entry: TensorEntry, seed: int, std: float) -> None:
-    """Draw ``entry``'s values in row chunks and append their bytes to ``f``."""
+    """Draw ``entry``'s values (:func:`~mla_deploy.model.decoder.random_tensor`) and append their bytes to ``f``."""
     import torch
 
+    from .model.decoder import random_tensor
+
     torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[entry.dtype]
-    gen = torch.Generator().manual_seed(seed)
-    rows = entry.shape[0]
-    row_numel = math.prod(entry.shape[1:]) if len(entry.shape) > 1 else 1
-    chunk = max(1, CHUNK_BYTES // (4 * row_numel))
-    for begin in range(0, rows, chunk):
-        n = min(chunk, rows - begin)
-        values = torch.randn((n, *entry.shape[1:]), generator=gen)
-        if entry.init == "norm":
-            values = 1.0 + 0.1 * values
-        elif entry.init == "bias":
-            values = 0.1 * values
-        else:
-            values = std * values
-        data = values.to(torch_dtype).contiguous()
-        raw = data.view(torch.int16) if entry.itemsize == 2 else data
-        f.write(raw.numpy().tobytes())
+    data = random_tensor(entry.name, entry.shape, std, seed).to(torch_dtype).contiguous()
+    f.write((data.view(torch.int16) if entry.itemsize == 2 else data).numpy().tobytes())

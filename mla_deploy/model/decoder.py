@@ -11,6 +11,7 @@ as ``mla-deploy bench`` times them) run through it.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
@@ -214,18 +215,28 @@ class MLAForCausalLM(nn.Module):
 
 
 @torch.no_grad()
+def random_tensor(name: str, shape: Sequence[int], std: float = 0.02, seed: int = 0) -> torch.Tensor:
+    """The random value :func:`init_random_` gives the tensor ``name``: matrices ``N(0, std)``, 1-D scales
+    ``1 + N(0, 0.1)``, 1-D biases ``N(0, 0.1)``; float32.
+
+    Each tensor has its own generator, seeded from ``seed`` and ``name``, so one tensor can be drawn without the
+    others (a streamed export) and gets the same values as in a whole model.
+    """
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    values = torch.randn(tuple(shape), generator=gen)
+    if len(shape) == 1:
+        return (0.0 if name.endswith("bias") else 1.0) + 0.1 * values
+    return std * values
+
+
+@torch.no_grad()
 def init_random_(model: nn.Module, std: float = 0.02, seed: int = 0) -> nn.Module:
-    """Fill every parameter with random values: matrices ``N(0, std)``, norm scales ``1 + N(0, 0.1)``.
+    """Fill every parameter and buffer (rope frequencies excepted) with :func:`random_tensor` values.
 
     With ``std`` large (e.g. 0.3) mistakes in the attention cannot hide behind small activations.
     """
-    gen = torch.Generator().manual_seed(seed)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("inv_freq"):
-            continue
-        if tensor.dim() == 1:
-            base = 0.0 if name.endswith("bias") else 1.0
-            tensor.copy_(base + 0.1 * torch.randn(tensor.shape, generator=gen))
-        else:
-            tensor.copy_(std * torch.randn(tensor.shape, generator=gen))
+        if not name.endswith("inv_freq"):
+            tensor.copy_(random_tensor(name, tensor.shape, std, seed))
     return model

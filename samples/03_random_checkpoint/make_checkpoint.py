@@ -4,7 +4,7 @@
         [--dtype bf16|fp16|fp32] [--shard-gb 5] [--seed 0]
 
 The full DeepSeek-V2-Lite shape (27 layers, 64 experts, 15.7 B parameters) is 31.4 GB in bf16; nothing is held in
-memory beyond one 64 MiB chunk. Progress (bytes, rate, time left) goes to stderr.
+memory beyond one tensor. Progress (bytes, rate, time left) goes to stderr.
 """
 
 from __future__ import annotations
