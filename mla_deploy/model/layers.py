@@ -85,6 +85,52 @@ def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, keep: int, gr
     return scores.masked_fill(~expert_mask, fill)
 
 
+@torch.library.custom_op("mla_deploy::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor) -> torch.Tensor:
+    """The routed experts, sparse: each expert runs only on the tokens routed to it (DeepSeek's ``moe_infer``).
+
+    ``y[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with ``e = idx[t, j]``; each expert's
+    output is in ``x``'s dtype, weighted and summed in ``weights``' dtype (float32), the sum cast to ``x``'s dtype.
+    At ONNX export it becomes one static branch per expert (:mod:`mla_deploy.exporter.moe_onnx`).
+
+    Args:
+        x: ``[T, D]``.
+        weights: ``[T, k]`` routing weights (float32).
+        idx: ``[T, k]`` int64 expert of each choice, distinct within a row, in ``[0, E)``.
+        gate_up_proj: ``[E, 2*I, D]``, the gate rows first.
+        down_proj: ``[E, D, I]``.
+    Returns:
+        ``[T, D]`` in ``x``'s dtype.
+    """
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+    for e in torch.bincount(idx.flatten(), minlength=gate_up_proj.shape[0]).nonzero().flatten().tolist():
+        tok, pos = torch.where(idx == e)  # [n] each: the tokens routed to e and which of their k choices it is
+        gate, up = F.linear(x.index_select(0, tok), gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+        h = F.linear(F.silu(gate) * up, down_proj[e])  # [n, D]
+        out.index_add_(0, tok, h.to(weights.dtype) * weights[tok, pos, None])
+    return out.to(x.dtype)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, weights, idx, gate_up_proj, down_proj):
+    return torch.empty_like(x)
+
+
+def dense_experts_reference(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                            down_proj: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_experts` computed densely, every expert on every token (standard ops, no loop): a numerical
+    reference for tests, and the formulation the graph scan ``all_expert_tensors`` must flag.
+
+    Args and returns as :func:`moe_experts`.
+    """
+    dense = torch.zeros(x.shape[0], gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
+    dense = dense.scatter_add(-1, idx, weights)  # [T, E]
+    gate, up = torch.einsum("td,eid->tei", x, gate_up_proj).chunk(2, dim=-1)  # [T, E, I] each
+    h = torch.einsum("tei,edi->ted", F.silu(gate) * up, down_proj)  # [T, E, D]
+    return torch.einsum("te,ted->td", dense, h.to(weights.dtype)).to(x.dtype)
+
+
 class Experts(nn.Module):
     """The routed experts, stored stacked: ``gate_up_proj [E, 2*I, D]`` (gate rows first), ``down_proj [E, D, I]``."""
 
@@ -95,15 +141,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, combined with the routing weights (standard ops, no loop).
+        """Each token through its routed experts only (:func:`moe_experts`), combined with the routing weights.
 
-        Args: x ``[T, D]``; weights, idx ``[T, k]``. Returns: ``[T, D]``.
+        Args: x ``[T, D]``; weights ``[T, k]`` float32; idx ``[T, k]`` int64. Returns: ``[T, D]`` in x's dtype.
         """
-        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
-        dense = dense.scatter_add(-1, idx, weights)  # [T, E]
-        gate, up = torch.einsum("td,eid->tei", x, self.gate_up_proj).chunk(2, dim=-1)  # [T, E, I] each
-        h = F.silu(gate) * up * dense.to(x.dtype).unsqueeze(-1)
-        return torch.einsum("tei,edi->td", h, self.down_proj)
+        return moe_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
