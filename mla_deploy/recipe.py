@@ -42,7 +42,10 @@ class ExportSettings:
         precision: ``fp32``, ``fp16`` or ``bf16``; the ONNX carries this dtype (TensorRT 11 reads precision from it).
         cache_mode: ``concat`` (growing cache) or ``static`` (fixed capacity, written in place).
         max_cache_length: capacity of the static cache (tokens per sequence).
-        prefill_form: attention form of the prefill graph (``CC`` re-expands K/V: cheaper for long prompts).
+        prefill_form: attention form of the prefill graph. The same as ``decode_form`` (the default, ``A_CC``):
+            prefill and decode are one graph, ``model.onnx``, whose weights a runtime holds once. ``CC``
+            (re-expands K/V, fewer FLOPs for long prompts) makes a second graph, ``prefill.onnx``, over the same
+            weights file; ONNX Runtime then holds two sessions.
         decode_form: attention form of the decode graph (``A_CC`` or ``A_CC_ME``).
         opset: ONNX opset (>= the layout's ``min_opset``: 18, or 24 for the static cache's ``TensorScatter``).
         external_data_threshold: graphs whose weights exceed this many bytes keep them in a side file.
@@ -56,10 +59,10 @@ class ExportSettings:
     precision: str = "fp32"
     cache_mode: str = "concat"
     max_cache_length: int = 256
-    prefill_form: str = "CC"
+    prefill_form: str = "A_CC"
     decode_form: str = "A_CC"
     opset: int = 24
-    external_data_threshold: int = 1 << 30
+    external_data_threshold: int = 64 << 20
     seed: int = 0
     init_std: float = 0.02
     decode_attention: str = "standard"

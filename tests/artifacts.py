@@ -33,11 +33,7 @@ def tiny_artifact(cache_mode: str = "static", precision: str = "fp32") -> Path:
 
 def reference_model(artifact: Path):
     """The original-form (CC) fp32 PyTorch model an artifact was exported from."""
-    from safetensors.torch import load_file
-
     from mla_deploy.artifact import load_manifest
-    from mla_deploy.model import MLAForCausalLM
+    from mla_deploy.validate.reference import load_reference_model
 
-    model = MLAForCausalLM(load_manifest(artifact).config, "CC").eval()
-    model.load_state_dict(load_file(str(artifact / "reference.safetensors")))
-    return model
+    return load_reference_model(artifact, load_manifest(artifact))

@@ -17,13 +17,16 @@ from .files import sha256_file
 from .manifest import MANIFEST, GraphEntry, Manifest, load_manifest
 
 
-def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_graphs: bool = True) -> Manifest:
+def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_graphs: bool = True,
+                   verify_weights: bool = False) -> Manifest:
     """Check that an artifact is whole and self-consistent; return its manifest.
 
     Args:
         artifact_dir: the export directory (holding ``manifest.json``).
         verify_hashes: compare each graph file's sha256 with the manifest's (reads every byte of the graphs).
         check_graphs: parse each ONNX file (without external weights) and compare its I/O with the manifest's.
+        verify_weights: also hash the shared weights file (reads all of it: minutes for a full-size model; its
+            size is always checked).
     Returns:
         the :class:`~mla_deploy.artifact.manifest.Manifest`.
     Raises:
@@ -51,6 +54,11 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
             raise ArtifactError(f"{role} graph {path} does not match the sha256 in {MANIFEST} (modified or replaced)")
         if check_graphs:
             _check_onnx_io(path, role, graph)
+    data = manifest.weights_data
+    if verify_weights and data is not None and data.get("sha256"):
+        path = root / data["file"]
+        if sha256_file(path) != data["sha256"]:
+            raise ArtifactError(f"the weights file {path} does not match the sha256 in {MANIFEST} (modified)")
     return manifest
 
 

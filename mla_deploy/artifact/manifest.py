@@ -39,7 +39,10 @@ class WeightsSource:
             (a model handed to the Python API: no reference can be rebuilt).
         file: the reference weights file inside the artifact (``reference.safetensors``), if any.
         path: the checkpoint folder (``hf``).
-        seed, std: the random weights' seed and standard deviation (``random``).
+        seed, std: the random weights' seed and standard deviation (``random``: validation rebuilds them).
+        files: ``hf``: what identifies the checkpoint's files, ``({"file", "bytes", "sampled_sha256"}, ...)``
+            (:meth:`mla_deploy.checkpoint.CheckpointTensors.identity`), so validation refuses a checkpoint that
+            changed since the export.
     """
 
     kind: str = "in-memory"
@@ -47,17 +50,23 @@ class WeightsSource:
     path: str | None = None
     seed: int | None = None
     std: float | None = None
+    files: tuple | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in (("kind", self.kind), ("seed", self.seed), ("std", self.std), ("file", self.file),
-                                  ("path", self.path)) if v is not None}
+        out = {k: v for k, v in (("kind", self.kind), ("seed", self.seed), ("std", self.std), ("file", self.file),
+                                 ("path", self.path)) if v is not None}
+        if self.files is not None:
+            out["files"] = [dict(f) for f in self.files]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "WeightsSource":
         data = dict(data or {})
-        unknown = sorted(set(data) - {"kind", "file", "path", "seed", "std"})
+        unknown = sorted(set(data) - {"kind", "file", "path", "seed", "std", "files"})
         if unknown:
             raise ArtifactError(f"manifest.json [weights]: unknown field(s) {', '.join(unknown)}")
+        if data.get("files") is not None:
+            data["files"] = tuple(dict(f) for f in data["files"])
         return cls(**data)
 
 
@@ -135,6 +144,8 @@ class Manifest:
         versions: what produced the artifact.
         created: ISO time of the export.
         format_version: the manifest format's version.
+        weights_data: the graphs' shared weights file, ``{"file", "bytes", "sha256"}``; None when the weights are
+            inside the graph files (small models).
     """
 
     name: str
@@ -150,6 +161,7 @@ class Manifest:
     versions: dict = field(default_factory=dict)
     created: str = ""
     format_version: int = FORMAT_VERSION
+    weights_data: dict | None = None
 
     # derived ------------------------------------------------------------------------------------
     @property
@@ -212,6 +224,7 @@ class Manifest:
             "max_cache_length": self.max_cache_length,
             "graphs": {role: g.to_dict() for role, g in self.graphs.items()},
             "recipe": self.recipe, "versions": self.versions, "created": self.created,
+            **({"weights_data": self.weights_data} if self.weights_data is not None else {}),
         }
 
     @classmethod
@@ -262,11 +275,20 @@ class Manifest:
             cache=dict(cache), max_cache_length=capacity,
             graphs={role: GraphEntry.from_dict(role, g) for role, g in graphs.items()},
             recipe=dict(data.get("recipe") or {}), versions=dict(data.get("versions") or {}),
-            created=str(data.get("created", "")), format_version=version)
+            created=str(data.get("created", "")), format_version=version, weights_data=_weights_data(data, source))
 
     def save(self, folder: str | Path) -> Path:
         """Write ``folder/manifest.json`` atomically; returns its path."""
         return atomic_write_text(Path(folder) / MANIFEST, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _weights_data(data: dict, source: str) -> dict | None:
+    record = data.get("weights_data")
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("file"), str) or not isinstance(record.get("bytes"), int):
+        raise ArtifactError(f"{source}: weights_data must name a file and its bytes")
+    return dict(record)
 
 
 def now() -> str:
@@ -309,4 +331,11 @@ def load_manifest(artifact: str | Path) -> Manifest:
                                 f"(truncated or replaced)")
         if graph.external_data and not (root / graph.external_data).is_file():
             raise ArtifactError(f"{role} graph's weights {root / graph.external_data} are missing")
+    if manifest.weights_data is not None:
+        data = root / manifest.weights_data["file"]
+        if not data.is_file():
+            raise ArtifactError(f"the weights file {data} is missing")
+        if data.stat().st_size != manifest.weights_data["bytes"]:
+            raise ArtifactError(f"the weights file {data} has {data.stat().st_size} bytes, the manifest says "
+                                f"{manifest.weights_data['bytes']} (truncated or replaced)")
     return manifest

@@ -69,7 +69,7 @@ def export_stack(stack: AttentionStack, layout: CacheLayout | str, path: str | P
     path = Path(path)
     with torch.no_grad():
         trace_to_onnx(DecoderGraph(stack, layout).eval(), (hidden, positions, control, *caches), path,
-                      inputs, outputs, shapes, opset, external_data=False)
+                      inputs, outputs, shapes, opset)
     return path
 
 

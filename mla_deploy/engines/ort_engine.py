@@ -102,7 +102,10 @@ class OrtEngine(Engine):
                 raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
                                           f"Runtime cannot run; export with [export] decode_attention = \"standard\" "
                                           f"for ONNX Runtime, or build it with `mla-deploy build`")
-            session = open_session(self.root / graph.file, provider, threads, log_severity)
+            # one session per graph file: a graph serving prefill and decode holds its weights once
+            session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
+            if session is None:
+                session = open_session(self.root / graph.file, provider, threads, log_severity)
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "

@@ -75,7 +75,7 @@ def export_block(kind: str, config: MLAConfig, out: str | Path, n_latents: int =
         wrapper = LatentCrossAttentionGraph(block)
     with atomic_dir(out) as tmp:
         with torch.no_grad():
-            trace_to_onnx(wrapper.eval(), args, tmp / f"{kind}.onnx", inputs, outputs, shapes, 18, False)
+            trace_to_onnx(wrapper.eval(), args, tmp / f"{kind}.onnx", inputs, outputs, shapes, 18)
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(tmp / REFERENCE_WEIGHTS))

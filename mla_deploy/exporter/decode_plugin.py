@@ -111,9 +111,10 @@ def use_decode_plugin(model: torch.nn.Module) -> torch.nn.Module:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, AbsorbedMLAttention) and not isinstance(child, PluginDecodeAttention):
-                new = PluginDecodeAttention(child.config, child.form)
-                new.load_state_dict(child.state_dict())
-                new.to(next(child.parameters()).dtype).train(child.training)
+                with torch.device("meta"):  # the child's own tensors are assigned (a meta model stays meta)
+                    new = PluginDecodeAttention(child.config, child.form)
+                new.load_state_dict(child.state_dict(), assign=True)
+                new.train(child.training)
                 setattr(module, name, new)
                 replaced += 1
     if not replaced:

@@ -1,30 +1,40 @@
-"""Export a recipe to an artifact directory: ``prefill.onnx``, ``decode.onnx``, weights, ``manifest.json``.
+"""Export a recipe to an artifact directory: the graph(s), one weights file, ``manifest.json``.
 
-The directory is built with :func:`~mla_deploy.artifact.atomic_dir` (under a temporary name beside the target,
-swapped into place at the end), so a failed export never leaves a half-written artifact. The manifest is a
-:class:`~mla_deploy.artifact.Manifest`; the cache layout (:mod:`mla_deploy.cache_layout`) decides the graphs'
-I/O, the traced shapes and the capacity it records.
+The export never holds the model. Each graph is traced from a model on the ``meta`` device (shapes only);
+its initializers are then made one at a time from the weights' source (a checkpoint read tensor by tensor,
+a preset's seeded random weights, or a model in memory: :mod:`.weights`) and streamed into one
+``weights.data`` that every graph references, so memory stays near the largest tensor whatever the model's
+size, and the weights exist once on disk. When the prefill and decode forms are the same (the default,
+``A_CC``), prefill and decode are one graph, ``model.onnx``, so a runtime also holds the weights once;
+with a ``CC`` prefill there are two graphs over the same ``weights.data``. Small models (weights at most
+``[export] external_data_threshold`` bytes) keep their weights inside the graph file(s) instead.
+
+The directory is built with :func:`~mla_deploy.artifact.atomic_dir` (under a temporary name beside the
+target, swapped into place at the end), so a failed export never leaves a half-written artifact. The
+cache layout (:mod:`mla_deploy.cache_layout`) decides the graphs' I/O, traced shapes and capacity.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import platform
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from .. import __version__
-from ..artifact import (MANIFEST, REFERENCE_WEIGHTS, GraphEntry, Manifest, WeightsSource, atomic_dir, now,
-                        read_fingerprint, sha256_file)
+from ..artifact import MANIFEST, GraphEntry, Manifest, WeightsSource, atomic_dir, now, read_fingerprint, sha256_file
 from ..errors import ExportError
-from ..model import MLAForCausalLM, build_model, convert_form
+from ..model import MLAForCausalLM
 from ..recipe import Recipe
 from .graphs import DecoderGraph, example_decoder_inputs
-from .onnx_export import check_onnx_file, decoder_dynamic_shapes, per_head_kv_tensors, trace_to_onnx
+from .moe_onnx import all_expert_tensors
+from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight_views, per_head_kv_tensors,
+                          save_graph, trace_graph)
+from .weights import WEIGHTS_FILE, ModuleTensors, Progress, RandomTensors, TensorSource, WeightsFile, WeightSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,17 +61,21 @@ def versions() -> dict[str, str]:
 
 
 def export_recipe(recipe: Recipe, out: str | Path, model: MLAForCausalLM | None = None,
-                  weights: WeightsSource | Mapping[str, Any] | None = None, overwrite: bool = False) -> Manifest:
+                  weights: WeightsSource | Mapping[str, Any] | None = None, overwrite: bool = False,
+                  source: TensorSource | None = None, progress: Progress | None = None) -> Manifest:
     """Export ``recipe``'s model to ``out`` and return its manifest.
 
     Args:
         recipe: model and ``[export]`` settings.
         out: the artifact directory to create (or replace, when it holds the same model).
-        model: the original-form model (fp32); None builds one with random weights from ``[export]``'s
-            seed and init_std (saved as the artifact's reference weights).
-        weights: how ``model``'s weights were obtained (recorded in the manifest), e.g.
-            ``WeightsSource(kind="hf", path=...)`` or the same as a dict; None: ``in-memory``.
+        model: an original-form model in memory (fp32) to export; None: ``source``, or the preset's random
+            weights from ``[export]``'s seed and init_std (rebuilt from them for validation, not stored twice).
+        weights: where the weights came from (recorded in the manifest), e.g. ``WeightsSource(kind="hf",
+            path=...)`` or the same as a dict; None: ``in-memory`` for ``model``/``source``.
         overwrite: replace ``out`` even when it holds a different model.
+        source: the original-form state dict served one tensor at a time (e.g.
+            :class:`~mla_deploy.checkpoint.CheckpointTensors`); closed when the export ends.
+        progress: called as ``progress(bytes_written, total_bytes, seconds)`` while the weights are written.
     Returns:
         the :class:`~mla_deploy.artifact.Manifest` written to ``out/manifest.json``.
     Raises:
@@ -69,15 +83,20 @@ def export_recipe(recipe: Recipe, out: str | Path, model: MLAForCausalLM | None 
     """
     out = Path(out)
     settings = recipe.export
-    if model is None:
-        model = build_model(recipe.model, "CC", std=settings.init_std, seed=settings.seed)
-        weights = WeightsSource(kind="random", seed=settings.seed, std=settings.init_std, file=REFERENCE_WEIGHTS)
+    if model is not None:
+        source = ModuleTensors(model.eval())
+    if source is None:
+        source = RandomTensors(recipe.model, settings.init_std, settings.seed)
+        weights = WeightsSource(kind="random", seed=settings.seed, std=settings.init_std)
     elif not isinstance(weights, WeightsSource):
         weights = WeightsSource.from_dict(weights or {"kind": "in-memory"})
-    fp = fingerprint(recipe, weights)
-    _check_target(out, fp, overwrite)
-    with atomic_dir(out) as tmp:
-        manifest = _write_artifact(recipe, model.eval(), weights, fp, tmp)
+    try:
+        fp = fingerprint(recipe, weights)
+        _check_target(out, fp, overwrite)
+        with atomic_dir(out) as tmp:
+            manifest = _write_artifact(recipe, source, weights, fp, tmp, progress)
+    finally:
+        source.close()
     return manifest
 
 
@@ -96,48 +115,160 @@ def _check_target(out: Path, fp: str, overwrite: bool) -> None:
                           f"choose another --out or pass --overwrite")
 
 
-def _export_graph(recipe: Recipe, model: MLAForCausalLM, role: str, form: str, path: Path,
-                  external: bool) -> GraphEntry:
-    """Trace ``role``'s graph (``model`` converted to ``form``) to ``path`` and check it."""
+@dataclass
+class _Traced:
+    """One traced graph before its weights are bound."""
+
+    file: str
+    form: str
+    attention: str
+    model: Any  # onnx_ir.Model
+    placeholders: dict
+    specs: dict[str, WeightSpec]
+
+
+def _trace(recipe: Recipe, file: str, form: str, attention: str) -> _Traced:
+    """Trace the graph of ``form`` from a model on the meta device; its initializers stay placeholders."""
     settings, config, layout = recipe.export, recipe.model, recipe.export.layout
     dtype = TORCH_DTYPES[settings.precision]
     inputs, outputs = layout.io(config, settings.precision)
-    graph_model = convert_form(copy.deepcopy(model), form).to(dtype)
-    attention = settings.decode_attention if role == "decode" else "standard"
+    with torch.device("meta"):
+        graph_model = MLAForCausalLM(config, form).to(dtype)
     if attention == "plugin":
         from .decode_plugin import use_decode_plugin
 
         use_decode_plugin(graph_model)
     wrapper = DecoderGraph(graph_model, layout).eval()
-    args = example_decoder_inputs(graph_model, layout, settings.max_cache_length, dtype)
+    args = tuple(a.to("meta") for a in example_decoder_inputs(graph_model, layout, settings.max_cache_length, dtype))
     with torch.no_grad():
-        trace_to_onnx(wrapper, args, path, inputs, outputs, decoder_dynamic_shapes(layout, config.num_hidden_layers),
-                      settings.opset, external)
-    inferred = check_onnx_file(path)
-    if role == "decode":
-        offenders = per_head_kv_tensors(inferred, config)
-        if offenders:
-            raise ExportError(f"decode graph holds per-head K/V over the cache: {offenders[0]}")
-    return GraphEntry(role=role, file=path.name, form=form, inputs=tuple(inputs), outputs=tuple(outputs),
-                      attention=attention, external_data=path.name + ".data" if external else None,
-                      bytes=path.stat().st_size, sha256=sha256_file(path))
+        model, placeholders = trace_graph(wrapper, args, inputs, outputs,
+                                          decoder_dynamic_shapes(layout, config.num_hidden_layers), settings.opset, file)
+    parameters = {name for name, _ in wrapper.named_parameters()} | {name for name, _ in wrapper.named_buffers()}
+    derived = fold_weight_views(model, placeholders)
+    specs = {}
+    for final in placeholders:
+        name, ops = final, []
+        while name in derived:  # a weight view folded into its own initializer: walk back to the parameter
+            name, op = derived[name]
+            ops.append(op)
+        if name not in parameters:
+            raise ExportError(f"{file}: initializer {name} is no parameter of the model")
+        spec = WeightSpec.for_parameter(name.removeprefix("model."))
+        for op in reversed(ops):
+            spec = spec.then(op)
+        specs[final] = spec
+    return _Traced(file, form, attention, model, placeholders, specs)
 
 
-def _write_artifact(recipe: Recipe, model: MLAForCausalLM, weights: WeightsSource, fp: str, tmp: Path) -> Manifest:
-    settings, config = recipe.export, recipe.model
-    weight_bytes = sum(p.numel() for p in model.parameters()) * TORCH_DTYPES[settings.precision].itemsize
-    external = weight_bytes > settings.external_data_threshold
-    graphs = {role: _export_graph(recipe, model, role, form, tmp / f"{role}.onnx", external)
-              for role, form in (("prefill", settings.prefill_form), ("decode", settings.decode_form))}
-    if weights.kind == "random":
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / REFERENCE_WEIGHTS))
-    layout = settings.layout
+def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource, fp: str, tmp: Path,
+                    progress: Progress | None) -> Manifest:
+    settings, config, layout = recipe.export, recipe.model, recipe.export.layout
+    single = settings.prefill_form == settings.decode_form
+    roles = {"prefill": settings.prefill_form, "decode": settings.decode_form}
+    traced: dict[str, _Traced] = {}
+    for role, form in roles.items():
+        file = "model.onnx" if single else f"{role}.onnx"
+        if file not in traced:
+            attention = settings.decode_attention if (role == "decode" or single) else "standard"
+            traced[file] = _trace(recipe, file, form, attention)
+    specs: dict[str, WeightSpec] = {}
+    for graph in traced.values():
+        for name, spec in graph.specs.items():
+            if specs.setdefault(name, spec) != spec:
+                raise ExportError(f"initializer {name} means different tensors in two graphs")
+    values = {name: v for graph in traced.values() for name, v in graph.placeholders.items()}
+    total = sum(_nbytes(v) for v in values.values())
+    external = total > settings.external_data_threshold
+    tensors, data = _make_weights(specs, values, source, config, tmp if external else None, total, progress)
+    inputs, outputs = layout.io(config, settings.precision)
+    entries: dict[str, tuple[Any, Any]] = {}
+    for file, graph in traced.items():
+        bind_initializers(graph.placeholders, tensors)
+        inferred = save_graph(graph.model, tmp / file, inputs, outputs)
+        entries[file] = (inferred, sha256_file(tmp / file))
+    graphs = {}
+    for role, form in roles.items():
+        file = "model.onnx" if single else f"{role}.onnx"
+        inferred, digest = entries[file]
+        if role == "decode":
+            offenders = per_head_kv_tensors(inferred, config)
+            if offenders:
+                raise ExportError(f"decode graph holds per-head K/V over the cache: {offenders[0]}")
+            dense = all_expert_tensors(inferred, config)
+            if dense:
+                raise ExportError(f"decode graph computes every expert for every token: {dense[0]}")
+        graphs[role] = GraphEntry(role=role, file=file, form=form, inputs=tuple(inputs), outputs=tuple(outputs),
+                                  attention=traced[file].attention, external_data=WEIGHTS_FILE if external else None,
+                                  bytes=(tmp / file).stat().st_size, sha256=digest)
     manifest = Manifest(
         name=recipe.name, fingerprint=fp, model=config, weights=weights, precision=settings.precision,
         opset=settings.opset, cache=layout.describe(config),
         max_cache_length=layout.manifest_capacity(settings.max_cache_length), graphs=graphs,
-        recipe=recipe.to_dict(), versions=versions(), created=now())
+        recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data)
     manifest.save(tmp)
     return manifest
+
+
+def _nbytes(value) -> int:
+    import math
+
+    return math.prod(int(d) for d in value.shape) * value.dtype.itemsize
+
+
+def _make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSource, config, folder: Path | None,
+                  total: int, progress: Progress | None) -> tuple[dict, dict | None]:
+    """Every initializer's data, made one at a time from ``source``: written to ``folder/weights.data`` and
+    referenced (``folder`` given), or kept in memory (small models). Returns ``(tensors, weights_data record)``."""
+    import onnx_ir as ir
+
+    order = {key: i for i, key in enumerate(source.keys())}
+    names = sorted(specs, key=lambda n: (order.get(specs[n].key, len(order)), n))  # a source tensor's views together
+    file = WeightsFile(folder / WEIGHTS_FILE, total, progress) if folder is not None else None
+    tensors, cached = {}, (None, None)
+    try:
+        for name in names:
+            spec, value = specs[name], values[name]
+            if cached[0] != spec.key:
+                cached = (spec.key, _source_tensor(source, spec.key, config))
+            tensor = spec.apply(cached[1], config).to(_torch_dtype(value.dtype)).contiguous()
+            if tuple(tensor.shape) != tuple(int(d) for d in value.shape):
+                raise ExportError(f"{name}: the weights give {tuple(tensor.shape)}, the graph needs "
+                                  f"{tuple(value.shape)}")
+            if file is None:
+                tensors[name] = ir.Tensor(_numpy(tensor), dtype=value.dtype, name=name)
+            else:
+                offset, length = file.append(tensor)
+                tensors[name] = ir.ExternalTensor(WEIGHTS_FILE, offset, length, value.dtype, shape=value.shape,
+                                                  name=name, base_dir=str(folder))
+            del tensor
+    finally:
+        record = file.close() if file is not None else None
+    return tensors, record
+
+
+def _source_tensor(source: TensorSource, key: str, config) -> torch.Tensor:
+    """The source's tensor ``key``; the rope frequencies are computed from the config, as the model does."""
+    if key.endswith("rotary_emb.inv_freq"):
+        from ..model.rope import inv_freq_for
+
+        return inv_freq_for(config)
+    try:
+        return source.get(key)
+    except KeyError:
+        raise ExportError(f"the weights have no tensor {key}") from None
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    import onnx_ir as ir
+
+    table = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16,
+             ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64}
+    return table[dtype]
+
+
+def _numpy(tensor: torch.Tensor):
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()

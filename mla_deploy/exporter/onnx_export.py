@@ -69,16 +69,26 @@ def decoder_dynamic_shapes(layout: CacheLayout | str, layers: int) -> tuple:
     return cached_dynamic_shapes(layout, ({0: BATCH, 1: SEQ}, {0: BATCH, 1: SEQ}), layers)
 
 
-def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list[TensorSpec],
-                  outputs: list[TensorSpec], dynamic_shapes, opset: int, external_data: bool) -> None:
-    """Export ``module`` called on ``args`` to ``path`` and post-process it (see the module docstring).
+def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], outputs: list[TensorSpec],
+                dynamic_shapes, opset: int, label: str):
+    """Export ``module`` called on ``args`` with ``torch.onnx.export(dynamo=True)`` and optimise it.
 
+    ``module`` may live on the ``meta`` device (``args`` too): its parameters then become *placeholder*
+    initializers, with a name, dtype and shape but no data, which the optimiser leaves alone (no constant
+    folding reads them). Bind them with :func:`bind_initializers` before saving.
+
+    Returns:
+        ``(model, placeholders)``: the ``onnx_ir.Model`` and ``{initializer name: ir.Value}`` of the placeholders.
     Raises:
-        ExportError: torch.export or the ONNX translation failed, or the result fails the checks.
+        ExportError: torch.export or the ONNX translation failed.
     """
-    from .decode_plugin import translation_table
+    import onnxscript
 
-    table = {torch.ops.mla_deploy.tensor_scatter.default: _tensor_scatter_onnx, **translation_table()}
+    from .decode_plugin import translation_table
+    from .moe_onnx import translation_table as moe_translation_table
+
+    table = {torch.ops.mla_deploy.tensor_scatter.default: _tensor_scatter_onnx, **translation_table(),
+             **moe_translation_table()}
     log = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), _quiet_torch_logs():
@@ -86,32 +96,144 @@ def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list
             program = torch.onnx.export(
                 module, args, dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
                 input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-                custom_translation_table=table, optimize=True, verbose=False)
+                custom_translation_table=table, optimize=False, verbose=False)
+            model = program.model
+            placeholders = {}
+            for name, value in model.graph.initializers.items():
+                data = getattr(value.const_value, "raw", None)
+                if isinstance(data, torch.Tensor) and data.is_meta:
+                    value.const_value = None  # shape and dtype stay on the value
+                    placeholders[name] = value
+            onnxscript.optimizer.optimize_ir(model)
     except Exception as exc:  # torch raises many types here; the cause is in the first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"torch.onnx.export failed for {path.name}: {first}") from exc
-    model = program.model_proto
-    _rename_dims(model, inputs + outputs)
-    _check_io(model, inputs, outputs, path.name)
-    model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import), True)
-    model.producer_name = "mla-deploy"
-    if external_data:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
-    check_onnx_file(path)
+        raise ExportError(f"torch.onnx.export failed for {label}: {first}") from exc
+    return model, {name: v for name, v in placeholders.items() if name in model.graph.initializers}
+
+
+def fold_weight_views(model, placeholders: dict) -> dict[str, tuple[str, tuple]]:
+    """Fold views of placeholder weights into placeholders of their own, so that each weight is stored the way
+    the graph consumes it and no runtime re-lays it out or copies it:
+
+    * ``Transpose(W)`` (the exporter writes ``x @ W.T`` as ``MatMul(x, Transpose(W))``): ``W`` stored transposed;
+    * ``Gather(W, i)`` with a constant scalar ``i`` on axis 0 (one expert of a stacked ``[E, ...]`` tensor): the
+      slice stored as its own tensor.
+
+    A placeholder is folded when every node using it is such a view; views of views fold in turn.
+
+    Returns:
+        ``{new name: (name it was made from, op)}`` with ``op`` ``("perm", perm)`` or ``("index", i)``;
+        ``placeholders`` is updated in place (folded-away names removed, new ones added).
+    """
+    import onnx_ir as ir
+
+    derived: dict[str, tuple[str, tuple]] = {}
+    pending = list(placeholders)
+    while pending:
+        name = pending.pop()
+        value = placeholders.get(name)
+        if value is None:
+            continue
+        users = [use.node for use in value.uses()]
+        views = [_weight_view(node, value) for node in users]
+        if not users or any(v is None for v in views):
+            continue
+        for node, op in zip(users, views):
+            if op[0] == "perm":
+                shape = [value.shape[p] for p in op[1]]
+                new_name = f"{name}.T" if op[1] == (1, 0) else f"{name}.perm{''.join(map(str, op[1]))}"
+            else:
+                shape = list(value.shape)[1:]
+                new_name = f"{name}.{op[1]}"
+            new = placeholders.get(new_name)
+            if new is None:
+                new = ir.Value(name=new_name, shape=ir.Shape(shape), type=value.type)
+                model.graph.initializers.add(new)  # no data yet: register_initializer would refuse it
+                placeholders[new_name] = new
+                derived[new_name] = (name, op)
+                pending.append(new_name)
+            node.outputs[0].replace_all_uses_with(new)
+            model.graph.remove(node, safe=True)
+        del model.graph.initializers[name]
+        del placeholders[name]
+    for name, value in list(model.graph.initializers.items()):  # the folded Gathers' index constants
+        if name not in placeholders and not value.uses() and not value.is_graph_input() and not value.is_graph_output():
+            del model.graph.initializers[name]
+    return derived
+
+
+def _weight_view(node, value) -> tuple | None:
+    """``("perm", p)`` or ``("index", i)`` when ``node`` is a foldable view of the weight ``value``, else None."""
+    if node.domain not in ("", "ai.onnx") or node.inputs[0] is not value:
+        return None
+    if node.op_type == "Transpose":
+        rank = len(value.shape)
+        attr = node.attributes.get("perm")
+        return ("perm", tuple(attr.value) if attr is not None else tuple(range(rank - 1, -1, -1)))
+    if node.op_type == "Gather":
+        axis = node.attributes.get("axis")
+        index = node.inputs[1].const_value if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        if (axis is None or axis.value == 0) and index is not None and index.shape.dims == ():
+            return ("index", int(index.numpy()))
+    return None
+
+
+def bind_initializers(placeholders: dict, tensors: dict) -> None:
+    """Give every placeholder its data: ``tensors[name]`` is an ``onnx_ir`` tensor (in memory or external)."""
+    missing = sorted(set(placeholders) - set(tensors))
+    if missing:
+        raise ExportError(f"no data for the graph initializer(s) {', '.join(missing[:4])}")
+    for name, value in placeholders.items():
+        value.const_value = tensors[name]
+
+
+def save_graph(model, path: Path, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> onnx.ModelProto:
+    """Finish an exported graph and write it to ``path``: our axis names, the I/O contract checked, the lowest IR
+    version the opset allows, then ``onnx.checker`` with ``full_check``. Initializers stay where they are bound
+    (inline, or in an external file already written). Returns the shape-inferred model (no weights)."""
+    import onnx_ir as ir
+
+    proto = ir.to_proto(model)
+    _rename_dims(proto, inputs + outputs)
+    _check_io(proto, inputs, outputs, path.name)
+    proto.ir_version = onnx.helper.find_min_ir_version_for(list(proto.opset_import), True)
+    proto.producer_name = "mla-deploy"
+    try:
+        onnx.save_model(proto, str(path))
+    except OSError as exc:
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # protobuf refuses a graph over 2 GB: the weights must be external
+        raise ExportError(f"{path.name} cannot be written inline ({exc}); its weights must go to weights.data") from None
+    return check_onnx_file(path)
+
+
+def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list[TensorSpec],
+                  outputs: list[TensorSpec], dynamic_shapes, opset: int) -> None:
+    """Export a module with its weights in memory to one self-contained file ``path`` (weights inline):
+    :func:`trace_graph` then :func:`save_graph`. For small graphs (comparison blocks, the bench's unit).
+
+    Raises:
+        ExportError: torch.export or the ONNX translation failed, or the result fails the checks.
+    """
+    model, placeholders = trace_graph(module, args, inputs, outputs, dynamic_shapes, opset, path.name)
+    if placeholders:
+        raise ExportError(f"{path.name}: the module has weights on the meta device ({next(iter(placeholders))})")
+    save_graph(model, path, inputs, outputs)
 
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    logger = logging.getLogger("torch.onnx")
-    old = logger.level
-    logger.setLevel(logging.ERROR)
+    """The exporter's and optimiser's progress and notes (e.g. onnx_ir's "Skipped deduplication of initializer
+    ... as it has no constant value", expected for the placeholders) stay off the user's terminal; errors pass."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+    old = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(old)
+        for logger, level in zip(loggers, old):
+            logger.setLevel(level)
 
 
 def _rename_dims(model: onnx.ModelProto, specs: list[TensorSpec]) -> None:

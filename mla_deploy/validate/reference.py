@@ -1,9 +1,10 @@
 """The PyTorch reference of an artifact: the original (non-absorbed, ``CC``) model in float32.
 
 Rebuilt from the artifact itself: the manifest's model config (:attr:`Manifest.config
-<mla_deploy.artifact.Manifest.config>`) and either the original-form weights of a preset export
-(``reference.safetensors``, named by ``manifest.weights.file``) or, for ``kind == "hf"``, the Hugging Face
-checkpoint at ``manifest.weights.path``.
+<mla_deploy.artifact.Manifest.config>`) and its weights: a preset export's random weights rebuilt from their seed
+and std (``kind == "random"``; artifacts of earlier versions stored them in ``reference.safetensors``, named by
+``manifest.weights.file``, which is still read), or, for ``kind == "hf"``, the Hugging Face checkpoint at
+``manifest.weights.path``, refused if its files changed since the export (their sizes and sampled hashes are recorded).
 """
 
 from __future__ import annotations
@@ -45,13 +46,27 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest):
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0]
             raise ArtifactError(f"{path} does not hold the weights of the manifest's model: {first}") from None
+    elif kind == "random":
+        from ..model import build_model
+
+        if weights.seed is None or weights.std is None:
+            raise ArtifactError("manifest.json records random weights without their seed and std")
+        model = build_model(config, "CC", std=weights.std, seed=weights.seed)  # the export's own draw
     elif kind == "hf":
         path = Path(str(weights.path or ""))
         if not weights.path or not path.exists():
             raise ArtifactError(f"the checkpoint {weights.path!r} named by manifest.json is not there; "
                                 f"the PyTorch reference needs it")
-        from ..checkpoint import load_checkpoint
+        from ..checkpoint import CheckpointTensors, load_checkpoint
 
+        if weights.files is not None:
+            try:
+                now = CheckpointTensors(path).identity()
+            except CheckpointError as exc:
+                raise ArtifactError(f"the reference checkpoint cannot be read: {exc}") from None
+            if [dict(f) for f in weights.files] != now:
+                raise ArtifactError(f"the checkpoint at {path} changed since the export (its files differ from those "
+                                    f"manifest.json records); re-export it or validate against the original")
         try:
             model = load_checkpoint(path, form="CC", dtype=torch.float32)
         except CheckpointError as exc:

@@ -113,7 +113,9 @@ def test_export_returns_the_manifest_it_writes(tmp_path):
     manifest = export_recipe(tiny_recipe("concat"), out, overwrite=True)
     assert isinstance(manifest, Manifest) and manifest.layout.mode == "concat" and manifest.capacity is None
     assert json.loads((out / "manifest.json").read_text()) == json.loads(json.dumps(manifest.to_dict()))
-    assert load_manifest(out).graphs == manifest.graphs and manifest.weights.file == "reference.safetensors"
+    assert load_manifest(out).graphs == manifest.graphs and manifest.weights.kind == "random"
+    assert (manifest.weights.file, manifest.weights.seed) == (None, tiny_recipe().export.seed)  # rebuilt, not stored
+    assert not (out / "reference.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
 
 
@@ -123,7 +125,7 @@ def test_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise ExportError("simulated failure")
 
-    monkeypatch.setattr(export, "trace_to_onnx", fail)
+    monkeypatch.setattr(export, "save_graph", fail)  # after the weights are written
     with pytest.raises(ExportError, match="simulated"):
         export_recipe(tiny_recipe(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -151,7 +153,7 @@ def test_public_tracing_pieces_export_a_fixed_length_head(tmp_path, mode):
     path = tmp_path / "step.onnx"
     with torch.no_grad():
         trace_to_onnx(DecoderGraph(model, layout).eval(), args, path, inputs, outputs,
-                      cached_dynamic_shapes(layout, ({0: BATCH}, {0: BATCH}), 1, steps=1), 24, False)
+                      cached_dynamic_shapes(layout, ({0: BATCH}, {0: BATCH}), 1, steps=1), 24)
     graph = check_onnx_file(path).graph
     assert [v.name for v in graph.input] == [t.name for t in inputs]
     assert [_dims(v) for v in graph.input] == [list(t.shape) for t in inputs]

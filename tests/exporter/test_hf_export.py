@@ -66,3 +66,28 @@ def test_exported_checkpoint_generates_what_transformers_generates(tmp_path, cas
     result = validate_artifact(out, out_dir=tmp_path / "report", steps=4, threads=1)
     assert result.passed, result.summary()
     assert (tmp_path / "report" / "report.html").is_file()
+
+
+def test_checkpoint_export_keeps_one_copy_and_refuses_a_changed_checkpoint(tmp_path):
+    """A checkpoint export is one graph over one weights file, with no copy of the checkpoint's weights for
+    validation: the reference is the checkpoint itself, recorded by path, size and sampled hash, and a checkpoint
+    that changed since the export is refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_deploy.artifact import load_manifest
+    from mla_deploy.errors import ArtifactError
+    from mla_deploy.validate import validate_artifact
+
+    _, out = _export(tmp_path, "v2-moe-qlora", "static")
+    manifest = load_manifest(out)
+    assert {g.file for g in manifest.graphs.values()} == {"model.onnx"}  # prefill and decode: one graph
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx"]  # tiny: weights inline
+    assert manifest.weights.kind == "hf" and [f["file"] for f in manifest.weights.files] == ["model.safetensors"]
+    assert validate_artifact(out, write_reports=False, steps=2, threads=1).passed
+    shard = tmp_path / "ckpt" / "model.safetensors"
+    state = load_file(str(shard))
+    name = next(k for k in state if k.endswith("kv_b_proj.weight"))
+    state[name] = state[name] * 1.01  # same names, shapes and size: only values differ
+    save_file(state, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ArtifactError, match="changed since the export"):
+        validate_artifact(out, write_reports=False, steps=2, threads=1)

@@ -149,14 +149,17 @@ def test_steps_beyond_static_capacity(tiny_static, tmp_path):
 
 def _as_hf_export(artifact, folder):
     """Turn a preset export into one whose reference is a Hugging Face checkpoint folder (config.json +
-    model.safetensors holding the same original-form weights)."""
-    import shutil
+    model.safetensors holding the same original-form weights, rebuilt from the export's seed)."""
+    from safetensors.torch import save_file
+
+    from artifacts import reference_model
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     config = {k: v for k, v in manifest["model"].items() if k != "name"}
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
-    shutil.move(artifact / "reference.safetensors", folder / "model.safetensors")
+    state = {k: v.contiguous() for k, v in reference_model(artifact).state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
     manifest["weights"] = {"kind": "hf", "path": str(folder)}
     (artifact / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
