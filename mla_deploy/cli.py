@@ -13,6 +13,7 @@ import sys
 import click
 
 from . import __version__
+from .bench.options import Int, IntList, PathList, Positive
 from .errors import MLADeployError
 
 
@@ -135,29 +136,51 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
         return
     from .exporter import export_recipe
 
-    model = weights = None
+    source = weights = None
     if hf:
         from pathlib import Path
 
         from .artifact import WeightsSource
-        from .checkpoint import load_checkpoint
+        from .checkpoint import CheckpointTensors
 
-        model = load_checkpoint(hf, form="CC", dtype="float32")
-        weights = WeightsSource(kind="hf", path=str(Path(hf).resolve()))
+        source = CheckpointTensors(hf)  # read one tensor at a time while the weights are written
+        weights = WeightsSource(kind="hf", path=str(Path(hf).resolve()), files=tuple(source.identity()))
     start = time.perf_counter()
-    manifest = export_recipe(resolved, out, model=model, weights=weights, overwrite=overwrite)
+    manifest = export_recipe(resolved, out, weights=weights, overwrite=overwrite, source=source,
+                             progress=_progress_line("weights") if sys.stderr.isatty() else None)
     export_s = time.perf_counter() - start
     click.echo(f"exported {manifest.name} to {out} in {export_s:.1f} s: {manifest.precision}, "
                f"{manifest.layout.mode} cache, opset {manifest.opset}, "
                f"latent {manifest.config.latent_dim} per token per layer")
+    shown = set()
     for role, graph in manifest.graphs.items():
-        click.echo(f"  {role:<7} {graph.file:<13} form {graph.form:<7} {graph.bytes / 1e6:.2f} MB")
+        roles = [r for r, g in manifest.graphs.items() if g.file == graph.file]
+        if graph.file not in shown:
+            shown.add(graph.file)
+            click.echo(f"  {'+'.join(roles):<14} {graph.file:<13} form {graph.form:<7} {graph.bytes / 1e6:.2f} MB")
+    if manifest.weights_data is not None:
+        click.echo(f"  {'weights':<14} {manifest.weights_data['file']:<13} {'':<12} "
+                   f"{manifest.weights_data['bytes'] / 1e9:.2f} GB (shared by the graphs)")
     if run_validation:
         from .validate import validate_artifact
 
         result = validate_artifact(out)
         click.echo(result.summary())
         result.raise_for_failure()
+
+
+def _progress_line(label: str):
+    """A ``progress(done, total, seconds)`` callback drawing one updating line on stderr (a terminal only)."""
+    def show(done: int, total: int, seconds: float) -> None:
+        rate = done / max(seconds, 1e-9)
+        left = f", {(total - done) / rate:.0f} s left" if total and rate else ""
+        end = "\n" if total and done >= total else ""
+        click.echo(f"\r{label}: {done / 1e9:.2f} / {total / 1e9:.2f} GB, {rate / 1e6:.0f} MB/s{left}   ", err=True,
+                   nl=False)
+        if end:
+            click.echo("", err=True)
+
+    return show
 
 
 def _parse_ids(values) -> list[list[int]]:
@@ -264,53 +287,117 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
     click.echo(f"TensorRT {record['tensorrt']} on {record['gpu']}; {record['precision']}, {typing}")
 
 
-@main.command()
-@click.option("--preset", help="A built-in preset (see `mla-deploy presets`).")
-@click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
-@click.option("--layers", default="2", show_default=True,
-              help="Attention layers in the benched unit (the decode step of N attention blocks).")
-@click.option("--context", default="1024,4096,16384", show_default=True, help="Cached tokens T, comma list.")
-@click.option("--batch", default="1,8", show_default=True, help="Batch sizes B, comma list.")
-@click.option("--threads", default="2", show_default=True, help="torch and ONNX Runtime intra-op threads.")
-@click.option("--repeat", default="20", show_default=True, help="Timed calls per point and pass (at most).")
-@click.option("--warmup", default="3", show_default=True, help="Untimed calls before them.")
-@click.option("--passes", default="2", show_default=True,
-              help="Passes; each runs every variant in its own process, odd passes in reverse order.")
-@click.option("--paths", default="all", show_default=True,
-              help="Comma subset of hf-eager, hf-sdpa, torch-cd, torch-absorbed, ort-concat, ort-static, trt.")
-@click.option("--max-seconds", default="20", show_default=True,
-              help="Time budget of one point in one pass (at least 3 timed calls are kept).")
-@click.option("--seed", default="0", show_default=True, help="Seed of the weights and inputs.")
-@click.option("--probe-mib", default="512", show_default=True, hidden=True, help="Read-bandwidth probe buffer.")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
-              help="Folder for bench.json, bench.md and bench.png.")
-@_one_line_errors
-def bench(preset, recipe, layers, context, batch, threads, repeat, warmup, passes, paths, max_seconds, seed,
-          probe_mib, out):
-    """Decode-step latency, tokens/s, cache and peak memory of MLA attention: transformers' own attention
-    (naive), this project's PyTorch model (CD and absorbed), the exported graph in ONNX Runtime (concat and
-    static in place) and TensorRT where available; each against the machine's measured roofline."""
+class _OneLineOptions(click.Command):
+    """A command whose option types raise typed errors while the options are parsed (``mla_deploy.bench.options``):
+    those print one line too."""
+
+    def make_context(self, *args, **kwargs):
+        return _one_line_errors(super().make_context)(*args, **kwargs)
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as run, rebuilt from its parsed options (for the report)."""
     import shlex
 
+    parts = ["mla-deploy", ctx.info_name or "bench"]
+    for name, value in ctx.params.items():
+        if value is None or value is False:
+            continue
+        parts.append("--" + name.replace("_", "-"))
+        if value is not True:
+            parts.append(shlex.quote(",".join(map(str, value)) if isinstance(value, tuple) else str(value)))
+    return " ".join(parts)
+
+
+@main.command(cls=_OneLineOptions)
+@click.option("--whole-model", is_flag=True,
+              help="Bench the whole model instead of the attention stack: decode ms/token and tokens/s after a context, "
+                   "prefill tokens/s, peak memory, ONNX Runtime beside transformers' own model, each against the "
+                   "bound measured in the same run.")
+@click.option("--preset", metavar="NAME", help="A built-in preset (see `mla-deploy presets`).")
+@click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
+@click.option("--artifact", type=click.Path(file_okay=False), help="--whole-model: an exported artifact, benched as is.")
+@click.option("--hf", type=click.Path(file_okay=False),
+              help="--whole-model: a Hugging Face DeepSeek checkpoint folder, exported into OUT/artifact first.")
+@click.option("--layers", type=Int(),
+              help="Attention layers in the benched unit [default: 2]; --whole-model: keep only the first N decoder "
+                   "layers of the preset or recipe [default: all].")
+@click.option("--context", type=IntList(minimum=0),
+              help="Cached tokens T, comma list [default: 1024,4096,16384; --whole-model: 0,4096].")
+@click.option("--batch", type=IntList(), default="1,8", show_default=True, help="Batch sizes B, comma list.")
+@click.option("--prompt-length", type=Int(), help="--whole-model: tokens per sequence of the timed prefill [default: 512].")
+@click.option("--threads", type=Int(), default=2, show_default=True, help="torch and ONNX Runtime intra-op threads.")
+@click.option("--repeat", type=Int(),
+              help="Timed calls per point and pass, at most [default: 20]; --whole-model: timed decode steps per "
+                   "point and timed prefills per batch size [default: 10].")
+@click.option("--warmup", type=Int(minimum=0), default=3, show_default=True, help="Untimed calls before them.")
+@click.option("--passes", type=Int(),
+              help="Passes; each runs every variant in its own process, odd passes in reverse order [default: 2].")
+@click.option("--paths", type=PathList(),
+              help="Comma subset of hf-eager, hf-sdpa, torch-cd, torch-absorbed, ort-concat, ort-static, trt "
+                   "[default: all].")
+@click.option("--max-seconds", type=Positive(),
+              help="Time budget of one point in one pass (at least 3 timed calls are kept) [default: 20].")
+@click.option("--seed", type=Int(minimum=0), default=0, show_default=True,
+              help="Seed of the weights and inputs (--whole-model: of the prompts and of a preset's checkpoint).")
+@click.option("--no-transformers", is_flag=True, help="--whole-model: do not time transformers' model.")
+@click.option("--probe-mib", type=Int(), default=512, show_default=True, hidden=True, help="Read-bandwidth probe buffer.")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for bench.json, bench.md and bench.png; --whole-model from --hf or --preset also keeps the "
+                   "exported artifact (and the random checkpoint) there, reused by a later run on the same model.")
+@_one_line_errors
+def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, prompt_length, threads, repeat, warmup,
+          passes, paths, max_seconds, seed, no_transformers, probe_mib, out):
+    """Decode-step latency, tokens/s, cache and peak memory of MLA attention: transformers' own attention
+    (naive), this project's PyTorch model (CD and absorbed), the exported graph in ONNX Runtime (concat and
+    static in place) and TensorRT where available; each against the machine's measured roofline.
+
+    With --whole-model: the whole model (--artifact, --hf or --preset/--recipe [--layers N]) in ONNX Runtime
+    beside transformers' AutoModelForCausalLM.generate on the same checkpoint: decode ms/token and tokens/s after
+    each --context, prefill tokens/s of a --prompt-length prompt, peak RSS, and each step's time over its bound
+    (the weights it must read, routed experts counted per step, plus the latent cache, over the measured
+    bandwidth; or its FLOPs over the measured GEMM rate)."""
+    from .errors import ConfigError
+
+    command = _command_line(click.get_current_context())
+    echo = lambda line: click.echo(line, err=True)  # noqa: E731
+    sources = {"artifact": artifact, "hf": hf, "preset": preset, "recipe": recipe}
+    given = [name for name, value in sources.items() if value]
+    if whole_model:
+        misplaced = [n for n, v in (("--passes", passes), ("--paths", paths), ("--max-seconds", max_seconds)) if v]
+        if misplaced:
+            raise ConfigError(f"{misplaced[0]} applies to the attention bench, not to --whole-model")
+        if len(given) != 1:
+            raise ConfigError("--whole-model takes exactly one of --artifact, --hf, --preset, --recipe")
+        from .bench.whole_model import run_whole_model
+        from .bench.whole_report import format_table as whole_model_table
+        from .bench.whole_spec import WholeModelSpec
+
+        chosen = {"contexts": context, "prompt_length": prompt_length, "repeat": repeat}
+        spec = WholeModelSpec(source=given[0], location=sources[given[0]], layers=layers, batches=batch,
+                              threads=threads, warmup=warmup, seed=seed, transformers=not no_transformers,
+                              probe_mib=probe_mib, **{k: v for k, v in chosen.items() if v is not None})
+        report = run_whole_model(spec, out, echo=echo, command=command)
+        click.echo(whole_model_table(report))
+        click.echo(f"wrote {out}/bench.json, {out}/bench.md")
+        return
+    misplaced = [n for n, v in (("--artifact", artifact), ("--hf", hf), ("--prompt-length", prompt_length),
+                                ("--no-transformers", no_transformers)) if v]
+    if misplaced:
+        raise ConfigError(f"{misplaced[0]} applies to --whole-model only")
     from .bench.driver import run_bench
     from .bench.output import format_table
-    from .bench.spec import BenchSpec, parse_float, parse_int, parse_paths
-    from .errors import ConfigError
+    from .bench.spec import BenchSpec
     from .recipe import load_recipe
 
     if bool(preset) == bool(recipe):
         raise ConfigError("give exactly one of --preset, --recipe")
     config = load_recipe(preset or recipe).model
-    spec = BenchSpec(config=config, layers=parse_int(layers, "--layers"), contexts=context, batches=batch,
-                     threads=parse_int(threads, "--threads"), repeat=parse_int(repeat, "--repeat"),
-                     warmup=parse_int(warmup, "--warmup", minimum=0), passes=parse_int(passes, "--passes"),
-                     paths=parse_paths(paths), seed=parse_int(seed, "--seed", minimum=0),
-                     max_seconds=parse_float(max_seconds, "--max-seconds"),
-                     probe_mib=parse_int(probe_mib, "--probe-mib"), source=preset or recipe)
-    params = click.get_current_context().params
-    command = "mla-deploy bench " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
-                                             for k, v in params.items() if v is not None)
-    report = run_bench(spec, out, echo=lambda line: click.echo(line, err=True), command=command)
+    chosen = {"layers": layers, "contexts": context, "repeat": repeat, "passes": passes, "paths": paths,
+              "max_seconds": max_seconds}
+    spec = BenchSpec(config=config, batches=batch, threads=threads, warmup=warmup, seed=seed, probe_mib=probe_mib,
+                     source=preset or recipe, **{k: v for k, v in chosen.items() if v is not None})
+    report = run_bench(spec, out, echo=echo, command=command)
     click.echo(format_table(report))
     click.echo(f"wrote {out}/bench.json, {out}/bench.md, {out}/bench.png")
 

@@ -51,6 +51,18 @@ def probe(threads: int, probe_mib: int = 512, reps: int = 5) -> dict[str, float]
     return {"read_gbps": read, "gemm_gflops": gemm, "gemm_n": n, "read_mib": probe_mib}
 
 
+def summarize(values, unit: str | None = None) -> dict | None:
+    """``{"median", "min", "max", "n"}`` of ``values`` (plus ``unit`` and the rounded ``samples`` when a unit is
+    given), as bench reports show a probe; None when there are none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    out = {"median": _median(values), "min": min(values), "max": max(values), "n": len(values)}
+    if unit:
+        out.update(unit=unit, samples=[round(v, 2) for v in values])
+    return out
+
+
 def _median(values):
     s = sorted(values)
     n = len(s)

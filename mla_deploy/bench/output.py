@@ -160,13 +160,24 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(report: dict, out: Path) -> dict[str, Path]:
-    """Write bench.json, bench.md and bench.png into ``out``: each to a temporary name, then renamed."""
+def write_outputs(report: dict, out: Path, to_markdown=markdown, to_plot=plot) -> dict[str, Path]:
+    """Write bench.json, bench.md and bench.png into ``out``: each to a temporary name, then renamed.
+
+    ``to_markdown(report) -> str`` and ``to_plot(report, path)`` make bench.md and bench.png (default: the
+    attention bench's); ``to_plot=None`` writes no bench.png."""
     from ..artifact import atomic_file, atomic_write_text
 
     files = {"bench.json": atomic_write_text(out / "bench.json", json.dumps(report, indent=2) + "\n"),
-             "bench.md": atomic_write_text(out / "bench.md", markdown(report))}
+             "bench.md": atomic_write_text(out / "bench.md", to_markdown(report))}
+    if to_plot is None:
+        return files
     with atomic_file(out / "bench.png") as tmp:
-        plot(report, tmp)
+        to_plot(report, tmp)
     files["bench.png"] = out / "bench.png"
     return files
+
+
+#: public names of the formatting helpers, for other reports (the whole-model bench)
+format_bytes = _bytes
+format_ms = _ms
+machine_line = _machine_line

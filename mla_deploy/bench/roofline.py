@@ -48,12 +48,18 @@ def cache_bytes_per_token(c: MLAConfig, path: str, itemsize: int = FP32) -> int:
     return c.latent_dim * itemsize
 
 
+def attention_flops(c: MLAConfig, rows: int) -> int:
+    """FLOPs of one layer's absorbed attention core over ``rows`` (query, cached row) pairs: the scores over
+    ``[c_kv | k_pe]`` (C wide) and the weighted sum over ``c_kv`` (r wide), every head."""
+    return 2 * c.num_attention_heads * rows * (c.latent_dim + c.kv_lora_rank)
+
+
 def step_cost(c: MLAConfig, layers: int, context: int, batch: int, itemsize: int = FP32) -> dict[str, float]:
     """The minimal decode step: ``bytes`` to read and matrix ``flops``, for ``layers`` layers."""
-    h, rows = c.num_attention_heads, context + 1
+    rows = context + 1
     weights = layer_params(c) * itemsize
     cache = batch * context * c.latent_dim * itemsize
-    flops = 2 * batch * matrix_params(c) + 2 * batch * h * rows * (c.latent_dim + c.kv_lora_rank)
+    flops = 2 * batch * matrix_params(c) + attention_flops(c, batch * rows)
     return {"weight_bytes": layers * weights, "cache_bytes": layers * cache,
             "bytes": layers * (weights + cache), "flops": layers * flops}
 

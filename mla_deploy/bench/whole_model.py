@@ -1,0 +1,336 @@
+"""``mla-deploy bench --whole-model``: the whole model's decode and prefill speed and memory, this project's
+exported artifact in ONNX Runtime beside transformers' own model on the same checkpoint, each against the
+bound this machine's bandwidth and GEMM rate (measured in the same run) put on the step.
+
+The driver prepares the artifact (a checkpoint is exported into ``OUT/artifact``; a preset's random
+checkpoint is first written to ``OUT/checkpoint``; both are reused by a later run on the same model), then
+runs every part in a process of its own (:mod:`.whole_worker`): probes of the machine, ``ours``, the routing
+reference, ``transformers``, and writes ``bench.json`` and ``bench.md`` (:mod:`.whole_report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ExportError, InputError
+from . import machine
+from .roofline import PROCESS_OVERHEAD
+from .whole_cost import precision_itemsize, weight_groups
+from .whole_spec import WholeModelSpec, points
+
+#: marks ``OUT/checkpoint`` as written by the bench, with what it holds (a later run reuses it when equal)
+CHECKPOINT_RECORD = "checkpoint.json"
+
+
+@dataclass
+class Prepared:
+    """What the bench runs on.
+
+    Attributes:
+        artifact: the artifact folder. manifest: its manifest.
+        checkpoint: the checkpoint folder transformers and the reference load (None: the artifact has none).
+        notes: what preparing did, for the report. seconds: how long each preparation step took.
+    """
+
+    artifact: Path
+    manifest: object
+    checkpoint: Path | None
+    notes: list[str] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+
+
+def _every(seconds: float, echo: Callable[[str], None], label: str):
+    """A ``progress(done, total, seconds)`` callback echoing one line at most every ``seconds``."""
+    last = [0.0]
+
+    def show(done: int, total: int, elapsed: float) -> None:
+        if elapsed - last[0] >= seconds or (total and done >= total):
+            last[0] = elapsed
+            echo(f"{label}: {done / 1e9:.2f} / {total / 1e9:.2f} GB ({elapsed:.0f} s)")
+
+    return show
+
+
+def _check_disk(folder: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise InputError(f"{what} needs about {need / 1e9:.1f} GB on disk, {free / 1e9:.1f} GB free under {folder}; "
+                         f"choose another --out or fewer --layers")
+
+
+def _random_checkpoint(config, folder: Path, seed: int, std: float, echo) -> tuple[float, str]:
+    """Write ``config``'s random fp32 checkpoint to ``folder`` unless the bench already wrote the same one there.
+    Returns (seconds, what was done)."""
+    from ..random_checkpoint import write_random_checkpoint
+
+    record_file = folder.parent / CHECKPOINT_RECORD
+    wanted = {"config": config.to_dict(), "seed": seed, "std": std, "dtype": "fp32"}
+    if folder.exists():
+        record = json.loads(record_file.read_text()) if record_file.is_file() else None
+        if record == wanted and (folder / "config.json").is_file():
+            return 0.0, f"reused the random checkpoint in {folder}"
+        if record is None and any(folder.iterdir()):
+            raise ExportError(f"{folder} exists and was not written by the bench; choose another --out")
+        shutil.rmtree(folder)
+    groups = weight_groups(config, 4)
+    _check_disk(folder.parent, 2 * groups.total_bytes, "the random checkpoint and its artifact")
+    echo(f"writing a random fp32 checkpoint of {config.name} ({groups.total_bytes / 1e9:.2f} GB) to {folder}")
+    start = time.perf_counter()
+    record_file.unlink(missing_ok=True)
+    write_random_checkpoint(config, folder, dtype="fp32", seed=seed, std=std,
+                            progress=_every(10.0, echo, "checkpoint"))
+    from ..artifact import atomic_write_text
+
+    atomic_write_text(record_file, json.dumps(wanted, indent=2) + "\n")
+    return time.perf_counter() - start, f"wrote a random fp32 checkpoint (seed {seed}, std {std}) to {folder}"
+
+
+def _export(recipe, checkpoint: Path, artifact: Path, echo) -> tuple[object, float, str]:
+    """Export ``checkpoint`` with ``recipe``'s settings to ``artifact`` (as ``mla-deploy export --hf`` does), unless
+    it already holds that export. Returns (manifest, seconds, what was done)."""
+    from ..artifact import MANIFEST, WeightsSource, load_manifest
+    from ..checkpoint import CheckpointTensors
+    from ..errors import ArtifactError
+    from ..exporter import export_recipe, fingerprint
+
+    source = CheckpointTensors(checkpoint)  # read one tensor at a time while the weights are written
+    weights = WeightsSource(kind="hf", path=str(checkpoint.resolve()), files=tuple(source.identity()))
+    if (artifact / MANIFEST).is_file():
+        try:
+            old = load_manifest(artifact)
+        except ArtifactError:
+            old = None
+        if (old is not None and old.fingerprint == fingerprint(recipe, weights)
+                and old.recipe.get("export") == recipe.to_dict()["export"]):
+            source.close()
+            return old, 0.0, f"reused the artifact in {artifact} (same checkpoint and export settings)"
+    _check_disk(artifact.parent, weight_groups(recipe.model, 4).total_bytes, "the export")
+    echo(f"exporting {checkpoint} to {artifact}")
+    start = time.perf_counter()
+    manifest = export_recipe(recipe, artifact, weights=weights, overwrite=True, source=source,
+                             progress=_every(10.0, echo, "export"))
+    seconds = time.perf_counter() - start
+    return manifest, seconds, f"exported {checkpoint} to {artifact} in {seconds:.1f} s"
+
+
+def _require_fit(config, spec: WholeModelSpec) -> None:
+    """Refuse, before writing anything, a model whose fp32 weights no path could hold in this machine's memory."""
+    need = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD
+    available = machine.available_bytes()
+    if available is not None and need > spec.memory_fraction * available:
+        raise InputError(f"{config.name} needs about {need / 2**30:.1f} GiB in fp32 and {available / 2**30:.1f} GiB "
+                         f"are available, so no path could load it; bench its first layers (--preset NAME --layers "
+                         f"N) or an artifact exported in a smaller precision (--artifact)")
+
+
+def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Prepared:
+    """The artifact to bench, and the checkpoint beside it: ``--artifact`` as given; ``--hf`` exported into
+    ``out/artifact``; a preset or recipe written as a random fp32 checkpoint into ``out/checkpoint`` (seed
+    ``spec.seed``, the recipe's ``init_std``), then exported from it, so every path reads the same weights.
+
+    The bench's exports are fp32 with the in-place (static) cache.
+
+    Raises:
+        InputError: the model's fp32 weights do not fit this machine's memory, or its files do not fit the disk.
+        ExportError: ``out/checkpoint`` holds something the bench did not write."""
+    from ..artifact import load_manifest
+    from ..cache_layout import STATIC
+    from ..config import from_hf_config
+    from ..recipe import Recipe, load_recipe
+
+    if spec.source == "artifact":
+        manifest = load_manifest(spec.location)
+        weights = manifest.weights
+        checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
+        return Prepared(Path(spec.location), manifest, checkpoint, [f"benched the artifact {spec.location} as given"])
+    notes, seconds = [], {}
+    if spec.source == "hf":
+        checkpoint = Path(spec.location)
+        base = Recipe(name=checkpoint.resolve().name, model=from_hf_config(checkpoint), source=str(checkpoint))
+        _require_fit(base.model, spec)
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        recipe = load_recipe(spec.location)
+        model = recipe.model.first_layers(spec.layers) if spec.layers else recipe.model
+        _require_fit(model, spec)
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint = out / "checkpoint"
+        seconds["checkpoint"], note = _random_checkpoint(model, checkpoint, spec.seed, recipe.export.init_std, echo)
+        notes.append(note)
+        # the checkpoint's own config (what transformers and the reference read), under the preset's name
+        base = recipe.replace(model=from_hf_config(checkpoint).replace(name=model.name))
+    # the recipe's capacity stays a floor (the export traces its graphs within it); the engine sizes each
+    # point's cache itself
+    settings = dataclasses.replace(base.export, precision="fp32", cache_mode=STATIC.mode, decode_attention="standard",
+                                   max_cache_length=max(spec.capacity, base.export.max_cache_length))
+    manifest, seconds["export"], note = _export(base.replace(export=settings), checkpoint, out / "artifact", echo)
+    notes.append(note)
+    return Prepared(out / "artifact", manifest, checkpoint, notes, seconds)
+
+
+def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
+    """Which paths run and how routing is counted, before anything is loaded.
+
+    Returns:
+        ``({"ours": {"available", "reason"}, "transformers": {...}}, {"method", "reason"})``; routing method
+        ``measured`` (the reference runs), ``uniform`` (expected distinct experts under uniform routing) or
+        ``none`` (a dense model).
+    """
+    config = prepared.manifest.config
+    fp32 = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD
+    available = machine.available_bytes()
+    limit = spec.memory_fraction * available if available is not None else None
+
+    def too_big(need: int) -> str | None:
+        if limit is None or need <= limit:
+            return None
+        return (f"needs about {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available "
+                f"(limit {spec.memory_fraction:.0%} of it)")
+
+    ours_need = weight_groups(config, precision_itemsize(prepared.manifest.precision)).total_bytes + PROCESS_OVERHEAD
+    status = {"ours": {"available": True, "reason": None}, "transformers": {"available": True, "reason": None}}
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        status["ours"] = {"available": False, "reason": "onnxruntime is not installed"}
+    if status["ours"]["available"] and too_big(ours_need):
+        status["ours"] = {"available": False, "reason": f"the artifact {too_big(ours_need)}"}
+    status["transformers"] = _transformers_status(spec, prepared, too_big(fp32))
+    if not config.is_moe:
+        routing = {"method": "none", "reason": "a dense model: no routed experts"}
+    elif too_big(fp32):
+        routing = {"method": "uniform", "reason": f"the fp32 reference model {too_big(fp32)}"}
+    else:
+        routing = {"method": "measured", "reason": None}
+    return status, routing
+
+
+def _transformers_status(spec: WholeModelSpec, prepared: Prepared, too_big: str | None) -> dict:
+    from .hf_path import transformers_version
+
+    reason = None
+    if not spec.transformers:
+        reason = "skipped (--no-transformers)"
+    elif transformers_version() is None:
+        reason = "transformers is not installed"
+    elif prepared.checkpoint is None:
+        reason = (f"the artifact's weights are of kind {prepared.manifest.weights.kind!r}, not a checkpoint folder "
+                  f"transformers can load (bench --hf or --preset writes and uses one)")
+    elif not prepared.checkpoint.is_dir():
+        reason = f"the checkpoint {prepared.checkpoint} named by the artifact is not there"
+    elif too_big:
+        reason = f"the fp32 model {too_big}"
+    return {"available": reason is None, "reason": reason}
+
+
+def _spawn(job: dict, stem: Path, threads: int, echo) -> tuple[int, str]:
+    """Run one worker on ``job``; echo its progress lines. Returns (exit status, last stderr line)."""
+    job_file = stem.with_suffix(".job.json")
+    job_file.write_text(json.dumps(job))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "OPENBLAS_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    err_file = stem.with_suffix(".stderr")
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mla_deploy.bench.whole_worker", str(job_file)],
+                                stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        for line in proc.stdout:
+            echo(f"  {line.rstrip()}")
+        proc.wait()
+    lines = [ln for ln in err_file.read_text(errors="replace").splitlines() if ln.strip()]
+    return proc.returncode, (lines[-1][:300] if lines else "")
+
+
+def run_role(role: str, base_job: dict, keys: list[str], work: Path, threads: int, echo) -> dict:
+    """Run ``role`` over the points ``keys`` in fresh processes until each point has a record (a process killed
+    at a point, e.g. by the kernel's OOM killer, is restarted on the points after it).
+
+    Returns: ``{"records": {key: record}, "probes", "info", "load_seconds", "peak_rss_after_load_bytes",
+    "restarts", "failure"}`` (``failure``: why the worker died before its first point, else None)."""
+    merged = {"records": {}, "probes": [], "info": None, "load_seconds": None, "peak_rss_after_load_bytes": None,
+              "restarts": 0, "failure": None}
+    remaining = list(keys)
+    for attempt in range(len(keys) + 1):
+        stem = work / f"{role}_{attempt}"
+        job = {**base_job, "role": role, "points": remaining, "result": str(stem.with_suffix(".result.json"))}
+        code, last = _spawn(job, stem, threads, echo)
+        result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).is_file() else {}
+        merged["probes"] += result.get("probes", [])
+        for key in ("info", "load_seconds", "peak_rss_after_load_bytes"):
+            merged[key] = merged[key] if result.get(key) is None else result[key]
+        for record in result.get("points", []):
+            merged["records"][record["point"]] = record
+        remaining = [k for k in remaining if k not in merged["records"]]
+        if code == 0:
+            break
+        killed = code in (-9, 137)
+        why = "was killed by signal 9 (the kernel's OOM killer?)" if killed else f"failed (exit {code}): {last}"
+        current = result.get("current")
+        if current is None:
+            merged["failure"] = f"the {role} process {why} before its first point"
+            break
+        merged["records"][current] = {"point": current, "status": "out of memory" if killed else "error",
+                                      "detail": f"the process {why} at this point"}
+        remaining = [k for k in remaining if k != current]
+        if not remaining:
+            break
+        merged["restarts"] += 1
+        echo(f"  {role}: the process stopped at {current}; restarting on {len(remaining)} point(s)")
+    return merged
+
+
+def run_whole_model(spec: WholeModelSpec, out_dir: str | Path, echo: Callable[[str], None] | None = None,
+                    command: str | None = None) -> dict:
+    """Run ``spec``; write ``bench.json`` and ``bench.md`` into ``out_dir`` (atomically) and return the report."""
+    from .output import write_outputs
+    from .whole_report import build_report, markdown
+
+    echo = echo or (lambda line: None)
+    out = Path(out_dir)
+    started = time.time()
+    described = machine.describe()
+    prepared = prepare(spec, out, echo)  # checks the source before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    status, routing = plan(spec, prepared)
+    for path, s in status.items():
+        if not s["available"]:
+            echo(f"{path}: not available ({s['reason']})")
+    if routing["reason"]:
+        echo(f"routed experts: {routing['method']} ({routing['reason']})")
+    work = Path(tempfile.mkdtemp(prefix=".bench-work-", dir=out))
+    try:
+        keys = points(spec)
+        base = {"spec": spec.to_dict(), "artifact": str(prepared.artifact), "capacity": spec.capacity,
+                "checkpoint": str(prepared.checkpoint) if prepared.checkpoint else None}
+        results, probes = {}, []
+
+        def probe() -> None:
+            probes.extend(run_role("probe", base, [], work, spec.threads, echo)["probes"])
+
+        probe()
+        if status["ours"]["available"]:
+            results["ours"] = run_role("ours", base, keys, work, spec.threads, echo)
+        if routing["method"] == "measured":
+            tokens = {k: r["tokens"] for k, r in results.get("ours", {}).get("records", {}).items()
+                      if r.get("status") == "ok" and "tokens" in r}
+            results["routing"] = run_role("routing", {**base, "tokens": tokens}, keys, work, spec.threads, echo)
+            if results["routing"]["failure"]:
+                routing = {"method": "uniform", "reason": results["routing"]["failure"]}
+        if status["transformers"]["available"]:
+            probe()
+            results["transformers"] = run_role("transformers", base, keys, work, spec.threads, echo)
+        probe()
+        report = build_report(spec, prepared, status, routing, results, probes, described, started, command)
+        write_outputs(report, out, to_markdown=markdown, to_plot=None)
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

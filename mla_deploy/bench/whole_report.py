@@ -1,0 +1,379 @@
+"""The whole-model bench's report: rows per path and point with their bound (bench.json), bench.md and the
+printed table.
+
+Decode rows give ms per token (one decode step: one new token for every sequence), tokens/s per sequence
+(1000 / ms) and for the batch (B * 1000 / ms); prefill rows the prompt's time and tokens/s (B * L * 1000 / ms).
+The bound of a step (:mod:`.whole_cost`) counts the experts the step really routes to (the reference's
+router hooks; or the uniform-routing expectation, said so) and the rows it really attends to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+
+import numpy as np
+
+from .. import __version__
+from .machine import summarize
+from .output import format_bytes, format_ms, machine_line
+from .whole_cost import CHUNK_BYTES, bound, expected_distinct_experts, precision_itemsize, step_cost, weight_groups
+from .whole_spec import PATH_LABELS, PATHS, PREFILL, WholeModelSpec, parse_point, points, prompt_ids
+
+FORMAT = "mla-deploy-bench-whole-model"
+
+
+def _latency(times: list[float]) -> dict:
+    ms = np.asarray(times) * 1e3
+    return {"median": float(np.median(ms)), "p10": float(np.percentile(ms, 10)), "p90": float(np.percentile(ms, 90)),
+            "min": float(ms.min()), "n": len(times)}
+
+
+def _versions() -> dict:
+    out = {"mla_deploy": __version__}
+    for name in ("torch", "onnxruntime", "transformers", "numpy"):
+        try:
+            out[name] = getattr(__import__(name), "__version__", "?")
+        except Exception:  # not installed, or its libraries do not load
+            out[name] = None
+    return out
+
+
+def _machine(spec: WholeModelSpec, probes: list[dict], described: dict) -> dict:
+    info = dict(described)
+    info["threads"] = spec.threads
+    info["read_gbps"] = summarize([p["read_gbps"] for p in probes], "GB/s")
+    info["gemm_gflops"] = summarize([p["gemm_gflops"] for p in probes], "GFLOP/s")
+    info["loadavg_1min_during_run"] = summarize([p.get("loadavg_1min") for p in probes])
+    gemm = probes[0]["gemm_n"] if probes else None
+    info["read_probe"] = (f"torch.sum over {spec.probe_mib} MiB fp32, {spec.threads} threads, median of 5 calls, "
+                          "in a process of its own before each timed path and at the end")
+    info["gemm_probe"] = f"torch.mm fp32 {gemm}^3, {spec.threads} threads, median of 3 calls, same times"
+    info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return info
+
+
+class _Bounds:
+    """The bound of each point's steps, from the routing records (or the uniform expectation)."""
+
+    def __init__(self, spec: WholeModelSpec, config, groups, routing: dict, routing_records: dict, machine: dict):
+        self.spec, self.config, self.groups = spec, config, groups
+        self.method, self.records = routing["method"], routing_records
+        bw, gemm = machine.get("read_gbps"), machine.get("gemm_gflops")
+        self.rates = (bw["median"], gemm["median"]) if bw and gemm else None
+
+    def _experts(self, key: str, step: int | None, tokens: int) -> tuple[list[float], str]:
+        n = len(self.groups.moe_layers)
+        if not n:
+            return [], "none"
+        record = self.records.get(key)
+        if self.method == "measured" and record and record.get("status") == "ok":
+            return list(record["distinct_experts"][0 if step is None else step]), "measured"
+        return [expected_distinct_experts(self.groups.n_experts, self.groups.top_k, tokens)] * n, "uniform"
+
+    def decode(self, key: str, batch: int, record: dict) -> dict | None:
+        """The bound of every timed step of ``record`` (rows held from the record, ids from its fed tokens)."""
+        if self.rates is None:
+            return None
+        tokens = np.asarray(record["tokens"])[:, self.spec.warmup:]
+        costs, methods = [], set()
+        for i, held in enumerate(record["cache_rows"]):
+            experts, method = self._experts(key, i, batch)
+            methods.add(method)
+            costs.append(step_cost(self.config, self.groups, batch, 1, held, experts, len(np.unique(tokens[:, i]))))
+        return self._summary(costs, methods, record["times_s"])
+
+    def prefill(self, key: str, batch: int, record: dict) -> dict | None:
+        if self.rates is None:
+            return None
+        ids = prompt_ids(self.config.vocab_size, batch, self.spec.prompt_length, self.spec.seed, PREFILL)
+        experts, method = self._experts(key, None, ids.size)
+        cost = step_cost(self.config, self.groups, batch, self.spec.prompt_length, 0, experts, len(np.unique(ids)))
+        return self._summary([cost], {method}, record["times_s"])
+
+    def _summary(self, costs: list[dict], methods: set, times: list[float]) -> dict:
+        bounds = [bound(c, *self.rates) for c in costs]
+        median_ms = statistics.median(b["bound_ms"] for b in bounds)
+        experts = [c["expert_bytes"] / self.groups.expert_bytes if self.groups.expert_bytes else 0 for c in costs]
+        out = {key: statistics.median(c[key] for c in costs) for key in ("bytes", "weight_bytes", "expert_bytes",
+                                                                           "cache_bytes", "flops")}
+        out.update({"t_mem_ms": statistics.median(b["t_mem_ms"] for b in bounds),
+                    "t_flop_ms": statistics.median(b["t_flop_ms"] for b in bounds), "bound_ms": median_ms,
+                    "bound": statistics.mode(b["bound"] for b in bounds),
+                    "achieved_over_bound": statistics.median(times) * 1e3 / median_ms,
+                    "routed_experts": " + ".join(sorted(methods)),
+                    "distinct_experts_per_step": statistics.mean(experts),
+                    "distinct_experts_per_moe_layer": (statistics.mean(experts) / len(self.groups.moe_layers)
+                                                       if self.groups.moe_layers else 0.0),
+                    "steps": len(costs)})
+        return out
+
+
+def _row(spec: WholeModelSpec, path: str, key: str, record: dict | None, bounds: _Bounds) -> dict:
+    kind, batch, context = parse_point(key)
+    row = {"path": path, "point": key, "kind": kind, "batch": batch, "context": context,
+           "prompt_length": spec.prompt_length if kind == "prefill" else None}
+    if record is None or record.get("status") != "ok":
+        record = record or {"status": "error", "detail": "no record (the process stopped before this point)"}
+        row.update(status=record["status"], detail=record.get("detail"))
+        return row
+    latency = _latency(record["times_s"])
+    ms = latency["median"]
+    row.update(status="ok", detail=None, latency_ms=latency, peak_rss_bytes=record.get("peak_rss_bytes"),
+               peak_is_per_point=record.get("peak_is_per_point"), point_seconds=record.get("seconds"))
+    if kind == "decode":
+        row.update(ms_per_token=ms, tokens_per_s_per_sequence=1e3 / ms, tokens_per_s_batch=batch * 1e3 / ms,
+                   fill_seconds=record.get("fill_seconds"),
+                   cache_rows_timed=[min(record["cache_rows"]), max(record["cache_rows"])],
+                   bound=bounds.decode(key, batch, record))
+    else:
+        row.update(tokens_per_s=batch * spec.prompt_length * 1e3 / ms, bound=bounds.prefill(key, batch, record))
+    return row
+
+
+def _compare(rows: list[dict], records: dict, routing_records: dict) -> None:
+    """Speed-ups of ours over transformers, and whether the paths fed the same greedy tokens."""
+    index = {(r["path"], r["point"]): r for r in rows}
+    for row in rows:
+        if row["path"] != "ours" or row["status"] != "ok":
+            continue
+        key = row["point"]
+        theirs = index.get(("transformers", key))
+        theirs = theirs if theirs and theirs["status"] == "ok" else None
+        if theirs:
+            row["speedup_vs_transformers"] = theirs["latency_ms"]["median"] / row["latency_ms"]["median"]
+        if row["kind"] != "decode":
+            continue
+        check = routing_records.get(key)
+        if check and check.get("status") == "ok" and check.get("replayed"):
+            row["tokens_agree_with_reference"] = check["tokens_agreeing"] / check["tokens_compared"]
+        if theirs:
+            ours, other = records["ours"][key]["tokens"], records["transformers"][key]["tokens"]
+            theirs["tokens_agree_with_ours"] = float((np.asarray(other) == np.asarray(ours)).mean())
+
+
+def _path_info(path: str, status: dict, result: dict | None) -> dict:
+    info = {"label": PATH_LABELS[path], **status}
+    if result is None:
+        return info
+    peaks = [r.get("peak_rss_bytes") for r in result["records"].values()] + [result.get("peak_rss_after_load_bytes")]
+    peaks = [p for p in peaks if p]
+    info.update(load_seconds=result.get("load_seconds"), peak_rss_bytes=max(peaks) if peaks else None,
+                peak_rss_after_load_bytes=result.get("peak_rss_after_load_bytes"), runtime=result.get("info"),
+                restarts=result.get("restarts", 0), failure=result.get("failure"))
+    if result.get("failure"):
+        info.update(available=False, reason=result["failure"])
+    return info
+
+
+def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: dict, probes: list[dict],
+                 described: dict, started: float, command: str | None) -> dict:
+    """bench.json's content (see the module docstring)."""
+    manifest = prepared.manifest
+    config = manifest.config
+    groups = weight_groups(config, precision_itemsize(manifest.precision))
+    machine = _machine(spec, probes, described)
+    routing_result = results.get("routing") or {}
+    bounds = _Bounds(spec, config, groups, routing, routing_result.get("records", {}), machine)
+    paths = {path: _path_info(path, status[path], results.get(path)) for path in PATHS}
+    rows = [_row(spec, path, key, results[path]["records"].get(key), bounds)
+            for path in PATHS if path in results and paths[path]["available"] for key in points(spec)]
+    _compare(rows, {p: r["records"] for p, r in results.items()}, routing_result.get("records", {}))
+    routing = dict(routing, reference=routing_result.get("info"))
+    if routing["method"] == "measured" and any(r.get("bound") and r["bound"]["routed_experts"] != "measured"
+                                               for r in rows if r["status"] == "ok"):
+        routing["note"] = "some points fell back to the uniform expectation (their reference run failed)"
+    return {
+        "format": FORMAT, "format_version": 1, "command": command,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "wall_seconds": round(time.time() - started, 1),
+        "unit": (f"the whole model {config.name}: {config.num_hidden_layers} decoder layer(s), embedding and lm_head; "
+                 f"decode steps (one new token per sequence, greedy) after a context, and the prefill of a "
+                 f"{spec.prompt_length}-token prompt"),
+        "model": {"name": config.name, "source": spec.source, "location": spec.location, "layers": spec.layers,
+                  "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                  "num_attention_heads": config.num_attention_heads, "latent_dim": config.latent_dim,
+                  "vocab_size": config.vocab_size, "n_routed_experts": config.n_routed_experts,
+                  "num_experts_per_tok": config.num_experts_per_tok if config.is_moe else None,
+                  "weights": groups.to_dict()},
+        "artifact": {"path": str(prepared.artifact), "precision": manifest.precision,
+                     "cache_mode": manifest.layout.mode, "max_cache_length": manifest.capacity,
+                     "weights": manifest.weights.to_dict()},
+        "checkpoint": str(prepared.checkpoint) if prepared.checkpoint else None,
+        "preparation": {"notes": prepared.notes, "seconds": prepared.seconds},
+        "protocol": {
+            "threads": spec.threads, "warmup": spec.warmup, "repeat": spec.repeat, "dtype": "float32",
+            "processes": "machine probes, ours, the routing reference and transformers each in a process of its own, "
+                         "one after the other",
+            "decode": (f"a prompt of max(T, 1) random tokens per sequence fills the cache (ours: prefill steps in "
+                       f"chunks; transformers: its generate's own prefill), then {spec.warmup} untimed and "
+                       f"{spec.repeat} timed greedy decode steps; ms per token = median step time; ours times "
+                       f"OrtEngine.step('decode') plus the host argmax, transformers the interval between the "
+                       f"tokens its generate streams"),
+            "prefill": (f"{spec.prompt_length} random tokens per sequence into an empty cache, {spec.warmup} untimed "
+                        f"and {spec.repeat} timed calls, median; ours: OrtEngine.step('prefill') plus the host "
+                        f"argmax, transformers: generate(max_new_tokens=1)"),
+            "transformers_bound": ("a transformers row's bound takes its own cache rows and token ids and the "
+                                   "routed-expert counts of ours' tokens at the same point (tokens_agree_with_ours: "
+                                   "how often its greedy tokens were ours')"),
+            "ours_cache": ("a fixed-capacity (static) cache is made exactly as large as the point needs (its "
+                           "steps attend to every slot); the context is filled with prefill steps in chunks whose "
+                           f"logits and scores stay under {CHUNK_BYTES >> 20} MiB (fill_seconds)"),
+            "ort": "OrtEngine(threads=threads): intra_op_num_threads = threads, spinning off",
+            "torch": "torch.set_num_threads(threads), one interop thread, OMP/MKL threads = threads",
+            "memory": "peak RSS (VmHWM) of the path's process; per point: reset before the point, so it counts the "
+                      "resident weights and whatever earlier points left resident (allocator arenas); the decode "
+                      "points run first, smallest first, the prefills last",
+            "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = "
+                      "attention, dense MLP, shared-expert, router, norm and lm_head weights + the routed experts of "
+                      "the step (per MoE layer, the union over the batch, and over the prompt for a prefill) + one "
+                      "embedding row per distinct token id + the latent cache held; FLOPs = 2 x tokens x (those "
+                      "matrices, k experts per token) + absorbed attention over the rows attended + the lm_head of "
+                      "one token per sequence; achieved_over_bound = median time / median bound"),
+        },
+        "routing": routing, "machine": machine, "paths": paths, "rows": rows, "versions": _versions(),
+    }
+
+
+# text -------------------------------------------------------------------------------------------------------------
+
+
+def _bound_cells(row: dict) -> tuple[str, str, str]:
+    b = row.get("bound")
+    if not b:
+        return "-", "-", "-"
+    experts = f"{b['distinct_experts_per_moe_layer']:.1f}" if b["routed_experts"] != "none" else "-"
+    if b["routed_experts"] == "uniform":
+        experts += " (uniform)"
+    return f"{format_ms(b['bound_ms'])} {b['bound'][:3]}", f"{b['achieved_over_bound']:.2f}x", experts
+
+
+def _speedup(row: dict) -> str:
+    return f"{row['speedup_vs_transformers']:.2f}x" if row.get("speedup_vs_transformers") else "-"
+
+
+DECODE_HEAD = ("path", "T", "B", "ms/token", "p10-p90 ms", "tok/s per seq", "tok/s batch", "x transformers",
+               "peak RSS", "bound ms", "achieved/bound", "experts/MoE layer")
+PREFILL_HEAD = ("path", "B", "prompt", "ms", "p10-p90 ms", "tok/s", "x transformers", "peak RSS", "bound ms",
+                "achieved/bound", "experts/MoE layer")
+
+
+def decode_rows(report: dict) -> list[tuple]:
+    out = []
+    for r in (r for r in report["rows"] if r["kind"] == "decode"):
+        if r["status"] != "ok":
+            out.append((r["path"], r["context"], r["batch"], f"{r['status']}: {r.get('detail') or ''}")
+                       + ("",) * (len(DECODE_HEAD) - 4))
+            continue
+        lat = r["latency_ms"]
+        out.append((r["path"], r["context"], r["batch"], f"{r['ms_per_token']:.2f}", f"{lat['p10']:.2f}-{lat['p90']:.2f}",
+                    f"{r['tokens_per_s_per_sequence']:.1f}", f"{r['tokens_per_s_batch']:.1f}", _speedup(r),
+                    format_bytes(r["peak_rss_bytes"]), *_bound_cells(r)))
+    return out
+
+
+def prefill_rows(report: dict) -> list[tuple]:
+    out = []
+    for r in (r for r in report["rows"] if r["kind"] == "prefill"):
+        if r["status"] != "ok":
+            out.append((r["path"], r["batch"], r["prompt_length"], f"{r['status']}: {r.get('detail') or ''}")
+                       + ("",) * (len(PREFILL_HEAD) - 4))
+            continue
+        lat = r["latency_ms"]
+        out.append((r["path"], r["batch"], r["prompt_length"], f"{lat['median']:.2f}",
+                    f"{lat['p10']:.2f}-{lat['p90']:.2f}", f"{r['tokens_per_s']:.1f}", _speedup(r),
+                    format_bytes(r["peak_rss_bytes"]), *_bound_cells(r)))
+    return out
+
+
+def _text_table(head: tuple, rows: list[tuple]) -> list[str]:
+    cells = [head] + [tuple(str(x) for x in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(head))]
+    lines = []
+    for i, r in enumerate(cells):
+        lines.append("  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def _routing_line(report: dict) -> str:
+    routing = report["routing"]
+    if routing["method"] == "uniform":
+        return (f"routed experts: NOT MEASURED, the expected number under uniform routing is used "
+                f"({routing['reason']})")
+    if routing["method"] == "measured":
+        return ("routed experts: measured with router hooks on the PyTorch reference, on the tokens ours fed"
+                + (f"; {routing['note']}" if routing.get("note") else ""))
+    return f"routed experts: none ({routing['reason']})"
+
+
+def _agreement_line(report: dict) -> str | None:
+    """How often the paths chose the same greedy tokens (the same weights computing the same function)."""
+    parts = []
+    for path, key, against in (("ours", "tokens_agree_with_reference", "the reference"),
+                               ("transformers", "tokens_agree_with_ours", "ours")):
+        values = [r[key] for r in report["rows"] if r["path"] == path and r.get(key) is not None]
+        if values:
+            parts.append(f"{path} = {against} on {min(values):.0%} of the decode tokens (worst point)")
+    return f"greedy tokens: {'; '.join(parts)}" if parts else None
+
+
+def _notes(report: dict) -> list[str]:
+    lines = []
+    for path, info in report["paths"].items():
+        if not info["available"]:
+            lines.append(f"{path}: not available ({info['reason']})")
+        elif info.get("peak_rss_bytes"):
+            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s; peak RSS {format_bytes(info['peak_rss_bytes'])}")
+    return lines + [_routing_line(report)] + [line for line in [_agreement_line(report)] if line]
+
+
+def format_table(report: dict) -> str:
+    """What the command prints: the machine, the decode and prefill tables, the paths and the routing."""
+    lines = [machine_line(report), report["unit"], "", "decode (one new token per sequence per step):"]
+    lines += _text_table(DECODE_HEAD, decode_rows(report))
+    lines += ["", "prefill:"] + _text_table(PREFILL_HEAD, prefill_rows(report)) + [""] + _notes(report)
+    lines.append("achieved/bound: median time / the bound (bytes the step must read over the measured bandwidth, "
+                 "or FLOPs over the measured GEMM rate, whichever is longer)")
+    return "\n".join(lines)
+
+
+def _md_table(head: tuple, rows: list[tuple]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+           ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def markdown(report: dict) -> str:
+    """bench.md: the protocol, the decode and prefill tables, the paths, the routing and the weights."""
+    p, w = report["protocol"], report["model"]["weights"]
+    lines = [f"# mla-deploy bench --whole-model: {report['model']['name']}", "", f"Unit: {report['unit']}.", "",
+             f"Machine: {machine_line(report)}.", ""]
+    if report.get("command"):
+        lines += [f"Command: `{report['command']}`", ""]
+    lines += ["## Decode", "", "ms/token: one decode step (a new token for every sequence of the batch); tok/s per "
+              "seq = 1000 / ms; tok/s batch = B x 1000 / ms.", ""]
+    lines += _md_table(DECODE_HEAD, decode_rows(report))
+    lines += ["", "## Prefill", "", "tok/s = B x prompt / s.", ""] + _md_table(PREFILL_HEAD, prefill_rows(report))
+    lines += ["", "## Paths", ""]
+    for path, info in report["paths"].items():
+        line = f"* `{path}`: {info['label']}"
+        if not info["available"]:
+            line += f" — **not available**: {info['reason']}"
+        elif info.get("peak_rss_bytes"):
+            line += (f" — loaded in {info['load_seconds']:.1f} s, peak RSS {format_bytes(info['peak_rss_bytes'])} "
+                     f"(after loading {format_bytes(info['peak_rss_after_load_bytes'])})")
+        lines.append(line)
+    lines += ["", "## Bound", "", p["bound"] + ".", "", f"* {_routing_line(report)}"]
+    lines += [f"* {line}" for line in [_agreement_line(report)] if line]
+    lines += [f"* weights: {format_bytes(w['total_bytes'])} in all; every step reads {format_bytes(w['always_bytes'])} "
+              f"(attention, dense and shared MLPs, routers, norms) + lm_head {format_bytes(w['lm_head_bytes'])}; "
+              f"one routed expert {format_bytes(w['expert_bytes'])} ({w['n_experts']} per MoE layer, "
+              f"{w['moe_layers']} MoE layer(s), top-{w['top_k']})", ""]
+    lines += ["## Protocol", ""] + [f"* {k}: {v}" for k, v in p.items() if isinstance(v, str)]
+    lines += [f"* threads {p['threads']}, warm-up {p['warmup']}, repeat {p['repeat']}", ""]
+    lines += [f"Preparation: {'; '.join(report['preparation']['notes'])}.", "",
+              f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items() if v)}.", ""]
+    return "\n".join(lines)

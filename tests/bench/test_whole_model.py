@@ -1,0 +1,234 @@
+"""`mla-deploy bench --whole-model`: smoke runs on a tiny transformers-written MoE checkpoint and on the tiny
+preset (tiny points, one thread; no timing assertion) whose bench.json has what the issue asks for; the
+uniform-routing fallback; one-line errors; the cost model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from mla_deploy.cli import main
+
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+
+CONTEXTS, BATCHES, PROMPT, REPEAT, WARMUP = (0, 6), (1, 2), 6, 2, 1
+SMOKE = ["bench", "--whole-model", "--context", "0,6", "--batch", "1,2", "--prompt-length", "6", "--repeat", "2",
+         "--warmup", "1", "--threads", "1", "--probe-mib", "16"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """transformers' own tiny DeepSeek-V2 MoE model (8 routed experts, top-2, one dense and one MoE layer), saved."""
+    from hf_oracle import hf_model
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    hf_model(2).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smoke(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = CliRunner().invoke(main, SMOKE + ["--hf", str(checkpoint), "--out", str(out)])
+    assert result.exit_code == 0, result.output + (result.stderr or "") + repr(result.exception)
+    return result, out, json.loads((out / "bench.json").read_text())
+
+
+def test_smoke_writes_the_report_and_keeps_the_export(smoke):
+    result, out, _ = smoke
+    assert sorted(p.name for p in out.iterdir()) == ["artifact", "bench.json", "bench.md"]  # no work leftovers
+    assert (out / "artifact" / "manifest.json").is_file()
+    md = (out / "bench.md").read_text()
+    assert "## Decode" in md and "## Prefill" in md and "| ours |" in md and "| transformers |" in md
+    assert "ms/token" in result.stdout and "achieved/bound" in result.stdout
+
+
+def _check_bound(row, routed):
+    bound = row["bound"]
+    for key in ("bytes", "weight_bytes", "flops", "t_mem_ms", "t_flop_ms", "bound_ms", "achieved_over_bound"):
+        assert bound[key] > 0, key
+    assert bound["bound_ms"] == pytest.approx(max(bound["t_mem_ms"], bound["t_flop_ms"]))
+    assert bound["achieved_over_bound"] == pytest.approx(row["latency_ms"]["median"] / bound["bound_ms"])
+    assert bound["routed_experts"] == routed
+
+
+def test_smoke_rows_have_every_number(smoke):
+    """Both paths at every point: decode ms/token and tokens/s per sequence and for the batch, prefill tokens/s,
+    peak RSS, the bound (measured routing: top-2 of 8 experts, so 2..8 distinct per MoE layer) and its ratio."""
+    _, _, report = smoke
+    assert report["format"] == "mla-deploy-bench-whole-model"
+    assert report["routing"]["method"] == "measured"
+    for key in ("read_gbps", "gemm_gflops"):
+        assert report["machine"][key]["median"] > 0 and report["machine"][key]["n"] >= 2
+    assert report["machine"]["threads"] == 1
+    paths = report["paths"]
+    assert paths["ours"]["available"] and paths["transformers"]["available"], paths
+    for info in paths.values():
+        assert info["peak_rss_bytes"] > 0 and info["load_seconds"] > 0
+    rows = {(r["path"], r["kind"], r["context"], r["batch"]): r for r in report["rows"]}
+    expected = {(p, "prefill", None, b) for p in ("ours", "transformers") for b in BATCHES} | \
+               {(p, "decode", t, b) for p in ("ours", "transformers") for t in CONTEXTS for b in BATCHES}
+    assert set(rows) == expected
+    for (path, kind, context, batch), row in rows.items():
+        assert row["status"] == "ok", row
+        ms = row["latency_ms"]["median"]
+        assert ms > 0 and row["latency_ms"]["n"] == REPEAT and row["peak_rss_bytes"] > 0
+        if kind == "decode":
+            assert row["ms_per_token"] == ms
+            assert row["tokens_per_s_per_sequence"] == pytest.approx(1e3 / ms)
+            assert row["tokens_per_s_batch"] == pytest.approx(batch * 1e3 / ms)
+            held = max(context, 1) + WARMUP
+            assert row["cache_rows_timed"] == [held, held + REPEAT - 1]
+        else:
+            assert row["tokens_per_s"] == pytest.approx(batch * PROMPT * 1e3 / ms)
+        _check_bound(row, "measured")
+        assert 2 <= row["bound"]["distinct_experts_per_moe_layer"] <= 8
+        if path == "ours":
+            assert row["speedup_vs_transformers"] > 0
+    for t in CONTEXTS:  # one sequence, one step: exactly its top-2
+        assert rows[("ours", "decode", t, 1)]["bound"]["distinct_experts_per_moe_layer"] == 2
+    # the same weights compute the same function: the greedy tokens agree
+    for t in CONTEXTS:
+        for b in BATCHES:
+            assert rows[("ours", "decode", t, b)]["tokens_agree_with_reference"] >= 0.9
+            assert rows[("transformers", "decode", t, b)]["tokens_agree_with_ours"] >= 0.9
+
+
+def test_artifact_as_given_with_uniform_routing(smoke, tmp_path, monkeypatch):
+    """--artifact benches an export as given (here without transformers); when the reference cannot run, the
+    bound uses the expected distinct experts under uniform routing and the report says so."""
+    from mla_deploy.bench import whole_model
+    from mla_deploy.bench.whole_cost import expected_distinct_experts
+    from mla_deploy.bench.whole_spec import WholeModelSpec
+
+    real_plan = whole_model.plan
+
+    def plan(spec, prepared):
+        status, _ = real_plan(spec, prepared)
+        return status, {"method": "uniform", "reason": "forced by the test"}
+
+    monkeypatch.setattr(whole_model, "plan", plan)
+    _, out, _ = smoke
+    spec = WholeModelSpec(source="artifact", location=str(out / "artifact"), contexts=(3,), batches=(2,),
+                          prompt_length=4, repeat=1, warmup=0, threads=1, probe_mib=16, transformers=False)
+    report = whole_model.run_whole_model(spec, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md"]
+    skipped = report["paths"]["transformers"]
+    assert not skipped["available"] and skipped["reason"] == "skipped (--no-transformers)"
+    assert report["routing"]["method"] == "uniform"
+    assert {(r["path"], r["kind"]) for r in report["rows"]} == {("ours", "prefill"), ("ours", "decode")}
+    for row in report["rows"]:
+        assert row["status"] == "ok", row
+        _check_bound(row, "uniform")
+    decode = next(r for r in report["rows"] if r["kind"] == "decode")
+    assert decode["bound"]["distinct_experts_per_moe_layer"] == pytest.approx(expected_distinct_experts(8, 2, 2))
+    assert "NOT MEASURED" in (tmp_path / "bench.md").read_text()
+
+
+def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
+    """A preset is written as a random fp32 checkpoint that both paths load (transformers included); a second
+    preparation reuses the checkpoint and the artifact."""
+    from mla_deploy.bench.whole_model import prepare
+    from mla_deploy.bench.whole_spec import WholeModelSpec
+
+    args = ["bench", "--whole-model", "--preset", "tiny", "--layers", "1", "--context", "2", "--batch", "1",
+            "--prompt-length", "4", "--repeat", "1", "--warmup", "0", "--threads", "1", "--probe-mib", "16",
+            "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + (result.stderr or "") + repr(result.exception)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["model"]["num_hidden_layers"] == 1 and report["model"]["name"] == "tiny"
+    assert report["routing"]["method"] == "none"  # the tiny preset is dense
+    assert report["checkpoint"] == str(tmp_path / "checkpoint")
+    assert report["artifact"]["weights"]["kind"] == "hf"
+    assert {r["path"] for r in report["rows"]} == {"ours", "transformers"}
+    assert all(r["status"] == "ok" and r["bound"]["bound_ms"] > 0 for r in report["rows"]), report["rows"]
+    again = prepare(WholeModelSpec(source="preset", location="tiny", layers=1, contexts=(2,), batches=(1,),
+                                   prompt_length=4, repeat=1, warmup=0), tmp_path, lambda line: None)
+    assert [note.split(" ")[0] for note in again.notes] == ["reused", "reused"], again.notes
+
+
+@pytest.mark.parametrize("args, words", [
+    pytest.param(["--whole-model", "--preset", "tiny", "--batch", "0"], "--batch", id="batch_zero"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--context", "x"], "--context", id="context_not_int"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--context", "-1"], "--context", id="context_negative"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--prompt-length", "0"], "--prompt-length", id="prompt_zero"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--repeat", "two"], "--repeat", id="repeat_not_int"),
+    pytest.param(["--whole-model", "--artifact", "{tmp}/missing"], "no artifact", id="artifact_missing"),
+    pytest.param(["--whole-model", "--hf", "{tmp}/missing"], "config", id="checkpoint_missing"),
+    pytest.param(["--whole-model"], "exactly one", id="no_source"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--hf", "x"], "exactly one", id="two_sources"),
+    pytest.param(["--whole-model", "--hf", "x", "--layers", "1"], "--layers", id="layers_with_checkpoint"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--layers", "9"], "layers", id="layers_beyond_model"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--passes", "2"], "--passes", id="attention_option"),
+    pytest.param(["--whole-model", "--preset", "deepseek-v3"], "GiB in fp32", id="model_beyond_memory"),
+    pytest.param(["--preset", "tiny", "--prompt-length", "8"], "--prompt-length", id="whole_model_option"),
+    pytest.param(["--preset", "tiny", "--artifact", "x"], "--artifact", id="artifact_without_whole_model"),
+])
+def test_invalid_option_is_one_line(tmp_path, args, words):
+    """A bad value exits 1 with one `mla-deploy: error:` line naming the problem, and writes nothing."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o"), *args])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mla-deploy: error: ") and words in lines[0], result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_names_what_each_option_takes():
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0
+    assert "TEXT" not in result.output and "--whole-model" in result.output and "--no-transformers" in result.output
+
+
+def test_weight_groups_of_v2_lite():
+    """DeepSeek-V2-Lite: 26 MoE layers of 64 experts (3 x 2048 x 1408 each), top-6; the lm_head and one embedding
+    row; every other weight read by every step."""
+    from mla_deploy.bench.whole_cost import weight_groups
+    from mla_deploy.recipe import load_recipe
+
+    c = load_recipe("deepseek-v2-lite").model
+    g = weight_groups(c)
+    assert g.moe_layers == tuple(range(1, 27)) and g.n_experts == 64 and g.top_k == 6
+    assert g.expert_bytes == 3 * 2048 * 1408 * 4
+    assert g.lm_head_bytes == 102400 * 2048 * 4 and g.embedding_row_bytes == 2048 * 4
+    all_experts = 26 * 64 * g.expert_bytes
+    assert g.always_bytes + all_experts + g.lm_head_bytes + 102400 * 2048 * 4 == g.total_bytes
+    assert g.total_params == 15_706_484_224
+
+
+def test_step_cost_counts_routed_experts_and_cache():
+    from mla_deploy.bench.roofline import attention_flops
+    from mla_deploy.bench.whole_cost import expected_distinct_experts, step_cost, weight_groups
+    from mla_deploy.recipe import load_recipe
+
+    c = load_recipe("deepseek-v2-lite").model
+    g = weight_groups(c)
+    experts = [10] * 26
+    cost = step_cost(c, g, batch=8, new=1, held=4096, distinct_experts=experts, distinct_ids=8)
+    assert cost["expert_bytes"] == 260 * g.expert_bytes
+    assert cost["cache_bytes"] == 8 * 4096 * 576 * 4 * 27
+    assert cost["bytes"] == g.always_bytes + 260 * g.expert_bytes + g.lm_head_bytes + 8 * 2048 * 4 + cost["cache_bytes"]
+    per_token = g.always_matrix_params + 6 * (g.expert_bytes // 4) * 26
+    assert cost["flops"] == 2 * 8 * per_token + 27 * attention_flops(c, 8 * 4097) + 2 * 8 * g.lm_head_params
+    prefill = step_cost(c, g, batch=1, new=4, held=0, distinct_experts=experts, distinct_ids=4)
+    assert prefill["attention_flops"] == 27 * attention_flops(c, 1 + 2 + 3 + 4) and prefill["cache_bytes"] == 0
+    assert expected_distinct_experts(64, 6, 1) == pytest.approx(6)
+    assert expected_distinct_experts(64, 6, 8) == pytest.approx(64 * (1 - (58 / 64) ** 8))
+    assert expected_distinct_experts(64, 6, 10**6) == pytest.approx(64)
+
+
+def test_fill_chunk_keeps_logits_and_scores_small():
+    from mla_deploy.bench.whole_cost import CHUNK_BYTES, MAX_CHUNK, fill_chunk
+    from mla_deploy.recipe import load_recipe
+
+    c = load_recipe("deepseek-v2-lite").model
+    for batch, total in ((1, 1), (1, 512), (8, 4096), (8, 65536)):
+        n = fill_chunk(c, batch, total)
+        assert 1 <= n <= min(MAX_CHUNK, total) and n & (n - 1) == 0
+        assert n == 1 or batch * n * 4 * max(c.vocab_size, 16 * total) <= CHUNK_BYTES
+    assert math.isclose(fill_chunk(c, 1, 3), 2)
