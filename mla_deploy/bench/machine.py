@@ -129,3 +129,17 @@ def describe() -> dict[str, object]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu": model, "logical_cpus": os.cpu_count(), "memory_bytes": total, "platform": platform.platform(),
             "loadavg_at_start": list(load) if load else None}
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (other processes competing for the cores show up here)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def prefer_as_oom_victim() -> None:
+    """Should a measurement exhaust memory after all, let the kernel kill this worker rather than another process."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass

@@ -275,18 +275,6 @@ class RoutingPath:
 ROLES = {"ours": OursPath, "transformers": TransformersPath, "routing": RoutingPath}
 
 
-def _load() -> float | None:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def _prefer_as_oom_victim() -> None:
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-
-
 def run_point(path, key: str) -> dict:
     """One point of ``path`` (a role object): its record, with the peak resident memory during the point."""
     kind, batch, context = parse_point(key)
@@ -324,13 +312,13 @@ def _summary(role: str, record: dict) -> str:
 
 
 def main(job_file: str) -> int:
-    _prefer_as_oom_victim()
+    machine.prefer_as_oom_victim()
     job = json.loads(Path(job_file).read_text())
     spec = WholeModelSpec.from_dict(job["spec"])
     role, result_path = job["role"], Path(job["result"])
     result = {"role": role, "pid": os.getpid(), "probes": [], "points": [], "current": None}
     if role == "probe":  # its own process, so the ONNX Runtime process never loads torch
-        result["probes"].append({**machine.probe(spec.threads, spec.probe_mib), "loadavg_1min": _load()})
+        result["probes"].append({**machine.probe(spec.threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
         result["done"] = True
         _write(result_path, result)
         return 0

@@ -108,36 +108,23 @@ def run_point(timed, spec, path: str, context: int, batch: int, outputs_dir: str
     return record
 
 
-def _load() -> float | None:
-    """The 1-minute load average (other processes competing for the cores show up here)."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def _prefer_as_oom_victim() -> None:
-    """Should a point exhaust memory after all, let the kernel kill this worker rather than another process."""
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-
-
 def main(job_file: str) -> int:
-    _prefer_as_oom_victim()
+    from . import machine
+
+    machine.prefer_as_oom_victim()
     job = json.loads(Path(job_file).read_text())
     threads = job["spec"]["threads"]
     import torch
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
-    from . import machine
     from .spec import BenchSpec
 
     spec = BenchSpec.from_dict(job["spec"])
     result_path = Path(job["result"])
     result = {"path": job["path"], "pass": job["pass"], "pid": os.getpid(), "probes": [], "points": [],
               "current": None, "torch_threads": torch.get_num_threads()}
-    result["probes"].append({"at": "start", **machine.probe(threads, spec.probe_mib), "loadavg_1min": _load()})
+    result["probes"].append({"at": "start", **machine.probe(threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
     _write(result_path, result)
     timed = make_path(job["path"], spec, job)
     result["provider"] = getattr(timed, "provider", None)
@@ -153,7 +140,7 @@ def main(job_file: str) -> int:
         _write(result_path, result)
     del timed
     gc.collect()
-    result["probes"].append({"at": "end", **machine.probe(threads, spec.probe_mib), "loadavg_1min": _load()})
+    result["probes"].append({"at": "end", **machine.probe(threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
     result["done"] = True
     _write(result_path, result)
     return 0
