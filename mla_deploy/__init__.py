@@ -6,8 +6,7 @@ Importing the package is cheap: torch and the runtimes are imported only when a 
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -26,8 +25,4 @@ _LAZY = {
 __all__ = ["MLAConfig", "YarnScaling", "from_hf_config", "MLADeployError", "Recipe", "load_recipe",
            "preset_names", "__version__", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mla_deploy' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -213,6 +213,13 @@ class CheckpointTensors:
         """Release the memory maps."""
         self._reader.close()
 
+    def weights_source(self):
+        """What an export from this checkpoint records as its weights: an ``hf``
+        :class:`~mla_deploy.artifact.WeightsSource` with the folder and :meth:`identity`."""
+        from .artifact import WeightsSource
+
+        return WeightsSource(kind="hf", path=str(self.folder.resolve()), files=tuple(self.identity()))
+
     def identity(self) -> list[dict[str, Any]]:
         """What identifies the files read: ``[{"file", "bytes", "sampled_sha256"}]`` (see :func:`sampled_sha256`;
         hashing every byte of tens of GB would take minutes)."""

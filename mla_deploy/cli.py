@@ -138,13 +138,10 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
 
     source = weights = None
     if hf:
-        from pathlib import Path
-
-        from .artifact import WeightsSource
         from .checkpoint import CheckpointTensors
 
         source = CheckpointTensors(hf)  # read one tensor at a time while the weights are written
-        weights = WeightsSource(kind="hf", path=str(Path(hf).resolve()), files=tuple(source.identity()))
+        weights = source.weights_source()
     start = time.perf_counter()
     manifest = export_recipe(resolved, out, weights=weights, overwrite=overwrite, source=source,
                              progress=_progress_line("weights") if sys.stderr.isatty() else None)

@@ -98,13 +98,13 @@ def _random_checkpoint(config, folder: Path, seed: int, std: float, echo) -> tup
 def _export(recipe, checkpoint: Path, artifact: Path, echo) -> tuple[object, float, str]:
     """Export ``checkpoint`` with ``recipe``'s settings to ``artifact`` (as ``mla-deploy export --hf`` does), unless
     it already holds that export. Returns (manifest, seconds, what was done)."""
-    from ..artifact import MANIFEST, WeightsSource, load_manifest
+    from ..artifact import MANIFEST, load_manifest
     from ..checkpoint import CheckpointTensors
     from ..errors import ArtifactError
     from ..exporter import export_recipe, fingerprint
 
     source = CheckpointTensors(checkpoint)  # read one tensor at a time while the weights are written
-    weights = WeightsSource(kind="hf", path=str(checkpoint.resolve()), files=tuple(source.identity()))
+    weights = source.weights_source()
     if (artifact / MANIFEST).is_file():
         try:
             old = load_manifest(artifact)

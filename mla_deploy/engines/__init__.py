@@ -8,8 +8,7 @@ Names are imported lazily, so importing this package loads neither onnxruntime n
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy import lazy_getattr
 
 _LAZY = {
     "Engine": "mla_deploy.engines.base",
@@ -21,8 +20,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mla_deploy.engines' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -7,7 +7,8 @@ right-padding a batch of prompts, the cache state (through the artifact's
 
 * :meth:`Engine._allocate` ``(shape) -> array``: one zeroed cache array of the runtime's kind;
 * :meth:`Engine._run` ``(role, ids, positions, control, state) -> (logits, presents)``: one graph run;
-* optionally :meth:`Engine._to_host`, :meth:`Engine._greedy`, :meth:`Engine._synchronize`, :meth:`Engine._extra`.
+* optionally :meth:`Engine._to_host`, :meth:`Engine._sliceable`, :meth:`Engine._greedy`, :meth:`Engine._synchronize`,
+  :meth:`Engine._extra`.
 
 Shapes: ``B`` batch, ``S`` new tokens per sequence, ``V`` vocabulary, ``C`` latent width, ``T`` rows held.
 """
@@ -133,6 +134,10 @@ class Engine:
         """A host NumPy copy or view of a runtime array."""
         return np.asarray(array)
 
+    def _sliceable(self, cache):
+        """``cache`` as an array that can be sliced (default: itself; a GPU cache is sliced before it is copied)."""
+        return cache
+
     def _greedy(self, logits, index: np.ndarray) -> np.ndarray:
         """``[B]`` int64 argmax of ``logits[b, index[b]]`` over the vocabulary."""
         host = self._to_host(logits)
@@ -190,7 +195,7 @@ class Engine:
         self._synchronize()
         out = {"logits": self._to_host(logits)}
         for i, cache in enumerate(state.caches):
-            out[present_name(i)] = self.layout.held(self._to_host(cache), state)  # an OrtValue cannot be sliced
+            out[present_name(i)] = self._to_host(self.layout.held(self._sliceable(cache), state))
         return out
 
     # generation --------------------------------------------------------------------------------------------

@@ -122,6 +122,9 @@ class OrtEngine(Engine):
     def _to_host(self, array) -> np.ndarray:
         return array.numpy() if isinstance(array, self.ort.OrtValue) else np.asarray(array)
 
+    def _sliceable(self, cache):
+        return self._to_host(cache)  # an OrtValue cannot be sliced
+
     def _run(self, role, ids, positions, control, state):
         session = self.sessions[role]
         width = self.config.latent_dim

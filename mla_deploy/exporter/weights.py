@@ -120,10 +120,6 @@ class WeightSpec:
             tensor = tensor[arg] if kind == "index" else tensor.permute(*arg)
         return tensor
 
-    def make(self, source: TensorSource, config: MLAConfig) -> torch.Tensor:
-        """The initializer read from ``source`` (contiguous)."""
-        return self.apply(source.get(self.key), config).contiguous()
-
 
 class WeightsFile:
     """``weights.data``: tensors appended at :data:`ALIGNMENT`-aligned offsets, hashed as they are written.

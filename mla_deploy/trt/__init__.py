@@ -6,8 +6,7 @@ runs the built engines is :class:`mla_deploy.engines.trt_engine.TrtEngine` (also
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy import lazy_getattr
 
 _LAZY = {
     "engine_profiles": ".profiles",
@@ -19,8 +18,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'mla_deploy.trt' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

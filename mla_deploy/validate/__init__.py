@@ -17,8 +17,7 @@ Main entry points (imported lazily: Polygraphy, torch and onnxruntime load on fi
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy import lazy_getattr
 
 _LAZY = {
     "validate_artifact": "mla_deploy.validate.core",
@@ -36,8 +35,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mla_deploy.validate' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
