@@ -29,7 +29,7 @@ import numpy as np
 
 from .config import MLAConfig
 from .errors import CacheCapacityError, ConfigError
-from .io_spec import BATCH, CAPACITY, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, past_name, present_name
+from .io_spec import BATCH, CAPACITY, LOGITS, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, past_name, present_name
 
 CACHE_MODES = ("concat", "static")
 
@@ -94,9 +94,10 @@ class CacheLayout:
         Args:
             config: the model (latent width, vocabulary, layer count).
             precision: ``fp32``, ``fp16`` or ``bf16``: the dtype of the caches (and of the default logits).
-            head_inputs: the inputs before the control input (default: ``input_ids``, ``position_ids``
-                int64 ``[batch_size, sequence_length]``, the decoder's).
-            head_outputs: the outputs before the caches (default: ``logits [batch_size, sequence_length, V]``).
+            head_inputs: the inputs before the control input (default, the decoder's: ``input_ids``,
+                ``position_ids`` int64 ``[batch_size, sequence_length]``, ``logits_index`` int64
+                ``[batch_size, logits_length]``).
+            head_outputs: the outputs before the caches (default: ``logits [batch_size, logits_length, V]``).
             layers: caches (default: ``config.num_hidden_layers``).
         Returns:
             ``(head_inputs + [control] + past_latent.{i}, head_outputs + present_latent.{i})``.
@@ -106,9 +107,10 @@ class CacheLayout:
         dtype = PRECISIONS[precision]
         layers = config.num_hidden_layers if layers is None else layers
         if head_inputs is None:
-            head_inputs = [TensorSpec("input_ids", "int64", (BATCH, SEQ)), TensorSpec("position_ids", "int64", (BATCH, SEQ))]
+            head_inputs = [TensorSpec("input_ids", "int64", (BATCH, SEQ)), TensorSpec("position_ids", "int64", (BATCH, SEQ)),
+                           TensorSpec("logits_index", "int64", (BATCH, LOGITS))]
         if head_outputs is None:
-            head_outputs = [TensorSpec("logits", dtype, (BATCH, SEQ, config.vocab_size))]
+            head_outputs = [TensorSpec("logits", dtype, (BATCH, LOGITS, config.vocab_size))]
         past, present = self.cache_shapes(config.latent_dim)
         inputs = [*head_inputs, self.control_spec(), *(TensorSpec(past_name(i), dtype, past) for i in range(layers))]
         outputs = [*head_outputs, *(TensorSpec(present_name(i), dtype, present) for i in range(layers))]
@@ -174,7 +176,9 @@ class CacheLayout:
         if role not in ("prefill", "decode"):
             raise ConfigError(f"unknown graph role {role!r}; expected prefill or decode")
         seq: Range = tuple(build.prompt_length) if role == "prefill" else (1, 1, 1)
-        return {BATCH: tuple(build.batch), SEQ: seq, **self._cache_ranges(role, build, capacity, seq)}
+        # a generation step asks for one row of logits; validation asks for every position of the prompt
+        logits: Range = (1, 1, seq[2])
+        return {BATCH: tuple(build.batch), SEQ: seq, LOGITS: logits, **self._cache_ranges(role, build, capacity, seq)}
 
     def _cache_ranges(self, role: str, build, capacity: int | None, seq: Range) -> dict[str, Range]:
         raise NotImplementedError

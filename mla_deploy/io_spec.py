@@ -8,16 +8,22 @@ tensor               concat cache mode                            static cache m
 ==================== ============================================ ===========================================
 ``input_ids``        int64 [batch_size, sequence_length]          same
 ``position_ids``     int64 [batch_size, sequence_length]          same
+``logits_index``     int64 [batch_size, logits_length]: which of   same
+                     the step's positions get logits
 ``attention_mask``   int64 [batch_size, total_sequence_length]    (absent)
 ``write_indices``    (absent)                                     int64 [batch_size]: valid rows before the step
 ``past_latent.{i}``  [batch_size, past_sequence_length, C]        [batch_size, 1, max_cache_length, C]
-``logits``           [batch_size, sequence_length, vocab_size]    same
+``logits``           [batch_size, logits_length, vocab_size]      same
 ``present_latent.{i}`` [batch_size, total_sequence_length, C]     [batch_size, 1, max_cache_length, C] (aliases the past)
 ==================== ============================================ ===========================================
 
 ``C = kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek): channels ``[0, kv_lora_rank)`` are ``c_kv``
 after ``kv_a_layernorm``; ``[kv_lora_rank, C)`` are ``k_pe`` after rope, adjacent pairs interleaved.
-``total_sequence_length = past_sequence_length + sequence_length``. Logits and latent tensors have the
+``total_sequence_length = past_sequence_length + sequence_length``. ``logits_index`` picks the positions (in
+``[0, sequence_length)``) whose hidden state goes through the final norm and ``lm_head``: a generation step asks
+for each sequence's last real token (``logits_length`` 1), so a prefill never computes or returns
+``[batch, prompt, vocab]`` logits (transformers' ``logits_to_keep``, TensorRT-LLM's ``last_token_ids``);
+validation asks for every position. Logits and latent tensors have the
 export's precision (every float input, output and weight does); rope angles, RMSNorm statistics and the
 softmax run in float32 inside the graph, as in DeepSeek's reference code.
 
@@ -38,6 +44,7 @@ BATCH = "batch_size"
 SEQ = "sequence_length"
 PAST = "past_sequence_length"
 TOTAL = "total_sequence_length"
+LOGITS = "logits_length"
 CAPACITY = "max_cache_length"
 
 

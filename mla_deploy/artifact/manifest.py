@@ -25,8 +25,9 @@ from .files import atomic_write_text
 
 MANIFEST = "manifest.json"
 FORMAT = "mla-deploy-artifact"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+# 2: the language model's graphs take ``logits_index`` and return logits only for the positions it names
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (2,)
 REFERENCE_WEIGHTS = "reference.safetensors"
 
 
@@ -237,6 +238,9 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ArtifactError(f"{source} is not an mla-deploy manifest")
         version = data.get("format_version")
+        if isinstance(version, int) and 0 < version < min(SUPPORTED_FORMAT_VERSIONS):
+            raise ArtifactError(f"{source}: format_version {version} was written by an older mla-deploy, whose graphs "
+                                f"this one cannot run; export the model again")
         if version not in SUPPORTED_FORMAT_VERSIONS:
             raise ArtifactError(f"{source}: format_version {version!r} is not supported "
                                 f"(this mla-deploy reads {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))})")

@@ -52,6 +52,11 @@ def _positions(batch: int, start: int, stop: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(np.arange(start, stop, dtype=np.int64), (batch, stop - start)))
 
 
+def _last(batch: int, steps: int) -> np.ndarray:
+    """``logits_index [B, 1]``: the logits of each sequence's last new token only (what generation needs)."""
+    return np.full((batch, 1), steps - 1, dtype=np.int64)
+
+
 def _failure(exc: BaseException) -> dict:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     oom = isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in OOM_WORDS)
@@ -84,7 +89,8 @@ class OursPath:
     def _fill(self, ids: np.ndarray, state, chunk: int) -> np.ndarray:
         """Prefill ``ids [B, N]`` into ``state`` in chunks; returns the greedy next token ``[B]``."""
         for start, stop in chunks(ids.shape[1], chunk):
-            logits = self.engine.step("prefill", ids[:, start:stop], _positions(len(ids), start, stop), state)
+            logits = self.engine.step("prefill", ids[:, start:stop], _positions(len(ids), start, stop), state,
+                                      logits_index=_last(len(ids), stop - start))
         return self._greedy(logits)
 
     def fits(self, batch: int, rows: int, chunk: int) -> tuple[int, bool]:
@@ -100,7 +106,8 @@ class OursPath:
         for i in range(spec.warmup + spec.repeat):
             state = self._new_state(batch, spec.prompt_length)
             start = time.perf_counter()
-            token = self._greedy(self.engine.step("prefill", ids, positions, state))
+            token = self._greedy(self.engine.step("prefill", ids, positions, state,
+                                                  logits_index=_last(batch, spec.prompt_length)))
             if i >= spec.warmup:
                 times.append(time.perf_counter() - start)
             del state
@@ -118,7 +125,8 @@ class OursPath:
             fed.append(token)
             held = int(state.lengths.max())
             start = time.perf_counter()
-            logits = self.engine.step("decode", token[:, None], state.lengths[:, None].copy(), state)
+            logits = self.engine.step("decode", token[:, None], state.lengths[:, None].copy(), state,
+                                      logits_index=_last(batch, 1))
             token = self._greedy(logits)
             if i >= spec.warmup:
                 times.append(time.perf_counter() - start)

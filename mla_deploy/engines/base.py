@@ -78,6 +78,25 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
     return ids, valid, lengths
 
 
+def logits_positions(shape: tuple[int, int], logits_index=None) -> np.ndarray:
+    """The ``logits_index [B, K]`` int64 of a step over ``shape = (B, S)`` new tokens: ``logits_index`` checked,
+    or every position (``K = S``) when None.
+
+    Raises:
+        ShapeError: not ``[B, K]`` with ``K >= 1``. InputError: a position outside ``[0, S)``.
+    """
+    batch, steps = shape
+    if logits_index is None:
+        return np.ascontiguousarray(np.broadcast_to(np.arange(steps, dtype=np.int64), (batch, steps)))
+    index = np.ascontiguousarray(logits_index, dtype=np.int64)
+    if index.ndim != 2 or index.shape[0] != batch or index.shape[1] < 1:
+        raise ShapeError(f"logits_index {list(index.shape)} must be [{batch}, K] with K >= 1")
+    if index.size and (index.min() < 0 or index.max() >= steps):
+        raise InputError(f"logits_index holds {int(index.min() if index.min() < 0 else index.max())}, outside the "
+                         f"step's positions 0..{steps - 1}")
+    return index
+
+
 def check_ids(ids: np.ndarray, vocab_size: int) -> None:
     """Raise :class:`InputError` naming the first id of ``ids`` outside ``[0, vocab_size)``."""
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -117,15 +136,17 @@ class Engine:
         """One zeroed cache array of ``shape`` in the runtime's memory."""
         raise NotImplementedError
 
-    def _run(self, role: str, ids: np.ndarray, positions: np.ndarray, control: np.ndarray, state: CacheState):
+    def _run(self, role: str, ids: np.ndarray, positions: np.ndarray, logits_index: np.ndarray, control: np.ndarray,
+             state: CacheState):
         """Run ``role``'s graph once.
 
         Args:
             ids, positions: ``[B, S]`` int64 (host).
+            logits_index: ``[B, K]`` int64 (host), the positions whose logits are computed.
             control: the layout's control input (``attention_mask [B, P+S]`` or ``write_indices [B]``), int64.
             state: the cache before the step (``state.caches`` in the layout's shape).
         Returns:
-            ``(logits [B, S, V], presents)``: logits in the runtime's memory; one present cache per layer in the
+            ``(logits [B, K, V], presents)``: logits in the runtime's memory; one present cache per layer in the
             layout's shape (an in-place layout returns the very arrays of ``state.caches``).
         """
         raise NotImplementedError
@@ -156,17 +177,19 @@ class Engine:
         return self.layout.new_state(batch, self.config.latent_dim, self.config.num_hidden_layers, self.capacity,
                                      self._allocate)
 
-    def step(self, role: str, input_ids, position_ids, state: CacheState, valid=None):
+    def step(self, role: str, input_ids, position_ids, state: CacheState, valid=None, logits_index=None):
         """Run ``role`` (``prefill`` or ``decode``) on ``S`` new tokens per sequence and advance ``state``.
 
         Args:
             input_ids, position_ids: ``[B, S]`` int64.
             state: from :meth:`new_state`; updated in place.
             valid: ``[B, S]``, 1 for real tokens, 0 for right padding (default: all real).
+            logits_index: ``[B, K]`` int64 positions in ``[0, S)`` whose logits are computed (e.g. each
+                sequence's last real token: a prefill then never computes ``[B, S, V]``); default every position.
         Returns:
-            ``logits [B, S, V]`` in the runtime's memory (valid until the next step).
+            ``logits [B, K, V]`` in the runtime's memory (valid until the next step).
         Raises:
-            ShapeError: mismatched shapes. InputError: an id outside the vocabulary.
+            ShapeError: mismatched shapes. InputError: an id outside the vocabulary, a logits index outside the step.
             CacheCapacityError: the step does not fit the cache.
         """
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -178,20 +201,22 @@ class Engine:
         valid = np.ones_like(ids) if valid is None else np.ascontiguousarray(valid, dtype=np.int64)
         if valid.shape != ids.shape:
             raise ShapeError(f"valid {list(valid.shape)} must be shaped like input_ids {list(ids.shape)}")
+        index = logits_positions(ids.shape, logits_index)
         self.layout.check_step(state, ids.shape[1], self.capacity)
         control = self.layout.control_input(state, valid)
-        logits, presents = self._run(role, ids, pos, control, state)
+        logits, presents = self._run(role, ids, pos, index, control, state)
         self.layout.advance(state, valid, control, presents)
         return logits
 
-    def forward(self, role: str, input_ids, position_ids, state: CacheState, valid=None) -> dict[str, np.ndarray]:
+    def forward(self, role: str, input_ids, position_ids, state: CacheState, valid=None,
+                logits_index=None) -> dict[str, np.ndarray]:
         """:meth:`step`, then the results on the host.
 
         Returns:
-            ``logits [B, S, V]`` and ``present_latent.{i}`` ``[B, T, C]``: the rows held after the step
-            (:meth:`CacheLayout.held <mla_deploy.cache_layout.CacheLayout.held>`).
+            ``logits [B, K, V]`` (``K = S`` by default) and ``present_latent.{i}`` ``[B, T, C]``: the rows held after
+            the step (:meth:`CacheLayout.held <mla_deploy.cache_layout.CacheLayout.held>`).
         """
-        logits = self.step(role, input_ids, position_ids, state, valid)
+        logits = self.step(role, input_ids, position_ids, state, valid, logits_index)
         self._synchronize()
         out = {"logits": self._to_host(logits)}
         for i, cache in enumerate(state.caches):
@@ -217,14 +242,17 @@ class Engine:
         state = self.new_state(batch)
         self._synchronize()
         start = time.perf_counter()
-        logits = self.step("prefill", ids, np.broadcast_to(np.arange(width), ids.shape), state, valid)
-        token = self._greedy(logits, lengths - 1)
+        last = np.zeros(batch, dtype=np.int64)  # the one row of logits each step asks for
+        logits = self.step("prefill", ids, np.broadcast_to(np.arange(width), ids.shape), state, valid,
+                           logits_index=(lengths - 1)[:, None])
+        token = self._greedy(logits, last)
         prefill = time.perf_counter() - start
         tokens = [token]
         start = time.perf_counter()
         for _ in range(max_new_tokens - 1):
-            logits = self.step("decode", token[:, None], state.lengths[:, None].copy(), state)
-            token = self._greedy(logits, np.zeros(batch, dtype=np.int64))
+            logits = self.step("decode", token[:, None], state.lengths[:, None].copy(), state,
+                               logits_index=last[:, None])
+            token = self._greedy(logits, last)
             tokens.append(token)
         self._synchronize()
         decode = time.perf_counter() - start

@@ -125,11 +125,12 @@ class OrtEngine(Engine):
     def _sliceable(self, cache):
         return self._to_host(cache)  # an OrtValue cannot be sliced
 
-    def _run(self, role, ids, positions, control, state):
+    def _run(self, role, ids, positions, logits_index, control, state):
         session = self.sessions[role]
         width = self.config.latent_dim
         if not self.layout.in_place:
-            feed = {"input_ids": ids, "position_ids": positions, self.layout.control: control}
+            feed = {"input_ids": ids, "position_ids": positions, "logits_index": logits_index,
+                    self.layout.control: control}
             for i, cache in enumerate(state.caches):
                 if cache.shape[-1] != width:
                     raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {width}")
@@ -140,6 +141,7 @@ class OrtEngine(Engine):
         binding.bind_output("logits", "cpu")  # outputs come back in binding order: logits first
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input("logits_index", logits_index)
         binding.bind_cpu_input(self.layout.control, control)
         for i, cache in enumerate(state.caches):
             binding.bind_ortvalue_input(past_name(i), cache)

@@ -156,15 +156,15 @@ class TrtEngine(Engine):
         host = self.torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
         return host.to(self.device)
 
-    def _run(self, role, ids, positions, control, state):
+    def _run(self, role, ids, positions, logits_index, control, state):
         torch = self.torch
         batch, steps = ids.shape
         with torch.cuda.stream(self.stream):
             inputs = {"input_ids": self._upload(ids), "position_ids": self._upload(positions),
-                      self.layout.control: self._upload(control)}
+                      "logits_index": self._upload(logits_index), self.layout.control: self._upload(control)}
             inputs.update((past_name(i), cache) for i, cache in enumerate(state.caches))
             self._set_inputs(role, inputs)
-            outputs = {"logits": self._output(role, "logits", (batch, steps, self.config.vocab_size))}
+            outputs = {"logits": self._output(role, "logits", (batch, logits_index.shape[1], self.config.vocab_size))}
             for i, cache in enumerate(state.caches):
                 outputs[present_name(i)] = self._present(role, i, cache, state)
             self._execute(role, outputs)

@@ -30,7 +30,7 @@ from ..artifact import MANIFEST, GraphEntry, Manifest, WeightsSource, atomic_dir
 from ..errors import ExportError
 from ..model import MLAForCausalLM
 from ..recipe import Recipe
-from .graphs import DecoderGraph, example_decoder_inputs
+from .graphs import CausalLMGraph, example_decoder_inputs
 from .moe_onnx import all_expert_tensors
 from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight_views, per_head_kv_tensors,
                           save_graph, trace_graph)
@@ -138,7 +138,7 @@ def _trace(recipe: Recipe, file: str, form: str, attention: str) -> _Traced:
         from .decode_plugin import use_decode_plugin
 
         use_decode_plugin(graph_model)
-    wrapper = DecoderGraph(graph_model, layout).eval()
+    wrapper = CausalLMGraph(graph_model, layout).eval()
     args = tuple(a.to("meta") for a in example_decoder_inputs(graph_model, layout, settings.max_cache_length, dtype))
     with torch.no_grad():
         model, placeholders = trace_graph(wrapper, args, inputs, outputs,

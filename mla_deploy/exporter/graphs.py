@@ -35,6 +35,27 @@ class DecoderGraph(nn.Module):
         return (logits, *presents)
 
 
+class CausalLMGraph(nn.Module):
+    """The language model's graph: ``(input_ids, position_ids, logits_index, control, *past_latent) -> (logits,
+    *present_latent)`` (:meth:`CacheLayout.io <mla_deploy.cache_layout.CacheLayout.io>`'s default I/O).
+
+    Args:
+        model: the decoder (its attention form decides prefill vs decode math).
+        layout: the cache layout (a :class:`~mla_deploy.cache_layout.CacheLayout` or its mode name).
+    """
+
+    def __init__(self, model: MLAForCausalLM, layout: CacheLayout | str):
+        super().__init__()
+        self.model = model
+        self.layout = get_layout(layout)
+
+    def forward(self, input_ids, position_ids, logits_index, control, *past):
+        """ids and positions ``[B, S]``; ``logits_index [B, K]`` (positions whose logits are computed);
+        ``control`` the layout's; ``past`` one cache per layer. Returns logits ``[B, K, V]`` and the presents."""
+        logits, presents = self.model(input_ids, position_ids, list(past), self.layout.policy(control), logits_index)
+        return (logits, *presents)
+
+
 class MHAGraph(nn.Module):
     """Textbook MHA block: ``(hidden_states, position_ids, past_key, past_value) -> (output, present_key, present_value)``."""
 
@@ -60,7 +81,7 @@ class LatentCrossAttentionGraph(nn.Module):
 
 
 def example_decoder_inputs(model: MLAForCausalLM, layout: CacheLayout | str, capacity: int, dtype: torch.dtype):
-    """Example inputs for tracing :class:`DecoderGraph`, every dynamic axis >= 2 (an axis traced at 1 is frozen).
+    """Example inputs for tracing :class:`CausalLMGraph`, every dynamic axis >= 2 (an axis traced at 1 is frozen).
 
     Args:
         model: the decoder (its config gives the cache width and layer count).
@@ -68,12 +89,14 @@ def example_decoder_inputs(model: MLAForCausalLM, layout: CacheLayout | str, cap
         capacity: the cache slots of a fixed-capacity layout (unused by a growing one).
         dtype: the caches' dtype.
     Returns:
-        ``(input_ids [2, 3], position_ids [2, 3], control, *caches)``: batch 2, 3 new tokens after 5 cached ones.
+        ``(input_ids [2, 3], position_ids [2, 3], logits_index [2, 2], control, *caches)``: batch 2, 3 new tokens
+        after 5 cached ones, logits for 2 of them (an axis of its own, traced at a size unlike the others).
     """
     batch, seq, past = 2, 3, 5
     config = model.config
     ids = torch.zeros(batch, seq, dtype=torch.long)
     positions = torch.arange(past, past + seq).expand(batch, seq).contiguous()
+    logits_index = torch.tensor([[2, 0], [1, 2]], dtype=torch.long)
     control, caches = get_layout(layout).example_state(batch, past, seq, config.latent_dim, config.num_hidden_layers,
                                                        capacity, dtype)
-    return (ids, positions, control, *caches)
+    return (ids, positions, logits_index, control, *caches)

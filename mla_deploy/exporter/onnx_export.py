@@ -22,7 +22,7 @@ import torch
 from ..cache_layout import CacheLayout, get_layout
 from ..config import MLAConfig
 from ..errors import ConfigError, ExportError
-from ..io_spec import BATCH, CAPACITY, PAST, SEQ, TOTAL, TensorSpec
+from ..io_spec import BATCH, CAPACITY, LOGITS, PAST, SEQ, TOTAL, TensorSpec
 
 _TOTAL_ALIASES = ("sequence_length + past_sequence_length", "past_sequence_length + sequence_length")
 
@@ -42,7 +42,7 @@ def cached_dynamic_shapes(layout: CacheLayout | str, head_axes: Sequence[dict[in
 
     Args:
         layout: the cache layout (or its mode name).
-        head_axes: per head input, its dynamic axes by name, ``{axis: BATCH | SEQ}`` (e.g. ``{0: BATCH, 1: SEQ}``
+        head_axes: per head input, its dynamic axes by name, ``{axis: BATCH | SEQ | LOGITS}`` (e.g. ``{0: BATCH, 1: SEQ}``
             for ``input_ids [batch_size, sequence_length]``, ``{0: BATCH}`` for ``hidden_states [batch_size, 1, D]``).
         layers: the number of caches.
         steps: the new rows per step when no head input has a ``sequence_length`` axis (e.g. 1 for a graph of
@@ -50,23 +50,25 @@ def cached_dynamic_shapes(layout: CacheLayout | str, head_axes: Sequence[dict[in
     Returns:
         ``(*head dims, control dims, (cache dims, ...))``; every batch axis is one ``Dim``.
     Raises:
-        ConfigError: a head axis named other than ``batch_size`` or ``sequence_length``.
+        ConfigError: a head axis named other than ``batch_size``, ``sequence_length`` or ``logits_length``.
     """
     from torch.export import Dim
 
-    dims = {BATCH: Dim(BATCH, min=1, max=4096), SEQ: Dim(SEQ, min=1, max=1 << 20)}
+    dims = {BATCH: Dim(BATCH, min=1, max=4096), SEQ: Dim(SEQ, min=1, max=1 << 20),
+            LOGITS: Dim(LOGITS, min=1, max=1 << 20)}
     unknown = sorted({name for axes in head_axes for name in axes.values()} - set(dims))
     if unknown:
-        raise ConfigError(f"head inputs can have only {BATCH} and {SEQ} as dynamic axes, not {', '.join(unknown)}")
+        raise ConfigError(f"head inputs can have only {', '.join(dims)} as dynamic axes, not {', '.join(unknown)}")
     head = tuple({axis: dims[name] for axis, name in axes.items()} for axes in head_axes)
     control, caches = get_layout(layout).dynamic_shapes(layers, dims[BATCH], steps)
     return (*head, control, caches)
 
 
 def decoder_dynamic_shapes(layout: CacheLayout | str, layers: int) -> tuple:
-    """``dynamic_shapes`` for :class:`~mla_deploy.exporter.graphs.DecoderGraph`: ``input_ids`` and ``position_ids``
-    ``[batch_size, sequence_length]``, then the layout's control input and ``layers`` caches."""
-    return cached_dynamic_shapes(layout, ({0: BATCH, 1: SEQ}, {0: BATCH, 1: SEQ}), layers)
+    """``dynamic_shapes`` for :class:`~mla_deploy.exporter.graphs.CausalLMGraph`: ``input_ids`` and ``position_ids``
+    ``[batch_size, sequence_length]``, ``logits_index [batch_size, logits_length]``, then the layout's control
+    input and ``layers`` caches."""
+    return cached_dynamic_shapes(layout, ({0: BATCH, 1: SEQ}, {0: BATCH, 1: SEQ}, {0: BATCH, 1: LOGITS}), layers)
 
 
 def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], outputs: list[TensorSpec],

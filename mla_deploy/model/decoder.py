@@ -163,7 +163,8 @@ class MLAForCausalLM(nn.Module):
         """The attention form of the layers."""
         return self.model.layers[0].self_attn.form
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: Sequence, cache=None):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: Sequence, cache=None,
+                logits_index: torch.Tensor | None = None):
         """Run ``S`` new tokens of each sequence.
 
         Args:
@@ -171,12 +172,16 @@ class MLAForCausalLM(nn.Module):
             position_ids: ``[B, S]`` int64, the absolute position of each new token.
             past: one cache per layer, in the form's layout (see :meth:`empty_cache`).
             cache: a :class:`~mla_deploy.model.cache.ConcatCache` (default) or ``StaticCache`` policy.
+            logits_index: ``[B, K]`` int64 positions in ``[0, S)`` whose logits to compute (e.g. each sequence's
+                last real token); None: every position (``K = S``).
         Returns:
-            logits ``[B, S, vocab_size]`` and the list of present caches.
+            logits ``[B, K, vocab_size]`` and the list of present caches.
         """
         cache = ConcatCache() if cache is None else cache
         x = self.model.embed_tokens(input_ids)
         x, presents = run_layers(self.model.layers, self.model.rotary_emb, x, position_ids, past, cache)
+        if logits_index is not None:  # only the rows asked for go through the norm and lm_head
+            x = torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x)), presents
 
     def assign_weights(self, state: dict[str, torch.Tensor]) -> None:

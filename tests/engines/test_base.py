@@ -55,14 +55,15 @@ class ToyEngine(Engine):
         config = SimpleNamespace(latent_dim=C, num_hidden_layers=2, vocab_size=V)
         manifest = SimpleNamespace(config=config, layout=layout, precision="fp32", capacity=capacity)
         super().__init__("toy", manifest)
-        self.runs = []
+        self.runs, self.indices = [], []
 
     def _allocate(self, shape):
         return np.zeros(shape, np.float32)
 
-    def _run(self, role, ids, positions, control, state):
+    def _run(self, role, ids, positions, logits_index, control, state):
         self.runs.append((role, ids.copy(), positions.copy(), control.copy()))
-        logits = np.eye(V, dtype=np.float32)[(ids + 1) % V]
+        self.indices.append(logits_index.copy())
+        logits = np.eye(V, dtype=np.float32)[(np.take_along_axis(ids, logits_index, axis=1) + 1) % V]
         rows = np.stack([ids, positions], axis=-1).astype(np.float32)  # [B, S, C]
         presents = []
         for cache in state.caches:
@@ -92,8 +93,25 @@ def test_generate_is_prefill_then_decode_steps(layout):
         assert control.tolist() == [[1, 1, 1], [1, 0, 0]]  # the mask of the padded prompt
         assert engine.runs[1][3].tolist() == [[1, 1, 1, 1], [1, 0, 0, 1]]
     assert result.tokens_per_second > 0
+    # each step asks for one row of logits: the prefill for each sequence's last real token
+    assert [index.tolist() for index in engine.indices] == [[[2], [0]]] + [[[0], [0]]] * 3
     info = engine.info()
     assert info["cache_mode"] == layout.mode and info["capacity"] == (16 if layout.has_capacity else None)
+
+
+def test_logits_index_picks_rows_and_is_checked():
+    engine = ToyEngine(CONCAT)
+    ids = np.array([[3, 4, 5], [7, 8, 9]])
+    pos = np.broadcast_to(np.arange(3), ids.shape)
+    out = engine.forward("prefill", ids, pos, engine.new_state(2), logits_index=[[2, 0], [1, 1]])
+    assert out["logits"].argmax(-1).tolist() == [[6, 4], [9, 9]]
+    assert engine.forward("prefill", ids, pos, engine.new_state(2))["logits"].shape == (2, 3, V)  # default: all
+    with pytest.raises(InputError, match=r"logits_index holds 3, outside the step's positions 0\.\.2"):
+        engine.step("prefill", ids, pos, engine.new_state(2), logits_index=[[3], [0]])
+    with pytest.raises(InputError, match="logits_index holds -1"):
+        engine.step("prefill", ids, pos, engine.new_state(2), logits_index=[[-1], [0]])
+    with pytest.raises(ShapeError, match=r"logits_index \[1, 1\] must be \[2, K\]"):
+        engine.step("prefill", ids, pos, engine.new_state(2), logits_index=[[0]])
 
 
 @pytest.mark.parametrize("layout", [CONCAT, STATIC], ids=["concat", "static"])

@@ -76,6 +76,25 @@ def test_engine_matches_pytorch_for_prefill_and_64_decode_steps(mode):
 
 
 @pytest.mark.parametrize("mode", ["static", "concat"])
+def test_logits_index_returns_exactly_the_rows_asked_for(mode):
+    """The graph's ``logits_index`` gathers rows before the lm_head: the rows it returns are the full logits' rows,
+    in the order asked, and a prefill asked for the last real tokens computes ``[B, 1, V]`` only."""
+    root = tiny_artifact(mode)
+    engine = OrtEngine(root, threads=1)
+    ids, valid = _padded(PROMPTS)
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    full = engine.forward("prefill", ids, positions, engine.new_state(2), valid)
+    index = np.array([[6, 0, 3], [3, 3, 1]])
+    picked = engine.forward("prefill", ids, positions, engine.new_state(2), valid, logits_index=index)
+    assert picked["logits"].shape == (2, 3, engine.config.vocab_size)
+    np.testing.assert_allclose(picked["logits"], np.take_along_axis(full["logits"], index[..., None], axis=1),
+                               rtol=0, atol=1e-6)  # the same rows; a GEMM of other height may round differently
+    for name in full:  # the caches do not depend on which logits were asked for
+        if name != "logits":
+            np.testing.assert_array_equal(picked[name], full[name])
+
+
+@pytest.mark.parametrize("mode", ["static", "concat"])
 def test_generate_equals_stepwise_pytorch_greedy(mode):
     root = tiny_artifact(mode)
     result = OrtEngine(root, threads=1).generate(PROMPTS, 20)
@@ -114,7 +133,7 @@ def test_static_cache_is_updated_in_place(capfd):
     session = engine.sessions["decode"]
     binding = session.io_binding()
     for name, value in (("input_ids", np.array([[5], [6]])), ("position_ids", held[:, None] + 1),
-                        ("write_indices", held + 1)):
+                        ("logits_index", np.zeros((2, 1), np.int64)), ("write_indices", held + 1)):
         binding.bind_cpu_input(name, value)
     for i, cache in enumerate(state.caches):
         binding.bind_ortvalue_input(f"past_latent.{i}", cache)

@@ -19,9 +19,12 @@ def test_static_profiles(manifest_factory):
     profiles = engine_profiles(manifest_factory("static", capacity=64))
     assert list(profiles) == ["prefill", "decode"]
     prefill, decode = profiles["prefill"], profiles["decode"]
-    assert list(prefill) == ["input_ids", "position_ids", "write_indices", "past_latent.0", "past_latent.1"]
+    assert list(prefill) == ["input_ids", "position_ids", "logits_index", "write_indices", "past_latent.0",
+                             "past_latent.1"]
     assert prefill["input_ids"] == ((1, 1), (2, 8), (4, 32))
     assert prefill["position_ids"] == prefill["input_ids"]
+    assert prefill["logits_index"] == ((1, 1), (2, 1), (4, 32))  # generation asks for 1 row, validation for all
+    assert decode["logits_index"] == ((1, 1), (2, 1), (4, 1))
     assert prefill["write_indices"] == ((1,), (2,), (4,))
     assert prefill["past_latent.0"] == ((1, 1, 64, 24), (2, 1, 64, 24), (4, 1, 64, 24))  # capacity fixed
     assert decode["input_ids"] == ((1, 1), (2, 1), (4, 1))  # one new token
@@ -31,7 +34,8 @@ def test_static_profiles(manifest_factory):
 def test_concat_profiles(manifest_factory):
     profiles = engine_profiles(manifest_factory("concat"))
     prefill, decode = profiles["prefill"], profiles["decode"]
-    assert list(prefill) == ["input_ids", "position_ids", "attention_mask", "past_latent.0", "past_latent.1"]
+    assert list(prefill) == ["input_ids", "position_ids", "logits_index", "attention_mask", "past_latent.0",
+                             "past_latent.1"]
     assert prefill["past_latent.0"] == ((1, 0, 24), (2, 0, 24), (4, 64, 24))  # empty past, or up to the max
     assert prefill["attention_mask"] == ((1, 1), (2, 8), (4, 96))  # past + prompt
     assert decode["past_latent.0"] == ((1, 1, 24), (2, 32, 24), (4, 64, 24))

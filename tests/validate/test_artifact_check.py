@@ -39,7 +39,7 @@ DAMAGE = {
     "modified_graph": (lambda a: scale_initializer(a, "decode", "model.model.layers.0.self_attn.w_uk", 2.0),
                        r"does not match the sha256"),
     "renamed_tensor_in_manifest": (
-        lambda a: _edit_manifest(a, lambda m: m["graphs"]["decode"]["inputs"][3].update(name="past_latent.7")),
+        lambda a: _edit_manifest(a, lambda m: m["graphs"]["decode"]["inputs"][4].update(name="past_latent.7")),
         r"decode inputs do not match the I/O contract .*'past_latent.7' where 'past_latent.0' is expected"),
     "layer_count_in_manifest": (
         lambda a: _edit_manifest(a, lambda m: m["model"].update(num_hidden_layers=3)),
