@@ -263,8 +263,9 @@ def doctor(as_json, no_providers):
 @click.option("--opt-level", type=click.IntRange(0, 5), help="TensorRT builder optimisation level.")
 @_one_line_errors
 def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_level):
-    """Build TensorRT engines for an exported artifact: ARTIFACT_DIR/trt/{prefill,decode}.engine, timing.cache
-    and build.json, with optimisation profiles from the recipe's [build] ranges."""
+    """Build TensorRT engines for an exported artifact: one engine per graph (ARTIFACT_DIR/trt/model.engine with a
+    prefill and a decode profile, or prefill.engine and decode.engine), timing.cache and build.json, with
+    optimisation profiles from the recipe's [build] ranges."""
     import dataclasses
 
     from .trt.build import build_engines, require_tensorrt
@@ -277,9 +278,10 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
         settings = dataclasses.replace(load_manifest(artifact_dir).build_settings(), workspace_mib=workspace_mib)
     record = build_engines(artifact_dir, settings, strongly_typed=strongly_typed, timing_cache=not no_timing_cache,
                            optimization_level=opt_level)
-    for role, engine in record["engines"].items():
-        click.echo(f"{role:<8} {artifact_dir}/trt/{engine['file']}  {engine['bytes'] / 2**20:.1f} MiB  "
-                   f"built in {engine['build_seconds']:.1f} s")
+    for engine in record["engines"].values():
+        roles = " + ".join(f"{role} (profile {record['roles'][role]['profile']})" for role in engine["roles"])
+        click.echo(f"{artifact_dir}/trt/{engine['file']}  {engine['bytes'] / 2**20:.1f} MiB  "
+                   f"built in {engine['build_seconds']:.1f} s: {roles}")
     typing = "strongly typed" if record["strongly_typed"] else "weakly typed " + "+".join(record["precision_flags"])
     click.echo(f"TensorRT {record['tensorrt']} on {record['gpu']}; {record['precision']}, {typing}")
 

@@ -2,7 +2,9 @@
 wrote; the generation loop, padding and capacity checks are :class:`~mla_deploy.engines.base.Engine`'s.
 
 Every run goes through ``IExecutionContext.execute_async_v3`` on one CUDA stream, after ``set_input_shape`` for
-each input (the engine's single optimisation profile 0) and ``set_tensor_address`` for every input and output.
+each input and ``set_tensor_address`` for every input and output. Each role has its own execution context on its
+own optimisation profile (``build.json``'s ``roles``): a graph serving prefill and decode is one engine, loaded
+once, with one context per profile.
 TensorRT wants non-null, 256-byte-aligned addresses: an empty tensor (a growing past of length 0) is bound to a
 dummy buffer, never to its null ``data_ptr()``.
 
@@ -102,22 +104,37 @@ class TrtEngine(Engine):
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
         self.engines, self.contexts, self.aliases, self.profiles = {}, {}, {}, {}
+        loaded: dict[str, Any] = {}  # one deserialised engine per file: a graph serving two roles is loaded once
+        roles = self.record.get("roles") or {}
         for role in manifest.graphs:
-            self._load(role, self.root / TRT_DIR / f"{role}.engine")
+            if role not in roles:
+                raise ArtifactError(f"{self.root / TRT_DIR} has no engine for {role}; run `mla-deploy build {self.root}`")
+            file, profile = roles[role]["engine"], int(roles[role]["profile"])
+            if file not in loaded:
+                loaded[file] = self._deserialize(self.root / TRT_DIR / file)
+            self._attach(role, loaded[file], profile, file)
         self.provider = f"TensorRT {trt.__version__}"
 
-    def _load(self, role: str, path: Path) -> None:
-        trt = self.trt
+    def _deserialize(self, path: Path):
         if not path.is_file():
             raise ArtifactError(f"{path} is missing; run `mla-deploy build {self.root}`")
         engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
-            raise ArtifactError(f"TensorRT {trt.__version__} cannot load {path} (built by TensorRT "
+            raise ArtifactError(f"TensorRT {self.trt.__version__} cannot load {path} (built by TensorRT "
                                 f"{self.record.get('tensorrt')}?); run `mla-deploy build {self.root}`")
+        return engine
+
+    def _attach(self, role: str, engine, profile: int, path: str) -> None:
+        """An execution context of ``engine`` for ``role``, on its optimisation profile ``profile`` (each role of a
+        shared engine has its own context and profile)."""
+        trt = self.trt
+        if not 0 <= profile < engine.num_optimization_profiles:
+            raise ArtifactError(f"{path} has {engine.num_optimization_profiles} profiles, build.json names profile "
+                                f"{profile} for {role}; run `mla-deploy build {self.root}`")
         context = engine.create_execution_context()
         if context is None:
             raise ArtifactError(f"TensorRT could not create an execution context for {path} (out of GPU memory?)")
-        context.set_optimization_profile_async(0, self.stream.cuda_stream)
+        context.set_optimization_profile_async(profile, self.stream.cuda_stream)
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
@@ -128,7 +145,7 @@ class TrtEngine(Engine):
         if hasattr(engine, "get_aliased_input_tensor"):  # TensorRT >= 10.15
             aliases = {n: engine.get_aliased_input_tensor(n) for n in outputs if engine.get_aliased_input_tensor(n)}
         self.engines[role], self.contexts[role], self.aliases[role] = engine, context, aliases
-        self.profiles[role] = {n: engine.get_tensor_profile_shape(n, 0) for n in inputs}
+        self.profiles[role] = {n: engine.get_tensor_profile_shape(n, profile) for n in inputs}
 
     def _aliased(self, role: str, layer: int) -> bool:
         """``role``'s engine writes ``present_latent.{layer}`` into the ``past_latent.{layer}`` buffer."""

@@ -1,5 +1,6 @@
-"""Build TensorRT engines from an artifact with Polygraphy: ``<artifact>/trt/{prefill,decode}.engine``,
-``timing.cache`` and ``build.json``.
+"""Build TensorRT engines from an artifact with Polygraphy: one engine per graph file (``<artifact>/trt/model.engine``
+with a prefill and a decode profile, or ``prefill.engine`` and ``decode.engine``), ``timing.cache`` and
+``build.json``.
 
 Precision: TensorRT 11 networks are always strongly typed (the ONNX graphs carry the dtype; the FP16/BF16
 builder flags no longer exist), so the network is parsed with ``strongly_typed=True``. On TensorRT 10 the
@@ -28,6 +29,7 @@ TRT_DIR = "trt"
 BUILD_RECORD = "build.json"
 TIMING_CACHE = "timing.cache"
 RECORD_FORMAT = "mla-deploy-trt-build"
+RECORD_VERSION = 2  # 2: engines keyed by file, each with one profile per role it serves ("roles")
 
 
 def require_tensorrt():
@@ -79,13 +81,20 @@ def precision_flags(precision: str, trt_version: str, strongly_typed: bool | Non
 
 def build_plan(manifest: Manifest, build: BuildSettings | None, trt_version: str,
                strongly_typed: bool | None = None, roles: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """What to build, per role: ``{role: {"onnx", "engine", "profile", "attention", strongly_typed/fp16/bf16}}``.
+    """What to build: one engine per graph file, with one optimisation profile per role the file serves.
+
+    A graph that serves prefill and decode (``model.onnx``) becomes one engine, ``model.engine``, with the prefill
+    profile at index 0 and the decode profile at index 1: the GPU holds its weights once, and each role runs in an
+    execution context of its own profile. Two graphs (``prefill.onnx``, ``decode.onnx``) become two engines.
 
     Args:
         manifest: the artifact's manifest.
         build: profile ranges (default: the manifest's recorded ``[build]``).
         trt_version: the TensorRT version (decides the precision handling, :func:`precision_flags`).
-        roles: the graphs to build (default: all of the manifest's).
+        roles: the roles to build for (default: all of the manifest's).
+    Returns:
+        ``{engine file: {"onnx", "engine", "roles": [role, ...], "profiles": [profile, ...], "attention",
+        strongly_typed/fp16/bf16}}``, profile ``i`` serving ``roles[i]``.
     Raises:
         ConfigError: a role the artifact has no graph for, or ranges that do not fit.
     """
@@ -95,8 +104,20 @@ def build_plan(manifest: Manifest, build: BuildSettings | None, trt_version: str
     unknown = [r for r in roles if r not in manifest.graphs]
     if unknown:
         raise ConfigError(f"the artifact has no {', '.join(unknown)} graph; it has {', '.join(manifest.graphs)}")
-    return {role: {"onnx": manifest.graphs[role].file, "engine": f"{role}.engine", "profile": profiles[role],
-                   "attention": manifest.graphs[role].attention, **flags} for role in roles}
+    plan: dict[str, dict] = {}
+    for role in roles:
+        graph = manifest.graphs[role]
+        engine = f"{Path(graph.file).stem}.engine"
+        spec = plan.setdefault(engine, {"onnx": graph.file, "engine": engine, "roles": [], "profiles": [],
+                                        "attention": graph.attention, **flags})
+        spec["roles"].append(role)
+        spec["profiles"].append(profiles[role])
+    return plan
+
+
+def role_profiles(plan: dict[str, dict]) -> dict[str, dict]:
+    """``{role: {"engine": file, "profile": index}}``: where each role runs in a :func:`build_plan`."""
+    return {role: {"engine": engine, "profile": i} for engine, spec in plan.items() for i, role in enumerate(spec["roles"])}
 
 
 def build_record(manifest: Manifest, plan: dict[str, dict], engines: dict[str, dict], trt_version: str,
@@ -106,12 +127,13 @@ def build_record(manifest: Manifest, plan: dict[str, dict], engines: dict[str, d
 
     first = next(iter(plan.values()))
     return {
-        "format": RECORD_FORMAT, "format_version": 1, "fingerprint": manifest.fingerprint,
+        "format": RECORD_FORMAT, "format_version": RECORD_VERSION, "fingerprint": manifest.fingerprint,
         "tensorrt": trt_version, "polygraphy": polygraphy_version, "gpu": gpu, "precision": manifest.precision,
         "strongly_typed": first["strongly_typed"],
         "precision_flags": [f for f in ("fp16", "bf16") if first[f]],
-        "profiles": profiles_to_json({role: p["profile"] for role, p in plan.items()}),
-        "engines": engines, "workspace_mib": workspace_mib, "timing_cache": timing_cache,
+        "profiles": profiles_to_json({role: spec["profiles"][i] for spec in plan.values()
+                                      for i, role in enumerate(spec["roles"])}),
+        "engines": engines, "roles": role_profiles(plan), "workspace_mib": workspace_mib, "timing_cache": timing_cache,
         "build_seconds": round(sum(e.get("build_seconds", 0.0) for e in engines.values()), 3),
         "created": now(),
     }
@@ -133,6 +155,9 @@ def read_build_record(artifact: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} is not readable JSON ({exc})") from None
     if record.get("format") != RECORD_FORMAT:
         raise ArtifactError(f"{path} is not an mla-deploy build record")
+    if record.get("format_version") != RECORD_VERSION:
+        raise ArtifactError(f"{path} was written by another mla-deploy (format_version "
+                            f"{record.get('format_version')!r}); run `mla-deploy build {artifact}` again")
     return record
 
 
@@ -143,7 +168,7 @@ def _build_one(trt, spec: dict, root: Path, tmp: Path, cache: Path | None, works
 
     network = NetworkFromOnnxPath(str(root / spec["onnx"]), strongly_typed=spec["strongly_typed"])
     config = CreateConfig(fp16=spec["fp16"] or None, bf16=spec["bf16"] or None,
-                          profiles=[polygraphy_profile(spec["profile"])],
+                          profiles=[polygraphy_profile(profile) for profile in spec["profiles"]],
                           memory_pool_limits={trt.MemoryPoolType.WORKSPACE: workspace_mib << 20},
                           load_timing_cache=str(cache) if cache is not None and cache.is_file() else None,
                           builder_optimization_level=optimization_level)
@@ -157,7 +182,8 @@ def _build_one(trt, spec: dict, root: Path, tmp: Path, cache: Path | None, works
     aliased = {}
     if hasattr(engine, "get_aliased_input_tensor"):  # TensorRT >= 10.15
         aliased = {n: engine.get_aliased_input_tensor(n) for n in outputs if engine.get_aliased_input_tensor(n)}
-    return {"file": spec["engine"], "onnx": spec["onnx"], "bytes": path.stat().st_size, "sha256": sha256_file(path),
+    return {"file": spec["engine"], "onnx": spec["onnx"], "roles": list(spec["roles"]),
+            "bytes": path.stat().st_size, "sha256": sha256_file(path),
             "build_seconds": round(seconds, 3), "attention": spec["attention"], "aliased_outputs": aliased}
 
 
@@ -180,7 +206,7 @@ def build_engines(artifact: str | Path, build: BuildSettings | None = None, stro
     manifest = load_manifest(root)
     build = build or manifest.build_settings()
     plan = build_plan(manifest, build, trt.__version__, strongly_typed)
-    if any(manifest.graphs[role].uses_plugin for role in plan):
+    if any(manifest.graphs[role].uses_plugin for spec in plan.values() for role in spec["roles"]):
         from .plugin_loader import register_mla_decode_plugin
 
         register_mla_decode_plugin()
@@ -190,12 +216,13 @@ def build_engines(artifact: str | Path, build: BuildSettings | None = None, stro
         if cache is not None and (out / TIMING_CACHE).is_file():
             shutil.copyfile(out / TIMING_CACHE, cache)
         engines = {}
-        for role, spec in plan.items():
+        for file, spec in plan.items():
             try:
-                engines[role] = _build_one(trt, spec, root, tmp, cache, build.workspace_mib, optimization_level)
+                engines[file] = _build_one(trt, spec, root, tmp, cache, build.workspace_mib, optimization_level)
             except Exception as exc:  # Polygraphy raises PolygraphyException with TensorRT's log above it
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise ExportError(f"TensorRT could not build the {role} engine from {spec['onnx']}: {first}") from exc
+                raise ExportError(f"TensorRT could not build {file} ({' and '.join(spec['roles'])}) from "
+                                  f"{spec['onnx']}: {first}") from exc
         record = build_record(manifest, plan, engines, trt.__version__, gpu, build.workspace_mib,
                               TIMING_CACHE if cache is not None and cache.is_file() else None)
         write_build_record(tmp, record)

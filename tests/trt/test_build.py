@@ -3,6 +3,7 @@ plan, and the build record writer/reader."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from mla_deploy.errors import ArtifactError, ConfigError, RuntimeMissingError
-from mla_deploy.trt.build import (BUILD_RECORD, RECORD_FORMAT, build_engines, build_plan, build_record,
+from mla_deploy.trt.build import (BUILD_RECORD, RECORD_FORMAT, build_engines, build_plan, build_record, role_profiles,
                                   precision_flags, read_build_record, require_tensorrt, trt_major, write_build_record)
 
 TRT_AND_GPU = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
@@ -81,22 +82,40 @@ def test_tensorrt_9_is_refused():
 # plan and record ---------------------------------------------------------------------------------
 def test_build_plan(manifest_factory):
     plan = build_plan(manifest_factory("static", "bf16", attention="plugin"), None, "10.16.1")
-    assert list(plan) == ["prefill", "decode"]
-    decode = plan["decode"]
-    assert decode["onnx"] == "decode.onnx" and decode["engine"] == "decode.engine"
-    assert decode["attention"] == "plugin" and plan["prefill"]["attention"] == "standard"
+    assert list(plan) == ["prefill.engine", "decode.engine"]  # two graphs: two engines, one profile each
+    decode = plan["decode.engine"]
+    assert decode["onnx"] == "decode.onnx" and decode["roles"] == ["decode"]
+    assert decode["attention"] == "plugin" and plan["prefill.engine"]["attention"] == "standard"
     assert decode["bf16"] and not decode["fp16"] and not decode["strongly_typed"]
-    assert decode["profile"]["input_ids"] == ((1, 1), (2, 1), (4, 1))
-    assert list(build_plan(manifest_factory(), None, "11.1", roles=("decode",))) == ["decode"]
+    assert decode["profiles"][0]["input_ids"] == ((1, 1), (2, 1), (4, 1))
+    assert role_profiles(plan) == {"prefill": {"engine": "prefill.engine", "profile": 0},
+                                   "decode": {"engine": "decode.engine", "profile": 0}}
+    assert list(build_plan(manifest_factory(), None, "11.1", roles=("decode",))) == ["decode.engine"]
     with pytest.raises(ConfigError, match="no encoder graph"):
         build_plan(manifest_factory(), None, "11.1", roles=("encoder",))
+
+
+def test_one_graph_for_both_roles_is_one_engine_with_two_profiles(manifest_factory):
+    """model.onnx serves prefill and decode: one engine (the GPU holds its weights once), prefill profile 0 and
+    decode profile 1, each with its own ranges."""
+    manifest = manifest_factory("static")
+    shared = dataclasses.replace(manifest, graphs={role: dataclasses.replace(g, file="model.onnx")
+                                                   for role, g in manifest.graphs.items()})
+    plan = build_plan(shared, None, "11.1")
+    assert list(plan) == ["model.engine"]
+    spec = plan["model.engine"]
+    assert spec["onnx"] == "model.onnx" and spec["roles"] == ["prefill", "decode"]
+    assert spec["profiles"][0]["input_ids"] == ((1, 1), (2, 8), (4, 32))
+    assert spec["profiles"][1]["input_ids"] == ((1, 1), (2, 1), (4, 1))
+    assert role_profiles(plan) == {"prefill": {"engine": "model.engine", "profile": 0},
+                                   "decode": {"engine": "model.engine", "profile": 1}}
 
 
 def test_build_record_written_and_read_back(manifest_factory, tmp_path):
     manifest = manifest_factory("concat", "fp16")
     plan = build_plan(manifest, None, "10.13.0")
-    engines = {role: {"file": f"{role}.engine", "bytes": 1000, "build_seconds": 1.25, "aliased_outputs": {}}
-               for role in plan}
+    engines = {file: {"file": file, "roles": spec["roles"], "bytes": 1000, "build_seconds": 1.25,
+                      "aliased_outputs": {}} for file, spec in plan.items()}
     record = build_record(manifest, plan, engines, "10.13.0", "NVIDIA H100 80GB HBM3", 4096, "timing.cache")
     folder = tmp_path / "artifact" / "trt"
     folder.mkdir(parents=True)
@@ -108,6 +127,7 @@ def test_build_record_written_and_read_back(manifest_factory, tmp_path):
     assert data["precision"] == "fp16" and data["strongly_typed"] is False and data["precision_flags"] == ["fp16"]
     assert data["build_seconds"] == 2.5 and data["workspace_mib"] == 4096 and data["timing_cache"] == "timing.cache"
     assert data["profiles"]["decode"]["past_latent.0"] == {"min": [1, 1, 24], "opt": [2, 32, 24], "max": [4, 64, 24]}
+    assert data["roles"]["decode"] == {"engine": "decode.engine", "profile": 0}
     assert data["polygraphy"] and data["created"]
     assert read_build_record(tmp_path / "artifact") == data
 
@@ -118,6 +138,9 @@ def test_read_build_record_errors(tmp_path):
     (tmp_path / "trt").mkdir()
     (tmp_path / "trt" / BUILD_RECORD).write_text('{"format": "other"}')
     with pytest.raises(ArtifactError, match="not an mla-deploy build record"):
+        read_build_record(tmp_path)
+    (tmp_path / "trt" / BUILD_RECORD).write_text(f'{{"format": "{RECORD_FORMAT}", "format_version": 1}}')
+    with pytest.raises(ArtifactError, match="format_version 1.*run `mla-deploy build"):
         read_build_record(tmp_path)
     (tmp_path / "trt" / BUILD_RECORD).write_text("{")
     with pytest.raises(ArtifactError, match="not readable JSON"):

@@ -55,7 +55,7 @@ def test_build_writes_engines_cache_and_record(built):
     assert data["strongly_typed"] is (int(trt.__version__.split(".")[0]) >= 11)
     static = json.loads((artifact / "manifest.json").read_text())["cache"]["mode"] == "static"
     if static and TRT_ALIASING:  # TensorScatter -> IKVCacheUpdateLayer, written in place
-        assert data["engines"]["decode"]["aliased_outputs"] == {"present_latent.0": "past_latent.0",
+        assert data["engines"]["decode.engine"]["aliased_outputs"] == {"present_latent.0": "past_latent.0",
                                                                "present_latent.1": "past_latent.1"}
 
 
@@ -114,6 +114,23 @@ def test_stale_engines_are_refused(built, tmp_path):
         TrtEngine(copy)
 
 
+def test_one_graph_is_one_engine_with_a_profile_per_role(tmp_path_factory):
+    """The default single graph (model.onnx, prefill and decode in the absorbed form) builds one engine whose
+    prefill and decode contexts run on profiles 0 and 1, and generates what ONNX Runtime generates."""
+    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.trt.build import build_engines
+
+    artifact = _export(tmp_path_factory, "static", prefill_form="A_CC")
+    record = build_engines(artifact)
+    assert list(record["engines"]) == ["model.engine"]
+    assert record["roles"] == {"prefill": {"engine": "model.engine", "profile": 0},
+                               "decode": {"engine": "model.engine", "profile": 1}}
+    engine = TrtEngine(artifact)
+    assert engine.engines["prefill"] is engine.engines["decode"]  # deserialised once
+    assert engine.generate(PROMPTS, 12).tokens == OrtEngine(artifact, threads=1).generate(PROMPTS, 12).tokens
+
+
 def test_bf16_engine_builds_and_generates(tmp_path_factory):
     from mla_deploy.engines.trt_engine import TrtEngine
     from mla_deploy.trt.build import build_engines
@@ -134,5 +151,5 @@ def test_plugin_decode_attention_gives_the_standard_tokens(tmp_path_factory):
     plugin = _export(tmp_path_factory, "static", decode_attention="plugin")
     build_engines(standard)
     record = build_engines(plugin)
-    assert record["engines"]["decode"]["attention"] == "plugin"
+    assert record["engines"]["decode.engine"]["attention"] == "plugin"
     assert TrtEngine(plugin).generate(PROMPTS, 8).tokens == TrtEngine(standard).generate(PROMPTS, 8).tokens
