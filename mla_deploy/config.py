@@ -188,6 +188,13 @@ class MLAConfig:
                               f"the others with 'softmax' (V2); got {self.topk_method!r} with {self.scoring_func!r}")
         if self.n_shared_experts < 0:
             raise ConfigError(f"{self.name}: n_shared_experts must be >= 0")
+        per_group = n // self.n_group
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ConfigError(f"{self.name}: noaux_tc scores each group by its best two experts, so each of the "
+                              f"n_group ({self.n_group}) groups needs at least 2 of the {n} experts")
+        if self.topk_method != "greedy" and self.topk_group * per_group < self.num_experts_per_tok:
+            raise ConfigError(f"{self.name}: the topk_group ({self.topk_group}) groups kept hold {self.topk_group * per_group} "
+                              f"experts, fewer than num_experts_per_tok ({self.num_experts_per_tok})")
 
     # derived dimensions -------------------------------------------------------------
     @property

@@ -133,6 +133,10 @@ def test_transformers_save_pretrained_config_loads(tmp_path, version, yarn):
                  id="rope_type_dynamic"),
     pytest.param({"topk_group": 9}, r"topk_group must be in 1..n_group \(8\), got 9", id="topk_group_gt_n_group"),
     pytest.param({"n_group": 7}, r"must be a multiple of n_group \(7\)", id="n_group_divides"),
+    pytest.param({"n_routed_experts": 8}, r"each of the n_group \(8\) groups needs at least 2 of the 8 experts",
+                 id="noaux_tc_one_expert_per_group"),
+    pytest.param({"n_routed_experts": 16, "topk_group": 3}, r"the topk_group \(3\) groups kept hold 6 experts, "
+                 r"fewer than num_experts_per_tok \(8\)", id="kept_groups_too_small"),
     pytest.param({"num_experts_per_tok": 300}, "num_experts_per_tok must be in 1..256", id="topk_gt_experts"),
     pytest.param({"rope_interleave": False}, "rope_interleave=False is not supported", id="rope_interleave"),
     pytest.param({"attention_bias": True}, "attention_bias=True is not supported", id="attention_bias"),
