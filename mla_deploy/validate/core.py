@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..artifact import Manifest, check_artifact
-from ..errors import AccuracyError, InputError
+from ..errors import AccuracyError, InputError, OutputError
 from ..recipe import Tolerance, ValidateSettings
 from .report import INPUTS_FILE, REPORT_JSON, build_report, environment
 from .report import write_reports as write_files
@@ -53,6 +53,9 @@ class ValidationResult:
         if w is None:
             return f"validation {'passed' if self.passed else 'failed'} (nothing compared){where}"
         tol = f"atol {w['atol']:.1e}, rtol {w['rtol']:.1e}"
+        if w.get("nonfinite"):
+            return (f"validation failed: {w['output']} holds {w['nonfinite']} NaN/Inf values at step {w['step']} "
+                    f"({w['role']}) ({w['runner']} vs {w['reference']}){where}")
         figures = f"max abs error {w['max_abs']:.3e}, max rel error {w['max_rel']:.3e}"
         step = f"step {w['step']} ({w['role']})"
         if self.passed:
@@ -118,6 +121,8 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     names = output_names(manifest.config.num_hidden_layers)
     tolerances = _tolerances(tolerance, settings, manifest.precision, names)
     out = Path(out_dir) if out_dir is not None else root / "validation"
+    if write_reports:
+        check_writable_dir(out)  # before minutes of running, not after
     if load_results is not None:
         with compat.quiet(quiet):
             run_results, feeds, providers, trajectory = _load(Path(load_results), names)
@@ -140,11 +145,29 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     result = ValidationResult(bool(report["passed"]), report)
     if write_reports:
         result.out_dir = out
-        result.files = write_files(out, report, None if load_results is not None else run_results,
-                                   None if load_results is not None else feeds)
+        try:
+            result.files = write_files(out, report, None if load_results is not None else run_results,
+                                       None if load_results is not None else feeds)
+        except OSError as exc:
+            raise OutputError(f"cannot write the validation reports to {out}: {exc.strerror or exc}") from None
     if raise_on_failure:
         result.raise_for_failure()
     return result
+
+
+def check_writable_dir(out: Path) -> None:
+    """Refuse a report folder that cannot be made: a file in the way, or no write permission.
+
+    Raises:
+        OutputError: naming the path and the reason.
+    """
+    import os
+
+    existing = next(p for p in (out, *out.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise OutputError(f"cannot write the validation reports to {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write the validation reports to {out}: {existing} is not writable")
 
 
 def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: list[str]) -> dict[str, Tolerance]:
