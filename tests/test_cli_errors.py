@@ -336,6 +336,21 @@ def test_nan_weights_are_refused_naming_the_tensor(tmp_path):
     proc = cli("export", "--hf", "ckpt", "--out", "art", cwd=tmp_path)
     error_line(proc, 1, f"weight {key} holds NaN (1 of")
     assert snapshot(tmp_path) == before
+    inspected = cli("inspect", "--hf", "ckpt", cwd=tmp_path)  # a checkpoint is called one, not a preset
+    assert inspected.returncode == 0 and inspected.stdout.startswith("checkpoint ckpt ")
+
+
+def test_long_request_runs_with_allow_long_and_a_warning(tmp_path):
+    """Past max_position_embeddings with --allow-long: a warning line, then the tokens; tokens/s are labelled."""
+    proc = cli("run", str(tiny_artifact("concat")), "--prompt-ids", LONG, "--prompt-ids", "1,2", "--max-new-tokens",
+               "30", "--allow-long", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "mla-deploy: warning: the longest prompt (1000 tokens) plus 30 new tokens is 1030 positions, past the "
+        "model's max_position_embeddings 1024"]
+    lines = proc.stdout.splitlines()
+    assert len(lines[0].split(": ")[1].split(",")) == 30
+    assert "tokens/s per sequence" in lines[2] and "tokens/s for the batch" in lines[2]
 
 
 def test_internal_error_is_one_line_with_the_traceback_in_a_file():
