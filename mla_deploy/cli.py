@@ -372,16 +372,23 @@ def run(artifact, prompt_ids, max_new_tokens, provider, threads, allow_long):
               help="ONNX Runtime execution provider.")
 @click.option("--threads", type=Int(), help="ONNX Runtime intra-op threads.")
 @click.option("--trt", "with_trt", is_flag=True, help="Also validate a TensorRT engine (needs mla_deploy.trt).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (they are shown on a terminal only).")
+@click.option("--progress", "force_progress", is_flag=True, help="Progress lines on stderr even when it is no "
+                                                                 "terminal.")
 @_one_line_errors
-def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt):
+def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt, quiet, force_progress):
     """Validate an exported artifact against its PyTorch original with Polygraphy; write report.{json,html,md}.
 
     Exit status 0 when every output is within the recipe's tolerance at every step, 1 otherwise."""
+    import time
+
     from .validate import validate_artifact
 
     runtimes = ("onnxrt", "tensorrt") if with_trt else ("onnxrt",)
+    show = force_progress or (not quiet and sys.stderr.isatty())
     result = validate_artifact(artifact_dir, out_dir=out, steps=steps, load_results=load_results,
-                               runtimes=runtimes, provider=provider, threads=threads, raise_on_failure=True)
+                               runtimes=runtimes, provider=provider, threads=threads, raise_on_failure=True,
+                               log=_log_line(time.perf_counter()) if show else None)
     click.echo(result.summary())
 
 

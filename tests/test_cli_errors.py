@@ -5,10 +5,10 @@ line on stderr, ``mla-deploy: error: ...``, naming the problem, no traceback, no
 ``.old-`` temporaries) and no user file lost or changed: the whole workspace is snapshotted before and compared
 after each case.
 
-A full disk is simulated without privileges with ``RLIMIT_FSIZE`` (set in the child before exec, with SIGXFSZ
-ignored so that a write past the limit fails with ``EFBIG``, "File too large", instead of killing the process):
-the same failure path as ``ENOSPC`` (an ``OSError`` from ``write``), and unlike a tmpfs it needs no mount
-namespace, which CI containers often lack.
+A full disk without privileges: a small tmpfs in a private user and mount namespace (``unshare -r -m``) gives a
+real ``ENOSPC`` where the kernel allows it; ``RLIMIT_FSIZE`` works everywhere (set in the child before exec, with
+SIGXFSZ ignored so that a write past the limit fails with ``EFBIG``, "File too large", instead of killing the
+process): the same failure path in mla-deploy, an ``OSError`` from ``write``.
 """
 
 from __future__ import annotations
@@ -291,19 +291,41 @@ def test_sigterm_during_export_removes_the_temporary_dir(tmp_path):
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
+def _tmpfs_works() -> bool:
+    """Whether an unprivileged user and mount namespace with a tmpfs can be made here (``unshare -r -m``)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-r", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /tmp"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
 def test_full_disk_during_export(tmp_path):
-    """The weights stream hits a full disk (RLIMIT_FSIZE, see the module docstring): one line, nothing left."""
+    """The weights stream hits a full disk: one line naming --out and the reason, nothing left behind. A real
+    ENOSPC on a 256 KiB tmpfs in a private mount namespace where one can be made (the listing of the tmpfs after
+    the export is printed from inside it), else RLIMIT_FSIZE (see the module docstring)."""
     recipe = (Path(__file__).parents[1] / "export" / "tiny.toml").read_text()
     recipe = (recipe.replace("num_hidden_layers = 2", "num_hidden_layers = 1")  # one graph of one layer: fast
               .replace('prefill_form = "CC"', 'prefill_form = "A_CC"')
-              .replace("opset = 24", "opset = 24\nexternal_data_threshold = 0"))  # weights.data, streamed
+              .replace("opset = 24", "opset = 24\nexternal_data_threshold = 0"))  # weights.data (1 MB), streamed
     (tmp_path / "small.toml").write_text(recipe)
-    (tmp_path / "user.txt").write_text("mine\n")
-    before = snapshot(tmp_path)
-    proc = cli("export", "--recipe", "small.toml", "--out", "deep/art", cwd=tmp_path,
-               preexec_fn=full_disk(64 * 1024))
-    error_line(proc, 1, "cannot write deep/art", "File too large")
-    assert snapshot(tmp_path) == before  # deep/ (made for the export) is gone too
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "user.txt").write_text("mine\n")
+    if _tmpfs_works():
+        script = ('mount -t tmpfs -o size=256k tmpfs "$1" && echo mine > "$1/user.txt" && cd "$1" && '
+                  '"$2" -m mla_deploy export --recipe ../small.toml --out deep/art; rc=$?; '
+                  'cat user.txt; ls -A "$1"; exit $rc')
+        proc = subprocess.run(["unshare", "-r", "-m", "sh", "-c", script, "sh", str(disk), sys.executable],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+        error_line(proc, 1, "cannot write deep/art", "No space left on device")
+        assert proc.stdout.splitlines() == ["mine", "user.txt"]  # deep/ (made for the export) is gone too
+    else:
+        before = snapshot(disk)
+        proc = cli("export", "--recipe", "../small.toml", "--out", "deep/art", cwd=disk,
+                   preexec_fn=full_disk(64 * 1024))
+        error_line(proc, 1, "cannot write deep/art", "File too large")
+        assert snapshot(disk) == before  # deep/ (made for the export) is gone too
 
 
 def test_full_disk_during_validate(ws, tmp_path):

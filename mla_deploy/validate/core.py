@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..artifact import Manifest, check_artifact
 from ..errors import AccuracyError, InputError, OutputError
@@ -87,7 +87,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
                       tolerance: Tolerance | dict[str, Tolerance] | None = None,
                       check_error_stat: str = "elemwise", prompt_lengths: Sequence[int] | None = None,
                       write_reports: bool = True, raise_on_failure: bool = False,
-                      quiet: bool = True) -> ValidationResult:
+                      quiet: bool = True, log: Callable[[str], None] | None = None) -> ValidationResult:
     """Validate an exported artifact against the PyTorch original it was exported from.
 
     Args:
@@ -105,6 +105,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
         write_reports: write the files (``False``: only return the result).
         raise_on_failure: raise :class:`AccuracyError` (after writing the reports) when an output fails.
         quiet: keep Polygraphy's per-iteration logging off.
+        log: called with one line per step (runners ready, the trajectory run, the comparison, the reports).
     Returns:
         a :class:`ValidationResult`.
     Raises:
@@ -128,7 +129,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
             run_results, feeds, providers, trajectory = _load(Path(load_results), names)
     else:
         run_results, feeds, providers, trajectory = _run(root, manifest, settings, steps, runtimes, provider,
-                                                         threads, prompt_lengths, quiet)
+                                                         threads, prompt_lengths, quiet, log or (lambda line: None))
     runners = compat.runner_names(run_results)
     reference = "torch" if "torch" in runners else runners[0]
     others = [name for name in runners if name != reference]
@@ -185,7 +186,7 @@ def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: li
 
 
 def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runtimes, provider, threads,
-         prompt_lengths, quiet):
+         prompt_lengths, quiet, log):
     from . import compat
     from .runners import OrtRunner, TorchRunner, trt_runner
     from .trajectory import TrajectoryLoader, make_trajectory
@@ -196,14 +197,17 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     decode_steps = settings.decode_steps if steps is None else int(steps)
     trajectory = make_trajectory(manifest.config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
                                  settings.seed, prompt_lengths, manifest.capacity)
+    log("loading the PyTorch reference ...")
     runners = [TorchRunner.from_artifact(root, manifest)]
     if "onnxrt" in runtimes:
         runners.append(OrtRunner(root, provider=provider, threads=threads))
     if "tensorrt" in runtimes:
         runners.append(trt_runner(root))
     loader = TrajectoryLoader(trajectory)
+    log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(quiet):
         run_results = compat.run_comparator(runners, loader)
+    log("comparing ...")
     providers = {r.name: getattr(r, "provider", None) or "torch-cpu" for r in runners}
     return run_results, list(loader), providers, trajectory.to_dict()
 
