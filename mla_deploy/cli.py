@@ -94,12 +94,19 @@ class _Main(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         import signal
 
-        handlers = {}
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            handlers[signum] = signal.signal(signum, _on_signal)
-        try:
+        if not standalone_mode:  # a caller that handles click's exceptions itself
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.Exit as exc:  # --help, --version
+        handlers = {}
+        for name in ("SIGTERM", "SIGHUP"):
+            if hasattr(signal, name):
+                try:
+                    handlers[getattr(signal, name)] = signal.signal(getattr(signal, name), _on_signal)
+                except ValueError:  # not the main thread: signals stay as they are
+                    break
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.exit(result if isinstance(result, int) else 0)  # click returns ctx.exit()'s code here
+        except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.exceptions.NoArgsIsHelpError as exc:  # `mla-deploy` alone: its help, not an error
             click.echo(exc.ctx.get_help())

@@ -244,8 +244,9 @@ def test_bare_command_prints_help(tmp_path):
 
 
 def test_reexport_keeps_what_it_did_not_write(tmp_path):
-    """Re-exporting the same model into its directory replaces the artifact's files and keeps validation/, trt/ and
-    the user's own files; temporaries left by a killed export (a dead pid) are removed and reported."""
+    """Re-exporting the same model into its directory (here as one graph instead of prefill + decode) replaces the
+    artifact's files, the old graphs included, and keeps validation/, trt/ and the user's own files; temporaries
+    left by a killed export (a dead pid) are removed and reported."""
     out = tmp_path / "tiny"
     shutil.copytree(tiny_artifact("static"), out)
     (out / "validation").mkdir()
@@ -256,15 +257,16 @@ def test_reexport_keeps_what_it_did_not_write(tmp_path):
     stale = tmp_path / f".tiny.tmp-{dead_pid()}"
     stale.mkdir()
     (stale / "weights.data").write_bytes(b"\x00" * 1000)
-    created = json.loads((out / "manifest.json").read_text())["created"]
+    recipe = (Path(__file__).parents[1] / "export" / "tiny.toml").read_text()
+    (tmp_path / "one-graph.toml").write_text(recipe.replace('prefill_form = "CC"', 'prefill_form = "A_CC"'))
     kept = {k: v for k, v in snapshot(out).items() if k.split("/")[0] in ("validation", "trt", "notes.txt")}
-    proc = cli("export", "--preset", "tiny", "--out", "tiny", "--progress", cwd=tmp_path)
+    proc = cli("export", "--recipe", "one-graph.toml", "--out", "tiny", "--progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert {k: v for k, v in snapshot(out).items() if k in kept} == kept
-    assert json.loads((out / "manifest.json").read_text())["created"] != created
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx", "notes.txt", "trt", "validation"]
     assert not stale.exists() and not temporaries(tmp_path)
     assert f"removed {stale.name}, left by an export that was killed" in proc.stderr
-    for step in ("tracing prefill.onnx", "tracing decode.onnx", "writing", "saved decode.onnx"):
+    for step in ("tracing model.onnx", "traced model.onnx", "writing", "saved model.onnx"):
         assert step in proc.stderr, proc.stderr
     total = next(line for line in proc.stdout.splitlines() if line.strip().startswith("total"))
     assert "MB" in total
