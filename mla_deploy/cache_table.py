@@ -43,10 +43,14 @@ def cache_rows(config: MLAConfig) -> list[CacheRow]:
     ]
 
 
-def format_inspect(config: MLAConfig) -> str:
-    """A human-readable summary of ``config``: dimensions, derived constants and the cache table."""
+def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
+    """A human-readable summary of ``config``: dimensions, derived constants and the cache table.
+
+    Args:
+        kind: what ``config`` came from, for the title: ``preset``, ``recipe`` or ``checkpoint``.
+    """
     c = config
-    lines = [f"preset {c.name} ({c.model_type})", ""]
+    lines = [f"{kind} {c.name} ({c.model_type})", ""]
     dims = [
         ("hidden_size", c.hidden_size), ("num_hidden_layers", c.num_hidden_layers),
         ("num_attention_heads", c.num_attention_heads), ("q_lora_rank", c.q_lora_rank or "none (q_proj)"),

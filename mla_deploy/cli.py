@@ -1,14 +1,21 @@
 """The ``mla-deploy`` command line. Thin: options -> recipe -> a library call.
 
 Heavy modules (torch, onnx, onnxruntime, tensorrt) are imported inside the commands, so
-``mla-deploy --help`` is instant. A :class:`~mla_deploy.errors.MLADeployError` becomes one line on
-stderr and exit status 1; anything else is a bug and keeps its traceback.
+``mla-deploy --help`` is instant. The error contract (:class:`_Main`, stated in the README's Errors section):
+every failure prints exactly one line on stderr, ``mla-deploy: error: ...``:
+
+* a user error (:class:`~mla_deploy.errors.MLADeployError`) or a file that cannot be written or read (``OSError``:
+  no space, no permission, not a folder): exit 1;
+* a malformed command line (click's usage errors: unknown option, bad choice, missing argument): exit 2;
+* SIGINT, SIGTERM, SIGHUP: the command stops, its temporaries are removed, exit 128 + the signal number;
+* anything else is a bug: the line names it and the file where the full traceback was written, exit 70.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from typing import NoReturn
 
 import click
 
@@ -17,17 +24,111 @@ from .bench.options import Int, IntList, PathList, Positive
 from .errors import MLADeployError
 
 
+#: exit status of an internal error (a bug): BSD's EX_SOFTWARE
+EXIT_BUG = 70
+
+
+def _fail(message: str, status: int) -> "NoReturn":
+    """Print ``mla-deploy: error: <message>`` as one line on stderr and exit with ``status``."""
+    click.echo(f"mla-deploy: error: {' '.join(str(message).split())}", err=True)
+    sys.exit(status)
+
+
 def _one_line_errors(fn):
+    """Run ``fn``; a user error becomes one line and exit 1 (also done for every command by :class:`_Main`)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except MLADeployError as exc:
-            message = " ".join(str(exc).split())
-            click.echo(f"mla-deploy: error: {message}", err=True)
-            sys.exit(1)
+            _fail(str(exc), 1)
 
     return wrapper
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived (SIGINT is Python's KeyboardInterrupt): unwinds like it, so every temporary
+    folder and file is removed on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    import signal
+
+    for other in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a second signal must not cut the cleanup short
+        signal.signal(other, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _os_error_line(exc: OSError) -> str:
+    """``cannot write PATH: No space left on device``-style text of an OSError."""
+    what = exc.strerror or str(exc)
+    if exc.filename is not None:
+        return f"{exc.filename}: {what}"
+    return what
+
+
+def _bug_line(exc: BaseException) -> str:
+    """Write the traceback of an unexpected exception to a file; the one line that names it and the file."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    try:
+        fd, path = tempfile.mkstemp(prefix="mla-deploy-traceback-", suffix=".txt")
+        with open(fd, "w") as f:
+            f.write(f"mla-deploy {__version__}\nargv: {sys.argv}\n\n{text}")
+        where = f"full traceback in {path}"
+    except OSError:
+        where = "the traceback could not be written to a file"
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return (f"internal error (a bug in mla-deploy, please report it): {type(exc).__name__}: {first}; {where}")
+
+
+class _Main(click.Group):
+    """The command group with the error contract of the module docstring."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        import signal
+
+        if not standalone_mode:  # a caller that handles click's exceptions itself
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        handlers = {}
+        for name in ("SIGTERM", "SIGHUP"):
+            if hasattr(signal, name):
+                try:
+                    handlers[getattr(signal, name)] = signal.signal(getattr(signal, name), _on_signal)
+                except ValueError:  # not the main thread: signals stay as they are
+                    break
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.exit(result if isinstance(result, int) else 0)  # click returns ctx.exit()'s code here
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.exceptions.NoArgsIsHelpError as exc:  # `mla-deploy` alone: its help, not an error
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else "mla-deploy"
+            _fail(f"{exc.format_message().rstrip('.')} (see `{command} --help`)", 2)
+        except click.ClickException as exc:  # click.FileError and the like
+            _fail(exc.format_message(), 1)
+        except MLADeployError as exc:
+            _fail(str(exc), 1)
+        except OSError as exc:
+            _fail(_os_error_line(exc), 1)
+        except click.Abort:  # click's form of KeyboardInterrupt (and EOF at a prompt)
+            _fail("interrupted (SIGINT); temporary files were removed", 128 + signal.SIGINT)
+        except Interrupted as exc:
+            _fail(f"interrupted ({signal.Signals(exc.signum).name}); temporary files were removed", 128 + exc.signum)
+        except Exception as exc:  # noqa: BLE001 - a bug: one line and the traceback in a file
+            _fail(_bug_line(exc), EXIT_BUG)
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
 
 def _config_from(preset: str | None, recipe: str | None, hf: str | None):
@@ -43,7 +144,7 @@ def _config_from(preset: str | None, recipe: str | None, hf: str | None):
     return load_recipe(preset or recipe).model
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mla-deploy")
 def main() -> None:
     """Deploy DeepSeek-style Multi-Head Latent Attention models: absorbed rewrite, ONNX export with the
@@ -51,7 +152,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--preset", help="A built-in preset (see `mla-deploy presets`).")
+@click.option("--preset", metavar="NAME", help="A built-in preset (see `mla-deploy presets`).")
 @click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
 @click.option("--hf", type=click.Path(), help="A Hugging Face checkpoint folder or config.json.")
 @_one_line_errors
@@ -59,7 +160,8 @@ def inspect(preset, recipe, hf):
     """Print a model's dimensions and its cache size per token per layer (MHA, CD, latent)."""
     from .cache_table import format_inspect
 
-    click.echo(format_inspect(_config_from(preset, recipe, hf)))
+    kind = "checkpoint" if hf else "recipe" if recipe else "preset"
+    click.echo(format_inspect(_config_from(preset, recipe, hf), kind))
 
 
 @main.command()
@@ -103,31 +205,44 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 
 
 @main.command()
-@click.option("--preset", help="A built-in preset (random weights; see `mla-deploy presets`).")
+@click.option("--preset", metavar="NAME", help="A built-in preset (random weights; see `mla-deploy presets`).")
 @click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
 @click.option("--hf", type=click.Path(), help="A Hugging Face DeepSeek-V2/V3 checkpoint folder (safetensors).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="The artifact directory to write.")
+@click.option("--out", type=click.Path(file_okay=False), help="The artifact directory to write (required unless "
+                                                               "--dump-recipe).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Override [export] precision.")
 @click.option("--cache-mode", type=click.Choice(["concat", "static"]), help="Override [export] cache_mode.")
-@click.option("--max-cache-length", type=int, help="Override [export] max_cache_length (static capacity).")
-@click.option("--layers", type=int, help="Keep only the first N decoder layers (presets only).")
+@click.option("--max-cache-length", type=Int(), help="Override [export] max_cache_length (static capacity).")
+@click.option("--layers", type=Int(), help="Keep only the first N decoder layers (presets only).")
 @click.option("--overwrite", is_flag=True, help="Replace --out even if it holds a different model.")
 @click.option("--validate", "run_validation", is_flag=True, help="Validate against PyTorch right after exporting.")
 @click.option("--dump-recipe", is_flag=True, help="Print the resolved recipe as JSON and exit.")
 @click.option("--block", type=click.Choice(["decoder", "mha", "latent-cross-attention"]), default="decoder",
               show_default=True, help="Export the whole decoder, or one comparison block sized like the preset: "
                                       "textbook MHA (K/V cache as I/O) or Perceiver-style latent cross-attention.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (they are shown on a terminal only).")
+@click.option("--progress", "force_progress", is_flag=True, help="Progress lines on stderr even when it is no "
+                                                                 "terminal.")
 @_one_line_errors
 def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, overwrite, run_validation,
-           dump_recipe, block):
+           dump_recipe, block, quiet, force_progress):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
     import json
     import time
+
+    from .errors import ConfigError
 
     resolved = _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers)
     if dump_recipe:
         click.echo(json.dumps(resolved.to_dict(), indent=2))
         return
+    if out is None:
+        raise ConfigError("export needs --out DIR (the artifact directory to write)")
+    if block == "decoder":  # before the heavy imports: a bad --out fails at once
+        from .artifact.target import check_export_target, probe_writable
+
+        check_export_target(out, overwrite=overwrite)
+        probe_writable(out)
     if block != "decoder":
         from .exporter.blocks import export_block
 
@@ -142,22 +257,29 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
 
         source = CheckpointTensors(hf)  # read one tensor at a time while the weights are written
         weights = source.weights_source()
+    show = force_progress or (not quiet and sys.stderr.isatty())
     start = time.perf_counter()
     manifest = export_recipe(resolved, out, weights=weights, overwrite=overwrite, source=source,
-                             progress=_progress_line("weights") if sys.stderr.isatty() else None)
+                             progress=_progress_line("weights") if show else None,
+                             log=_log_line(start) if show else None)
     export_s = time.perf_counter() - start
     click.echo(f"exported {manifest.name} to {out} in {export_s:.1f} s: {manifest.precision}, "
                f"{manifest.layout.mode} cache, opset {manifest.opset}, "
                f"latent {manifest.config.latent_dim} per token per layer")
-    shown = set()
+    shown, total = set(), 0
     for role, graph in manifest.graphs.items():
         roles = [r for r, g in manifest.graphs.items() if g.file == graph.file]
         if graph.file not in shown:
             shown.add(graph.file)
-            click.echo(f"  {'+'.join(roles):<14} {graph.file:<13} form {graph.form:<7} {graph.bytes / 1e6:.2f} MB")
+            total += graph.bytes
+            click.echo(f"  {'+'.join(roles):<14} {graph.file:<13} form {graph.form:<7} {_size(graph.bytes)}")
     if manifest.weights_data is not None:
+        total += manifest.weights_data["bytes"]
         click.echo(f"  {'weights':<14} {manifest.weights_data['file']:<13} {'':<12} "
-                   f"{manifest.weights_data['bytes'] / 1e9:.2f} GB (shared by the graphs)")
+                   f"{_size(manifest.weights_data['bytes'])} (shared by the graphs)")
+    else:
+        click.echo(f"  {'weights':<14} {'':<13} {'':<12} inside the graph file(s)")
+    click.echo(f"  {'total':<14} {'':<13} {'':<12} {_size(total)}")
     if run_validation:
         from .validate import validate_artifact
 
@@ -166,16 +288,40 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
         result.raise_for_failure()
 
 
+def _size(nbytes: int) -> str:
+    """``0.34 MB`` / ``4.30 GB``."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
+def _log_line(start: float):
+    """A ``log(line)`` callback printing ``[  12.3 s] line`` on stderr."""
+    import time
+
+    def log(line: str) -> None:
+        click.echo(f"[{time.perf_counter() - start:7.1f} s] {line}", err=True)
+
+    return log
+
+
 def _progress_line(label: str):
-    """A ``progress(done, total, seconds)`` callback drawing one updating line on stderr (a terminal only)."""
+    """A ``progress(done, total, seconds)`` callback: one updating line on a terminal (a line per update, at most
+    one a second, elsewhere)."""
+    tty = sys.stderr.isatty()
+    shown = [-1.0]
+
     def show(done: int, total: int, seconds: float) -> None:
+        last = bool(total) and done >= total
+        if not last and seconds - shown[0] < (0.2 if tty else 1.0):
+            return
+        shown[0] = seconds
         rate = done / max(seconds, 1e-9)
-        left = f", {(total - done) / rate:.0f} s left" if total and rate else ""
-        end = "\n" if total and done >= total else ""
-        click.echo(f"\r{label}: {done / 1e9:.2f} / {total / 1e9:.2f} GB, {rate / 1e6:.0f} MB/s{left}   ", err=True,
-                   nl=False)
-        if end:
-            click.echo("", err=True)
+        left = f", {(total - done) / rate:.0f} s left" if total and rate and not last else ""
+        scale, unit = (1e9, "GB") if total >= 1e9 else (1e6, "MB")
+        text = f"{label}: {done / scale:.2f} / {total / scale:.2f} {unit}, {rate / 1e6:.0f} MB/s{left}"
+        if tty:
+            click.echo(f"\r{text}   ", err=True, nl=last)
+        else:
+            click.echo(text, err=True)
 
     return show
 
@@ -196,45 +342,60 @@ def _parse_ids(values) -> list[list[int]]:
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt-ids", "prompt_ids", multiple=True, required=True,
               help="Comma-separated token ids of one prompt; repeat for a batch.")
-@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--max-new-tokens", default=32, show_default=True, type=Int())
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider.")
-@click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
+@click.option("--threads", type=Int(), help="ONNX Runtime intra-op threads.")
+@click.option("--allow-long", is_flag=True, help="Run past the model's max_position_embeddings (with a warning).")
 @_one_line_errors
-def run(artifact, prompt_ids, max_new_tokens, provider, threads):
+def run(artifact, prompt_ids, max_new_tokens, provider, threads, allow_long):
     """Generate greedily from an exported artifact with ONNX Runtime."""
+    from .engines.base import check_positions
     from .engines.ort_engine import OrtEngine
 
+    prompts = _parse_ids(prompt_ids)
     engine = OrtEngine(artifact, provider=provider, threads=threads)
-    result = engine.generate(_parse_ids(prompt_ids), max_new_tokens)
+    warning = check_positions(engine.config, max((len(p) for p in prompts), default=0), max_new_tokens, allow_long)
+    if warning:
+        click.echo(f"mla-deploy: warning: {warning}", err=True)
+    result = engine.generate(prompts, max_new_tokens)
     for i, tokens in enumerate(result.tokens):
         click.echo(f"sequence {i}: {','.join(map(str, tokens))}")
     info = engine.info()
+    per_sequence = result.decode_steps / result.decode_seconds if result.decode_seconds else float("nan")
     click.echo(f"provider {result.provider}; {info['precision']}, {info['cache_mode']} cache; batch "
                f"{len(result.tokens)}; prefill {result.prefill_seconds * 1e3:.1f} ms; decode "
-               f"{result.tokens_per_second:.1f} tokens/s ({result.decode_steps} steps)")
+               f"{per_sequence:.1f} tokens/s per sequence, {result.tokens_per_second:.1f} tokens/s for the batch "
+               f"({result.decode_steps} steps)")
 
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path())
-@click.option("--steps", type=click.IntRange(min=0), help="Decode steps after the prefill (default: the recipe's).")
+@click.option("--steps", type=Int(minimum=0), help="Decode steps after the prefill (default: the recipe's).")
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: ARTIFACT_DIR/validation).")
 @click.option("--load-results", type=click.Path(dir_okay=False),
               help="Compare a saved run_results.json again instead of running.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider.")
-@click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
+@click.option("--threads", type=Int(), help="ONNX Runtime intra-op threads.")
 @click.option("--trt", "with_trt", is_flag=True, help="Also validate a TensorRT engine (needs mla_deploy.trt).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (they are shown on a terminal only).")
+@click.option("--progress", "force_progress", is_flag=True, help="Progress lines on stderr even when it is no "
+                                                                 "terminal.")
 @_one_line_errors
-def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt):
+def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt, quiet, force_progress):
     """Validate an exported artifact against its PyTorch original with Polygraphy; write report.{json,html,md}.
 
     Exit status 0 when every output is within the recipe's tolerance at every step, 1 otherwise."""
+    import time
+
     from .validate import validate_artifact
 
     runtimes = ("onnxrt", "tensorrt") if with_trt else ("onnxrt",)
+    show = force_progress or (not quiet and sys.stderr.isatty())
     result = validate_artifact(artifact_dir, out_dir=out, steps=steps, load_results=load_results,
-                               runtimes=runtimes, provider=provider, threads=threads, raise_on_failure=True)
+                               runtimes=runtimes, provider=provider, threads=threads, raise_on_failure=True,
+                               log=_log_line(time.perf_counter()) if show else None)
     click.echo(result.summary())
 
 

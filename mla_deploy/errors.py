@@ -67,3 +67,10 @@ def name_list(names: list[str], limit: int = 4) -> str:
     """``a, b, c, d (and 3 more)``: names for a one-line error message."""
     shown = ", ".join(names[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+class OutputError(MLADeployError):
+    """A result cannot be written: no space left, no permission, a path whose parent is no folder."""
+
+
+__all__.append("OutputError")

@@ -237,7 +237,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         ConfigError: unknown preset, unreadable TOML, unknown section or field, bad value.
     """
     path = Path(name_or_path)
-    if not (path.suffix == ".toml" or path.exists()):
+    if not (path.suffix == ".toml" or path.is_file()):  # a folder named like a preset (its export) is no recipe
         path = presets_dir() / f"{name_or_path}.toml"
         if not path.is_file():
             raise ConfigError(f"unknown preset {str(name_or_path)!r}; known presets: {', '.join(preset_names())}")

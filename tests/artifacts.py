@@ -21,9 +21,13 @@ def tiny_recipe(cache_mode: str = "static", precision: str = "fp32", **export):
     return recipe.replace(export=dataclasses.replace(recipe.export, cache_mode=cache_mode, precision=precision, **export))
 
 
-@functools.lru_cache(maxsize=None)
 def tiny_artifact(cache_mode: str = "static", precision: str = "fp32") -> Path:
-    """The path of an export of the tiny preset (made on first use)."""
+    """The path of an export of the tiny preset (made on first use, once however the arguments are spelled)."""
+    return _tiny_export(cache_mode, precision)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_export(cache_mode: str, precision: str) -> Path:
     from mla_deploy.exporter import export_recipe
 
     out = _ROOT / f"tiny-{cache_mode}-{precision}"

@@ -3,6 +3,7 @@
 * :class:`Manifest` (frozen) with :func:`load_manifest` and :meth:`Manifest.save`: ``manifest.json``.
 * :func:`check_artifact`: hashes, the I/O contract and the ONNX files' own I/O against the manifest.
 * :mod:`.files`: :func:`atomic_dir`, :func:`atomic_write_text`, :func:`atomic_file`, :func:`sha256_file`.
+* :mod:`.target`: what an export may do to an existing output folder (:func:`check_export_target`).
 
 Importing this package imports neither torch nor onnx (the ONNX checks import onnx when they run).
 """

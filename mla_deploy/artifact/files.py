@@ -6,7 +6,8 @@
 * :func:`sha256_file`: the hex sha256 of a file, read in 1 MiB chunks.
 
 Temporary names are ``.<name>.tmp-<pid>`` (a folder) and ``.<name>.tmp-<pid><suffix>`` (a file), so a
-leftover is recognisable and never mistaken for a result.
+leftover is recognisable and never mistaken for a result. A leftover of a process that no longer runs (killed
+with SIGKILL, a power cut) is removed by the next write of the same target (:func:`remove_stale`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 
 def sha256_file(path: str | Path) -> str:
@@ -34,26 +36,77 @@ def temp_name(target: str | Path) -> Path:
     return target.parent / f".{target.name}.tmp-{os.getpid()}{target.suffix if target.suffix else ''}"
 
 
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished folder ``tmp`` to ``out``, replacing an existing ``out`` only after ``tmp`` is in place."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale(target: str | Path) -> list[Path]:
+    """Remove the temporaries of ``target`` (``.<name>.tmp-<pid>...``, ``.<name>.old-<pid>``) left by processes
+    that no longer run on this machine; returns what was removed."""
+    target = Path(target)
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:tmp|old)-(\d+)")
+    removed = []
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        if not os.path.lexists(entry):
+            removed.append(entry)
+    return removed
+
+
+def replace_dir(tmp: Path, out: Path, keep: Iterable[str] = ()) -> None:
+    """Move the finished folder ``tmp`` to ``out``, replacing an existing ``out`` only after ``tmp`` is in place.
+
+    Args:
+        keep: names of entries of the existing ``out`` that ``tmp`` does not hold and that must survive: they are
+            moved into ``tmp`` before the swap (and moved back if the swap fails).
+    """
+    old, moved = None, []
+    try:
+        if out.exists():
+            for name in keep:
+                if os.path.lexists(out / name) and not os.path.lexists(tmp / name):
+                    os.rename(out / name, tmp / name)
+                    moved.append(name)
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
         tmp.rename(out)
     except BaseException:
-        if old is not None:
+        if old is not None and old.exists() and not out.exists():
             old.rename(out)
+        for name in moved:
+            os.rename(tmp / name, out / name)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary folder beside ``out``; on success it replaces ``out``, on any failure it is removed.
+def atomic_dir(out: str | Path, keep: Iterable[str] = ()) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``out``; on success it replaces ``out``, on any failure (a signal
+    the CLI turns into an exception included) it is removed. Temporaries of dead processes are removed first.
+
+    Args:
+        keep: entries of an existing ``out`` to keep in the new one (see :func:`replace_dir`).
 
     Example::
 
@@ -62,13 +115,18 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
     """
     out = Path(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    remove_stale(out)
+    missing = [p for p in out.parents if not p.exists()]  # created here, removed again on failure
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        replace_dir(tmp, out)
+        replace_dir(tmp, out, keep)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in missing:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
 
 
@@ -77,6 +135,7 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed over ``path``, on failure removed."""
     path = Path(path)
     tmp = temp_name(path)
+    remove_stale(path)
     try:
         yield tmp
         os.replace(tmp, path)

@@ -20,7 +20,8 @@ UNIT = ("decode step (one new token per sequence) of {layers} MLA attention sub-
         "(x <- x + attn_i(x); no norms, MLP/MoE, embedding or lm_head): DeepSeek attention shapes of {name}")
 REFERENCE_ORDER = ("torch-cd", "torch-absorbed", "ort-concat", "ort-static", "hf-eager", "hf-sdpa", "trt")
 TARGETS = {"naive_b1": 60.0, "naive_b8": 100.0, "static_16k": 1.2, "static_1k": 1.0, "roofline": 1.5}
-#: the points issue 7's targets are defined on (DeepSeek-V2-Lite attention shapes, CPU, fp32)
+#: the model and points the targets are defined on (DeepSeek-V2-Lite attention shapes, CPU, fp32)
+TARGET_MODEL = "deepseek-v2-lite"
 TARGET_CONTEXTS, TARGET_BATCHES = (1024, 4096, 16384), (1, 8)
 
 
@@ -137,7 +138,8 @@ def _ratios(rows: list[dict]) -> None:
 
 
 def _targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, evaluated on the points this run has (CPU, this run's thread count, fp32)."""
+    """The project's decode targets for DeepSeek-V2-Lite, evaluated on the points this run has (CPU, this run's
+    thread count, fp32); other models have none."""
     index = {(r["path"], r["context"], r["batch"]): r for r in rows if r["status"] == "ok"}
     out = []
     for batch, key in ((1, "naive_b1"), (8, "naive_b8")):
@@ -212,6 +214,6 @@ def build_report(spec: BenchSpec, status: dict, runs: list[dict], outputs: Path,
                                  "bytes = weights + latent cache, FLOPs = projections + scores (C wide) + weighted "
                                  "sum (r wide) over T+1 rows; bound_over_achieved = fraction of the roofline reached, "
                                  "achieved_over_bound = how many times slower than the bound"},
-        "spec": spec.to_dict(), "machine": machine, "paths": paths, "rows": rows, "targets": _targets(rows),
+        "spec": spec.to_dict(), "machine": machine, "paths": paths, "rows": rows, "targets": _targets(rows) if spec.config.name == TARGET_MODEL else [],
         "versions": _versions(),
     }

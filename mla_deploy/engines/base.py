@@ -264,3 +264,21 @@ class Engine:
         """What this engine runs: provider, precision, cache mode and capacity."""
         return {"provider": self.provider, "precision": self.precision, "cache_mode": self.cache_mode,
                 "capacity": self.capacity}
+
+
+def check_positions(config, longest_prompt: int, max_new_tokens: int, allow_long: bool = False) -> str | None:
+    """Check that a request stays within the model's ``max_position_embeddings`` (rope and YaRN are defined up to
+    it; past it the model runs but its output is not what it was trained for).
+
+    Returns: None when it fits; with ``allow_long``, a warning to print.
+    Raises:
+        InputError: it does not fit and ``allow_long`` is false.
+    """
+    total, limit = longest_prompt + max_new_tokens, config.max_position_embeddings
+    if total <= limit:
+        return None
+    message = (f"the longest prompt ({longest_prompt} tokens) plus {max_new_tokens} new tokens is {total} positions, "
+               f"past the model's max_position_embeddings {limit}")
+    if not allow_long:
+        raise InputError(f"{message}; shorten them or pass --allow-long")
+    return message

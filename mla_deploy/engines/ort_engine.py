@@ -33,11 +33,13 @@ def numpy_dtype(precision: str):
     return np.dtype(PRECISIONS[precision])
 
 
-def session_options(threads: int | None = None, log_severity: int = 3):
+def session_options(threads: int | None = None, log_severity: int = 4):
     """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's
     default), no spinning (a waiting thread sleeps instead of burning a core)."""
     import onnxruntime as ort
 
+    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
+        raise InputError(f"threads must be an integer >= 1, got {threads!r}")
     options = ort.SessionOptions()
     options.log_severity_level = log_severity
     if threads:
@@ -46,7 +48,7 @@ def session_options(threads: int | None = None, log_severity: int = 3):
     return options
 
 
-def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 3):
+def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
 
     Raises:
@@ -59,6 +61,8 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     if provider not in PROVIDERS:
         raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     wanted = PROVIDERS[provider]
+    if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
+        ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
     try:
         session = ort.InferenceSession(str(path), session_options(threads, log_severity),
                                        providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
@@ -78,11 +82,12 @@ class OrtEngine(Engine):
         provider: ``cpu`` or ``cuda``; an engine whose session falls back to another provider is refused.
         threads: intra-op threads (None: ONNX Runtime's default).
         capacity: static layouts: cache rows per sequence (default: the manifest's ``max_cache_length``).
-        log_severity: ONNX Runtime's log level (0 verbose .. 4 fatal).
+        log_severity: ONNX Runtime's log level (0 verbose .. 4 fatal; default 4: its errors come back as
+            exceptions, reported as one line).
     """
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
-                 capacity: int | None = None, log_severity: int = 3):
+                 capacity: int | None = None, log_severity: int = 4):
         try:
             import onnxruntime as ort
         except ImportError as exc:
@@ -135,7 +140,7 @@ class OrtEngine(Engine):
                 if cache.shape[-1] != width:
                     raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {width}")
                 feed[past_name(i)] = cache
-            results = session.run(None, feed, self.run_options)
+            results = self._execute(role, lambda: session.run(None, feed, self.run_options))
             return results[0], results[1:]
         binding = session.io_binding()
         binding.bind_output("logits", "cpu")  # outputs come back in binding order: logits first
@@ -146,5 +151,21 @@ class OrtEngine(Engine):
         for i, cache in enumerate(state.caches):
             binding.bind_ortvalue_input(past_name(i), cache)
             binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place
-        session.run_with_iobinding(binding, self.run_options)
+        self._execute(role, lambda: session.run_with_iobinding(binding, self.run_options))
         return binding.get_outputs()[0].numpy(), state.caches
+
+    def _execute(self, role: str, call):
+        """``call()`` (one session run); ONNX Runtime's own failure becomes an :class:`ArtifactError` naming the
+        graph: inputs were checked against the manifest, so the graph and its manifest disagree."""
+        try:
+            return call()
+        except self._ort_errors as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ArtifactError(f"ONNX Runtime failed running {self.manifest.graph(role).file} ({first[:300]}); "
+                                f"does manifest.json still describe this graph? Re-export the artifact") from None
+
+    @property
+    def _ort_errors(self) -> tuple[type[BaseException], ...]:
+        from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+        return (state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph, RuntimeError)

@@ -10,8 +10,11 @@ with a ``CC`` prefill there are two graphs over the same ``weights.data``. Small
 ``[export] external_data_threshold`` bytes) keep their weights inside the graph file(s) instead.
 
 The directory is built with :func:`~mla_deploy.artifact.atomic_dir` (under a temporary name beside the
-target, swapped into place at the end), so a failed export never leaves a half-written artifact. The
-cache layout (:mod:`mla_deploy.cache_layout`) decides the graphs' I/O, traced shapes and capacity.
+target, swapped into place at the end), so a failed or interrupted export never leaves a half-written
+artifact, and temporaries left by a killed export are removed by the next one. Re-exporting into an artifact
+directory replaces only the artifact's own files (manifest, graphs, weights); anything else there (``validation/``,
+``trt/``, the user's files) is kept. Every weight is checked finite as it is written. The cache layout
+(:mod:`mla_deploy.cache_layout`) decides the graphs' I/O, traced shapes and capacity.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .. import __version__
-from ..artifact import MANIFEST, GraphEntry, Manifest, WeightsSource, atomic_dir, now, read_fingerprint, sha256_file
+from ..artifact import GraphEntry, Manifest, WeightsSource, atomic_dir, now, sha256_file
+from ..artifact.files import remove_stale
+from ..artifact.target import check_export_target
 from ..errors import ExportError
 from ..model import MLAForCausalLM
 from ..recipe import Recipe
@@ -37,6 +43,7 @@ from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight
 from .weights import WEIGHTS_FILE, ModuleTensors, Progress, RandomTensors, TensorSource, WeightsFile, WeightSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+Log = Callable[[str], None]
 
 
 def fingerprint(recipe: Recipe, weights: WeightsSource) -> str:
@@ -62,7 +69,8 @@ def versions() -> dict[str, str]:
 
 def export_recipe(recipe: Recipe, out: str | Path, model: MLAForCausalLM | None = None,
                   weights: WeightsSource | Mapping[str, Any] | None = None, overwrite: bool = False,
-                  source: TensorSource | None = None, progress: Progress | None = None) -> Manifest:
+                  source: TensorSource | None = None, progress: Progress | None = None,
+                  log: Log | None = None) -> Manifest:
     """Export ``recipe``'s model to ``out`` and return its manifest.
 
     Args:
@@ -76,10 +84,12 @@ def export_recipe(recipe: Recipe, out: str | Path, model: MLAForCausalLM | None 
         source: the original-form state dict served one tensor at a time (e.g.
             :class:`~mla_deploy.checkpoint.CheckpointTensors`); closed when the export ends.
         progress: called as ``progress(bytes_written, total_bytes, seconds)`` while the weights are written.
+        log: called with one line per step (tracing each graph, saving it, temporaries of a killed export removed).
     Returns:
         the :class:`~mla_deploy.artifact.Manifest` written to ``out/manifest.json``.
     Raises:
-        ExportError: ``out`` holds something else, or the export or a check fails.
+        ExportError: ``out`` holds something else or cannot be written (no space, no permission), a weight is
+            not finite, or the export or a check fails.
     """
     out = Path(out)
     settings = recipe.export
@@ -90,29 +100,19 @@ def export_recipe(recipe: Recipe, out: str | Path, model: MLAForCausalLM | None 
         weights = WeightsSource(kind="random", seed=settings.seed, std=settings.init_std)
     elif not isinstance(weights, WeightsSource):
         weights = WeightsSource.from_dict(weights or {"kind": "in-memory"})
+    log = log or (lambda line: None)
     try:
         fp = fingerprint(recipe, weights)
-        _check_target(out, fp, overwrite)
-        with atomic_dir(out) as tmp:
-            manifest = _write_artifact(recipe, source, weights, fp, tmp, progress)
+        keep = check_export_target(out, fp, overwrite)
+        for path in remove_stale(out):
+            log(f"removed {path}, left by an export that was killed")
+        with atomic_dir(out, keep=keep) as tmp:
+            manifest = _write_artifact(recipe, source, weights, fp, tmp, progress, log)
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
         source.close()
     return manifest
-
-
-def _check_target(out: Path, fp: str, overwrite: bool) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory")
-    if not (out / MANIFEST).is_file():
-        if any(out.iterdir()):
-            raise ExportError(f"{out} is not empty and holds no mla-deploy artifact; choose another --out")
-        return
-    old = read_fingerprint(out)
-    if old != fp and not overwrite:
-        raise ExportError(f"{out} already holds a different model (fingerprint {old}, this one {fp}); "
-                          f"choose another --out or pass --overwrite")
 
 
 @dataclass
@@ -161,7 +161,7 @@ def _trace(recipe: Recipe, file: str, form: str, attention: str) -> _Traced:
 
 
 def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource, fp: str, tmp: Path,
-                    progress: Progress | None) -> Manifest:
+                    progress: Progress | None, log: Log) -> Manifest:
     settings, config, layout = recipe.export, recipe.model, recipe.export.layout
     single = settings.prefill_form == settings.decode_form
     roles = {"prefill": settings.prefill_form, "decode": settings.decode_form}
@@ -170,7 +170,10 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
         file = "model.onnx" if single else f"{role}.onnx"
         if file not in traced:
             attention = settings.decode_attention if (role == "decode" or single) else "standard"
+            log(f"tracing {file} ({'prefill + decode' if single else role}, form {form}) ...")
+            start = time.perf_counter()
             traced[file] = _trace(recipe, file, form, attention)
+            log(f"traced {file} in {time.perf_counter() - start:.1f} s")
     specs: dict[str, WeightSpec] = {}
     for graph in traced.values():
         for name, spec in graph.specs.items():
@@ -179,13 +182,18 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
     values = {name: v for graph in traced.values() for name, v in graph.placeholders.items()}
     total = sum(_nbytes(v) for v in values.values())
     external = total > settings.external_data_threshold
+    size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
+    log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
     tensors, data = _make_weights(specs, values, source, config, tmp if external else None, total, progress)
     inputs, outputs = layout.io(config, settings.precision)
     entries: dict[str, tuple[Any, Any]] = {}
     for file, graph in traced.items():
+        log(f"checking and saving {file} ...")
+        start = time.perf_counter()
         bind_initializers(graph.placeholders, tensors)
         inferred = save_graph(graph.model, tmp / file, inputs, outputs)
         entries[file] = (inferred, sha256_file(tmp / file))
+        log(f"saved {file} in {time.perf_counter() - start:.1f} s")
     graphs = {}
     for role, form in roles.items():
         file = "model.onnx" if single else f"{role}.onnx"
@@ -230,7 +238,9 @@ def _make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSour
             spec, value = specs[name], values[name]
             if cached[0] != spec.key:
                 cached = (spec.key, _source_tensor(source, spec.key, config))
+                _check_finite(cached[1], spec.key, "holds")
             tensor = spec.apply(cached[1], config).to(_torch_dtype(value.dtype)).contiguous()
+            _check_finite(tensor, spec.key, f"overflows {value.dtype.name.lower()} with")
             if tuple(tensor.shape) != tuple(int(d) for d in value.shape):
                 raise ExportError(f"{name}: the weights give {tuple(tensor.shape)}, the graph needs "
                                   f"{tuple(value.shape)}")
@@ -244,6 +254,19 @@ def _make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSour
     finally:
         record = file.close() if file is not None else None
     return tensors, record
+
+
+def _check_finite(tensor: torch.Tensor, key: str, verb: str) -> None:
+    """Refuse a weight holding NaN or +-Inf (any shape): such an export would run and print garbage."""
+    if not tensor.is_floating_point():
+        return
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return
+    bad = tensor[~finite]
+    kinds = " and ".join(k for k, n in (("NaN", int(bad.isnan().sum())), ("Inf", int(bad.isinf().sum()))) if n)
+    raise ExportError(f"weight {key} {verb} {kinds} ({int(bad.numel())} of {tensor.numel()} values); "
+                      f"the export is refused")
 
 
 def _source_tensor(source: TensorSource, key: str, config) -> torch.Tensor:

@@ -26,7 +26,6 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import MLAConfig
-from ..errors import ExportError
 
 #: offsets of the tensors in weights.data: page-aligned so that runtimes can map them (64 KiB covers every OS)
 ALIGNMENT = 1 << 16
@@ -155,19 +154,13 @@ class WeightsFile:
         return start, self.offset - start
 
     def _write(self, data) -> None:
-        try:
-            self._file.write(data)
-        except OSError as exc:
-            raise ExportError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        self._file.write(data)  # an OSError (no space, file too large) is the caller's to report
         self._digest.update(data)
         self.offset += len(data)
 
     def close(self) -> dict:
         """Finish the file; returns ``{"file", "bytes", "sha256"}`` for the manifest."""
-        try:
-            self._file.close()
-        except OSError as exc:
-            raise ExportError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        self._file.close()
         return {"file": self.path.name, "bytes": self.offset, "sha256": self._digest.hexdigest()}
 
 

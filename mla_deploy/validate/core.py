@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..artifact import Manifest, check_artifact
-from ..errors import AccuracyError, InputError
+from ..errors import AccuracyError, InputError, OutputError
 from ..recipe import Tolerance, ValidateSettings
 from .report import INPUTS_FILE, REPORT_JSON, build_report, environment
 from .report import write_reports as write_files
@@ -53,6 +53,9 @@ class ValidationResult:
         if w is None:
             return f"validation {'passed' if self.passed else 'failed'} (nothing compared){where}"
         tol = f"atol {w['atol']:.1e}, rtol {w['rtol']:.1e}"
+        if w.get("nonfinite"):
+            return (f"validation failed: {w['output']} holds {w['nonfinite']} NaN/Inf values at step {w['step']} "
+                    f"({w['role']}) ({w['runner']} vs {w['reference']}){where}")
         figures = f"max abs error {w['max_abs']:.3e}, max rel error {w['max_rel']:.3e}"
         step = f"step {w['step']} ({w['role']})"
         if self.passed:
@@ -84,7 +87,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
                       tolerance: Tolerance | dict[str, Tolerance] | None = None,
                       check_error_stat: str = "elemwise", prompt_lengths: Sequence[int] | None = None,
                       write_reports: bool = True, raise_on_failure: bool = False,
-                      quiet: bool = True) -> ValidationResult:
+                      quiet: bool = True, log: Callable[[str], None] | None = None) -> ValidationResult:
     """Validate an exported artifact against the PyTorch original it was exported from.
 
     Args:
@@ -102,6 +105,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
         write_reports: write the files (``False``: only return the result).
         raise_on_failure: raise :class:`AccuracyError` (after writing the reports) when an output fails.
         quiet: keep Polygraphy's per-iteration logging off.
+        log: called with one line per step (runners ready, the trajectory run, the comparison, the reports).
     Returns:
         a :class:`ValidationResult`.
     Raises:
@@ -118,12 +122,14 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     names = output_names(manifest.config.num_hidden_layers)
     tolerances = _tolerances(tolerance, settings, manifest.precision, names)
     out = Path(out_dir) if out_dir is not None else root / "validation"
+    if write_reports:
+        check_writable_dir(out)  # before minutes of running, not after
     if load_results is not None:
         with compat.quiet(quiet):
             run_results, feeds, providers, trajectory = _load(Path(load_results), names)
     else:
         run_results, feeds, providers, trajectory = _run(root, manifest, settings, steps, runtimes, provider,
-                                                         threads, prompt_lengths, quiet)
+                                                         threads, prompt_lengths, quiet, log or (lambda line: None))
     runners = compat.runner_names(run_results)
     reference = "torch" if "torch" in runners else runners[0]
     others = [name for name in runners if name != reference]
@@ -140,11 +146,29 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     result = ValidationResult(bool(report["passed"]), report)
     if write_reports:
         result.out_dir = out
-        result.files = write_files(out, report, None if load_results is not None else run_results,
-                                   None if load_results is not None else feeds)
+        try:
+            result.files = write_files(out, report, None if load_results is not None else run_results,
+                                       None if load_results is not None else feeds)
+        except OSError as exc:
+            raise OutputError(f"cannot write the validation reports to {out}: {exc.strerror or exc}") from None
     if raise_on_failure:
         result.raise_for_failure()
     return result
+
+
+def check_writable_dir(out: Path) -> None:
+    """Refuse a report folder that cannot be made: a file in the way, or no write permission.
+
+    Raises:
+        OutputError: naming the path and the reason.
+    """
+    import os
+
+    existing = next(p for p in (out, *out.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise OutputError(f"cannot write the validation reports to {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write the validation reports to {out}: {existing} is not writable")
 
 
 def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: list[str]) -> dict[str, Tolerance]:
@@ -162,7 +186,7 @@ def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: li
 
 
 def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runtimes, provider, threads,
-         prompt_lengths, quiet):
+         prompt_lengths, quiet, log):
     from . import compat
     from .runners import OrtRunner, TorchRunner, trt_runner
     from .trajectory import TrajectoryLoader, make_trajectory
@@ -173,14 +197,17 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     decode_steps = settings.decode_steps if steps is None else int(steps)
     trajectory = make_trajectory(manifest.config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
                                  settings.seed, prompt_lengths, manifest.capacity)
+    log("loading the PyTorch reference ...")
     runners = [TorchRunner.from_artifact(root, manifest)]
     if "onnxrt" in runtimes:
         runners.append(OrtRunner(root, provider=provider, threads=threads))
     if "tensorrt" in runtimes:
         runners.append(trt_runner(root))
     loader = TrajectoryLoader(trajectory)
+    log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(quiet):
         run_results = compat.run_comparator(runners, loader)
+    log("comparing ...")
     providers = {r.name: getattr(r, "provider", None) or "torch-cpu" for r in runners}
     return run_results, list(loader), providers, trajectory.to_dict()
 

@@ -27,6 +27,7 @@ class StepFigures:
         cosine: cosine similarity of the valid entries (1.0 when both are all zero).
         count: number of valid entries compared.
         polygraphy: the comparator's own figures (over the whole canonical tensors).
+        nonfinite: NaN or Inf entries among the valid entries of the output or the reference (any fails the step).
     """
 
     step: int
@@ -39,13 +40,15 @@ class StepFigures:
     cosine: float
     count: int
     polygraphy: dict
+    nonfinite: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def error_figures(out: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> dict[str, float]:
-    """``max_abs, mean_abs, max_rel, mean_rel, cosine, count`` of ``out`` against ``ref``.
+    """``max_abs, mean_abs, max_rel, mean_rel, cosine, count, nonfinite`` of ``out`` against ``ref``; a NaN or
+    Inf in either makes the error figures NaN (never a clean-looking number).
 
     Args:
         out, ref: same shape, e.g. ``[B, S, V]`` or ``[B, T, C]``.
@@ -60,7 +63,13 @@ def error_figures(out: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> 
         out, ref = out[mask], ref[mask]
     out, ref = out.reshape(-1), ref.reshape(-1)
     if out.size == 0:
-        return {"max_abs": 0.0, "mean_abs": 0.0, "max_rel": 0.0, "mean_rel": 0.0, "cosine": 1.0, "count": 0}
+        return {"max_abs": 0.0, "mean_abs": 0.0, "max_rel": 0.0, "mean_rel": 0.0, "cosine": 1.0, "count": 0,
+                "nonfinite": 0}
+    nonfinite = int((~np.isfinite(out)).sum() + (~np.isfinite(ref)).sum())
+    if nonfinite:
+        nan = float("nan")
+        return {"max_abs": nan, "mean_abs": nan, "max_rel": nan, "mean_rel": nan, "cosine": nan,
+                "count": int(out.size), "nonfinite": nonfinite}
     absdiff = np.abs(out - ref)
     denom = np.abs(ref)
     reldiff = absdiff / np.where(denom == 0, EPS, denom)
@@ -70,7 +79,7 @@ def error_figures(out: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> 
     else:
         cosine = 1.0 if not absdiff.any() else 0.0
     return {"max_abs": float(absdiff.max()), "mean_abs": float(absdiff.mean()), "max_rel": float(reldiff.max()),
-            "mean_rel": float(reldiff.mean()), "cosine": cosine, "count": int(out.size)}
+            "mean_rel": float(reldiff.mean()), "cosine": cosine, "count": int(out.size), "nonfinite": 0}
 
 
 def step_masks(feeds: Sequence[dict] | None, steps: int) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
@@ -90,13 +99,14 @@ def step_masks(feeds: Sequence[dict] | None, steps: int) -> list[tuple[np.ndarra
 
 
 def top1_agreement(out_logits: np.ndarray, ref_logits: np.ndarray, mask: np.ndarray | None) -> dict[str, Any]:
-    """How often the argmax token of ``out`` equals the reference's, over the valid positions.
+    """How often the argmax token of ``out`` equals the reference's, over the valid positions; a position whose
+    logits hold a NaN or Inf on either side never agrees.
 
     Returns: ``{"agree": n, "positions": m, "rate": n / m}``.
     """
-    a = np.asarray(out_logits).argmax(-1)
-    b = np.asarray(ref_logits).argmax(-1)
-    same = a == b
+    out_logits, ref_logits = np.asarray(out_logits), np.asarray(ref_logits)
+    finite = np.isfinite(out_logits).all(-1) & np.isfinite(ref_logits).all(-1)
+    same = (out_logits.argmax(-1) == ref_logits.argmax(-1)) & finite
     if mask is not None:
         same = same[np.asarray(mask, dtype=bool)]
     n, m = int(same.sum()), int(same.size)

@@ -18,6 +18,7 @@ Each file is written under a temporary name and renamed into place (:mod:`mla_de
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 from pathlib import Path
@@ -73,16 +74,17 @@ def build_report(root: Path, manifest: Manifest, run_results, accuracy, referenc
                 mask = token_mask if name == "logits" else row_mask
                 poly = compat.output_figures(verdict[name]) if name in verdict else {"passed": False}
                 fig = error_figures(out[name], ref[name], mask if _fits(mask, out[name]) else None)
-                figures.append(StepFigures(step=step, role=step_role(step), passed=bool(poly["passed"]),
-                                           polygraphy=poly, **fig))
+                passed = bool(poly["passed"]) and not fig["nonfinite"]  # NaN never passes, whatever the stat
+                figures.append(StepFigures(step=step, role=step_role(step), passed=passed, polygraphy=poly, **fig))
                 candidates.append((not figures[-1].passed, severity(fig, tol.atol), runner, name, figures[-1], tol))
             outputs[name] = {
                 "passed": all(f.passed for f in figures),
-                "max_abs": max((f.max_abs for f in figures), default=0.0),
-                "max_rel": max((f.max_rel for f in figures), default=0.0),
+                "max_abs": _extreme(max, [f.max_abs for f in figures], 0.0),
+                "max_rel": _extreme(max, [f.max_rel for f in figures], 0.0),
                 "mean_abs": (sum(f.mean_abs for f in figures) / len(figures)) if figures else 0.0,
-                "min_cosine": min((f.cosine for f in figures), default=1.0),
+                "min_cosine": _extreme(min, [f.cosine for f in figures], 1.0),
                 "failed_steps": [f.step for f in figures if not f.passed],
+                "nonfinite": sum(f.nonfinite for f in figures),
                 "steps": [f.to_dict() for f in figures],
             }
         top1 = [{"step": k, "role": step_role(k), **top1_agreement(o["logits"], r["logits"], masks[k][0])}
@@ -94,7 +96,8 @@ def build_report(root: Path, manifest: Manifest, run_results, accuracy, referenc
         failed, sev, runner, name, fig, tol = max(candidates, key=lambda c: (c[0], c[1]))
         worst = {"runner": runner, "reference": reference, "output": name, "step": fig.step, "role": fig.role,
                  "max_abs": fig.max_abs, "max_rel": fig.max_rel, "mean_abs": fig.mean_abs, "cosine": fig.cosine,
-                 "atol": tol.atol, "rtol": tol.rtol, "passed": not failed, "severity": sev}
+                 "atol": tol.atol, "rtol": tol.rtol, "passed": not failed, "severity": sev,
+                 "nonfinite": fig.nonfinite}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "passed": all(r["passed"] for r in runners.values()),
@@ -112,6 +115,13 @@ def build_report(root: Path, manifest: Manifest, run_results, accuracy, referenc
                     "failed": sum(1 for c in candidates if c[0])},
         "worst": worst,
     }
+
+
+def _extreme(pick, values: list[float], default: float) -> float:
+    """``pick`` (max or min) of ``values``; NaN when any is NaN (Python's max would depend on the order)."""
+    if any(v != v for v in values):
+        return float("nan")
+    return pick(values, default=default)
 
 
 def _fits(mask, array) -> bool:
@@ -137,14 +147,21 @@ def write_reports(out: Path, report: dict, run_results=None, feeds: list[dict] |
     from .report_html import render_html
 
     out = Path(out)
+    missing = [p for p in (out, *out.parents) if not p.exists()]  # created here; removed again if nothing is written
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
-    with compat.quiet():
-        _save_results(out, files, run_results, feeds)
-    report = {**report, "files": {**{k: k for k in files}, **{k: k for k in REPORT_FILES}}}
-    files[REPORT_JSON] = _write_text(out / REPORT_JSON, json.dumps(report, indent=2, default=_json_default) + "\n")
-    files[REPORT_MD] = _write_text(out / REPORT_MD, render_markdown(report))
-    files[REPORT_HTML] = _write_text(out / REPORT_HTML, render_html(report))
+    try:
+        with compat.quiet():
+            _save_results(out, files, run_results, feeds)
+        report = {**report, "files": {**{k: k for k in files}, **{k: k for k in REPORT_FILES}}}
+        files[REPORT_JSON] = _write_text(out / REPORT_JSON, json.dumps(report, indent=2, default=_json_default) + "\n")
+        files[REPORT_MD] = _write_text(out / REPORT_MD, render_markdown(report))
+        files[REPORT_HTML] = _write_text(out / REPORT_HTML, render_html(report))
+    except BaseException:
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
+        raise
     return files
 
 
@@ -180,8 +197,19 @@ def render_markdown(report: dict) -> str:
     w = report.get("worst")
     if w:
         state = "worst" if w["passed"] else "**worst failure**"
-        lines += [f"{state}: `{w['output']}` at step {w['step']} ({w['role']}), {w['runner']}: max abs "
-                  f"{w['max_abs']:.3e} (atol {w['atol']:.1e}), max rel {w['max_rel']:.3e} (rtol {w['rtol']:.1e})", ""]
+        if w.get("nonfinite"):
+            lines += [f"{state}: `{w['output']}` at step {w['step']} ({w['role']}), {w['runner']}: **{w['nonfinite']} "
+                      f"NaN/Inf values** (in the output or the reference)", ""]
+        else:
+            lines += [f"{state}: `{w['output']}` at step {w['step']} ({w['role']}), {w['runner']}: max abs "
+                      f"{w['max_abs']:.3e} (atol {w['atol']:.1e}), max rel {w['max_rel']:.3e} "
+                      f"(rtol {w['rtol']:.1e})", ""]
+    stat = cmp_["check_error_stat"]
+    rule = ("an element fails only if its absolute error exceeds atol **and** its absolute error exceeds "
+            "rtol x |reference|, so a max rel above rtol can still pass" if stat == "elemwise" else
+            f"an output fails only if the {stat} absolute error exceeds atol **and** the {stat} relative error "
+            f"exceeds rtol")
+    lines += [f"Tolerance rule (Polygraphy, {stat}): {rule}; any NaN or Inf fails.", ""]
     lines += ["| runner | output | max abs | mean abs | max rel | min cosine | atol / rtol | result |",
               "|---|---|---|---|---|---|---|---|"]
     for runner, data in report["runners"].items():

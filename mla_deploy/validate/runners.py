@@ -47,6 +47,10 @@ class TrajectoryRunner(BaseRunner):
         TypeError: ``layout`` is not a CacheLayout.
     """
 
+    #: Polygraphy's ``__del__`` reads it: a subclass whose engine fails to load before ``BaseRunner.__init__`` ran
+    #: must not add "Exception ignored ... no attribute 'is_active'" after the error line
+    is_active = False
+
     def __init__(self, layers: int, layout: CacheLayout, name: str, prefix: str):
         super().__init__(name=name, prefix=prefix)
         if not isinstance(layout, CacheLayout):

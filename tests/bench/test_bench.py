@@ -30,6 +30,9 @@ def test_smoke_writes_every_output(smoke):
     assert (out / "bench.png").stat().st_size > 1000
     assert "ort-static" in result.stdout and "achieved/bound" in result.stdout
     assert "| path |" in (out / "bench.md").read_text()
+    # the decode targets are defined for DeepSeek-V2-Lite only: none on tiny, no "1.5x target" line, no issue numbers
+    assert json.loads((out / "bench.json").read_text())["targets"] == []
+    assert "target" not in result.stdout + (out / "bench.md").read_text() and "issue" not in result.stdout
 
 
 def test_smoke_json_has_every_field(smoke):

@@ -65,6 +65,7 @@ def test_report_files(static_run):
     assert "PASS" in page and "Top-1 token agreement" in page and "present_latent.1" in page
     md = files["report.md"].read_text()
     assert "**PASS**" in md and "| onnxrt | `logits` |" in md and len(md.splitlines()) < 30
+    assert "an element fails only if its absolute error exceeds atol **and**" in md  # the rule beside the figures
     assert not [p for p in files["report.json"].parent.iterdir() if p.name.startswith(".")]
 
 
@@ -186,3 +187,22 @@ def test_html_without_matplotlib(static_run, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     page = render_html(static_run.report)
     assert "data:image/png" not in page and "matplotlib is not installed" in page and "present_latent.1" in page
+
+
+def test_nan_outputs_are_reported_as_nan(static_run, tmp_path):
+    """A NaN in the engine's logits fails the step whatever the statistic, shows NaN figures (never a clean number)
+    and counts the position as a top-1 disagreement; the summary and report.md say NaN."""
+    from mla_deploy.validate import compat
+
+    results = compat.load_run_results(static_run.files["run_results.json"])
+    compat.iteration_outputs(results, "onnxrt")[2]["logits"][0, 0, 0] = float("nan")
+    compat.save_run_results(results, tmp_path / "run_results.json")
+    artifact = static_run.report["artifact"]["path"]
+    result = validate_artifact(artifact, out_dir=tmp_path / "nan", load_results=tmp_path / "run_results.json")
+    assert not result.passed
+    logits = result.report["runners"]["onnxrt"]["outputs"]["logits"]
+    assert logits["failed_steps"] == [2] and logits["nonfinite"] == 1 and logits["max_abs"] != logits["max_abs"]
+    top1 = result.report["runners"]["onnxrt"]["top1"][2]
+    assert top1["agree"] == top1["positions"] - 1
+    assert "logits holds 1 NaN/Inf values at step 2" in result.summary()
+    assert "1 NaN/Inf values" in (tmp_path / "nan" / "report.md").read_text()
