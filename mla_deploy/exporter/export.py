@@ -9,6 +9,9 @@ size, and the weights exist once on disk. When the prefill and decode forms are 
 with a ``CC`` prefill there are two graphs over the same ``weights.data``. Small models (weights at most
 ``[export] external_data_threshold`` bytes) keep their weights inside the graph file(s) instead.
 
+A checkpoint export also copies the checkpoint's tokenizer files into the artifact
+(:func:`~mla_deploy.artifact.copy_tokenizer_files`, recorded in the manifest).
+
 The directory is built with :func:`~mla_deploy.artifact.atomic_dir` (under a temporary name beside the
 target, swapped into place at the end), so a failed export never leaves a half-written artifact. The
 cache layout (:mod:`mla_deploy.cache_layout`) decides the graphs' I/O, traced shapes and capacity.
@@ -26,7 +29,8 @@ from typing import Any, Mapping
 import torch
 
 from .. import __version__
-from ..artifact import MANIFEST, GraphEntry, Manifest, WeightsSource, atomic_dir, now, read_fingerprint, sha256_file
+from ..artifact import (MANIFEST, GraphEntry, Manifest, WeightsSource, atomic_dir, copy_tokenizer_files, now,
+                        read_fingerprint, sha256_file)
 from ..errors import ExportError
 from ..model import MLAForCausalLM
 from ..recipe import Recipe
@@ -204,7 +208,8 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
         name=recipe.name, fingerprint=fp, model=config, weights=weights, precision=settings.precision,
         opset=settings.opset, cache=layout.describe(config),
         max_cache_length=layout.manifest_capacity(settings.max_cache_length), graphs=graphs,
-        recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data)
+        recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data,
+        tokenizer=copy_tokenizer_files(weights.path, tmp) if weights.kind == "hf" and weights.path else None)
     manifest.save(tmp)
     return manifest
 
