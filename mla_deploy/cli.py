@@ -158,6 +158,8 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
     if manifest.weights_data is not None:
         click.echo(f"  {'weights':<14} {manifest.weights_data['file']:<13} {'':<12} "
                    f"{manifest.weights_data['bytes'] / 1e9:.2f} GB (shared by the graphs)")
+    if manifest.tokenizer is not None:
+        click.echo(f"  {'tokenizer':<14} {', '.join(manifest.tokenizer.names)}")
     if run_validation:
         from .validate import validate_artifact
 
@@ -195,7 +197,8 @@ def _parse_ids(values) -> list[list[int]]:
 @main.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", "prompts", multiple=True,
-              help="A text prompt (needs an artifact exported from a checkpoint with its tokenizer); repeat for a batch.")
+              help="A text prompt (needs an artifact exported from a checkpoint with its tokenizer); repeat for a "
+                   "batch.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True,
               help="Comma-separated token ids of one prompt; repeat for a batch.")
 @click.option("--chat", is_flag=True, help="Apply the checkpoint's chat template to each --prompt (a user turn).")

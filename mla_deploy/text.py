@@ -23,11 +23,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import InputError
 from .sampling import SamplingConfig
 from .tokenizer import ArtifactTokenizer
+
+if TYPE_CHECKING:  # the engines import onnxruntime or tensorrt lazily; only their types are named here
+    from .engines.base import Engine, Generation
 
 
 def encode_prompts(tokenizer: ArtifactTokenizer, texts: Sequence[str], chat: bool = False,
@@ -59,7 +62,7 @@ class TextPiece:
 class TextGeneration:
     """The result of a :class:`TextStream`: ``generation`` (ids, finish reasons, timings) and each sequence's text."""
 
-    generation: object  # mla_deploy.engines.base.Generation
+    generation: "Generation"
     texts: list[str]
 
 
@@ -100,8 +103,9 @@ class TextStream:
         InputError: an empty stop string; as :meth:`Engine.stream`.
     """
 
-    def __init__(self, engine, tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 sampling: SamplingConfig | None = None, stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None):
+    def __init__(self, engine: "Engine", tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]],
+                 max_new_tokens: int, sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
+                 eos_ids: Sequence[int] | None = None):
         if any(s == "" for s in stop):
             raise InputError("a stop string cannot be empty")
         eos = tokenizer.eos_ids if eos_ids is None else eos_ids
@@ -139,14 +143,14 @@ class TextStream:
                     yield TextPiece(b, shown, finished)
 
 
-def stream_text(engine, tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def stream_text(engine: "Engine", tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                 eos_ids: Sequence[int] | None = None) -> TextStream:
     """A :class:`TextStream` (arguments as its)."""
     return TextStream(engine, tokenizer, prompts, max_new_tokens, sampling, stop, eos_ids)
 
 
-def generate_text(engine, tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def generate_text(engine: "Engine", tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                   eos_ids: Sequence[int] | None = None) -> TextGeneration:
     """:func:`stream_text` run to the end."""

@@ -87,9 +87,9 @@ def causal_mask(batch: int, seq: int, dtype=torch.float32) -> torch.Tensor:
 CORPUS = ["Hello world, this is a tiny corpus.", "The quick brown fox jumps over the lazy dog.",
           "你好，世界！我们今天学习中文。", "深度求索的模型很好用。", "emoji 🙂🚀🎉 are fun 👍🏽",
           "Multi-head latent attention keeps the cache small."]
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}<|system|>{{ m['content'] | trim }}"
-                 "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endif %}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+                 "<|system|>{{ m['content'] | trim }}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TOKENIZER_VOCAB = 300
 
 
@@ -107,8 +107,8 @@ def hf_tokenizer(bos_from: str = "post_processor"):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>", "<pad>", "<|user|>",
-                                                                              "<|assistant|>", "<|system|>"],
+    specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 4, trainer)
     if bos_from == "post_processor":

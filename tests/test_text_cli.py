@@ -51,8 +51,9 @@ def export_text_checkpoint(version: int, tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"text-v{version}")
         hf, tok = text_checkpoint(folder / "ckpt", version, "post_processor" if version == 2 else "template")
         out = folder / "artifact"
-        ok(cli("export", "--hf", folder / "ckpt", "--out", out, "--cache-mode",
-               "static" if version == 2 else "concat"))
+        printed = ok(cli("export", "--hf", folder / "ckpt", "--out", out, "--cache-mode",
+                         "static" if version == 2 else "concat"))
+        assert "tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json" in printed
         _EXPORTED[version] = hf, tok, out
     return _EXPORTED[version]
 

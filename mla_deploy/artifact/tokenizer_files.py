@@ -78,5 +78,6 @@ def copy_tokenizer_files(checkpoint: str | Path, folder: str | Path) -> Tokenize
         src = checkpoint / name
         if src.is_file():
             shutil.copyfile(src, folder / name)
-            records.append({"file": name, "bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)})
+            copy = folder / name
+            records.append({"file": name, "bytes": copy.stat().st_size, "sha256": sha256_file(copy)})
     return TokenizerFiles(tuple(records))
