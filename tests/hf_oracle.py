@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def hf_config(version: int, q_lora_rank: int | None = 32, yarn: bool = False, moe: bool = True, layers: int = 2):
+def hf_config(version: int, q_lora_rank: int | None = 32, yarn: bool = False, moe: bool = True, layers: int = 2,
+              vocab_size: int = 128):
     """A tiny transformers DeepseekV{2,3}Config (num_key_value_heads set to the head count, EOS disabled)."""
     import transformers
 
     common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-6,
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
@@ -80,3 +81,68 @@ def causal_mask(batch: int, seq: int, dtype=torch.float32) -> torch.Tensor:
     """Additive causal mask ``[B, 1, S, S]`` (0 visible, dtype min hidden), as HF's eager attention takes it."""
     hidden = torch.ones(seq, seq, dtype=torch.bool).triu(1)
     return torch.zeros(batch, 1, seq, seq, dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
+
+
+#: a small corpus with multi-byte text (Chinese, emoji) for the test tokenizer
+CORPUS = ["Hello world, this is a tiny corpus.", "The quick brown fox jumps over the lazy dog.",
+          "你好，世界！我们今天学习中文。", "深度求索的模型很好用。", "emoji 🙂🚀🎉 are fun 👍🏽",
+          "Multi-head latent attention keeps the cache small."]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+                 "<|system|>{{ m['content'] | trim }}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TOKENIZER_VOCAB = 300
+
+
+def hf_tokenizer(bos_from: str = "post_processor"):
+    """A byte-level BPE tokenizer trained offline with the ``tokenizers`` library on :data:`CORPUS`, as a
+    transformers ``PreTrainedTokenizerFast`` with bos/eos/pad and a chat template (save it with save_pretrained).
+
+    Args:
+        bos_from: ``post_processor``: tokenizer.json's post-processor adds the BOS; ``template``: only the chat
+            template writes it (no post-processor).
+    """
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    if bos_from == "post_processor":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+#: prompts of the text checkpoints: the first ends at EOS after 3 tokens (see :func:`text_checkpoint`)
+TEXT_PROMPTS = ["Hello world", "你好，世界！🙂 The quick brown fox"]
+
+
+@torch.no_grad()
+def text_checkpoint(folder, version: int, bos_from: str = "post_processor"):
+    """A tiny transformers DeepSeek checkpoint saved with a tokenizer (:func:`hf_tokenizer`) and a
+    generation_config whose ``eos_token_id`` is ``</s>``, made to end :data:`TEXT_PROMPTS` [0] early: the
+    ``</s>`` row of ``lm_head`` is 1.5 times the row of the token greedy decoding gives at its third step, so
+    that token's win becomes ``</s>``'s (as a trained model's EOS would).
+
+    Returns: ``(model, tokenizer)`` as saved (the tokenizer with left padding, as batched generate needs).
+    """
+    tok = hf_tokenizer(bos_from)
+    hf = hf_model(version, std=0.15, vocab_size=len(tok))
+    ids = torch.tensor([tok(TEXT_PROMPTS[0]).input_ids])
+    greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id)
+    hf.lm_head.weight[tok.eos_token_id] = 1.5 * hf.lm_head.weight[greedy[0, -1]]
+    hf.generation_config.eos_token_id = tok.eos_token_id
+    hf.generation_config.bos_token_id = tok.bos_token_id
+    hf.generation_config.pad_token_id = tok.pad_token_id
+    hf.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    tok.padding_side = "left"
+    return hf, tok

@@ -2,6 +2,7 @@
 
 * :class:`Manifest` (frozen) with :func:`load_manifest` and :meth:`Manifest.save`: ``manifest.json``.
 * :func:`check_artifact`: hashes, the I/O contract and the ONNX files' own I/O against the manifest.
+* :class:`TokenizerFiles`, :func:`copy_tokenizer_files`: the checkpoint's tokenizer files an artifact carries.
 * :mod:`.files`: :func:`atomic_dir`, :func:`atomic_write_text`, :func:`atomic_file`, :func:`sha256_file`.
 * :mod:`.target`: what an export may do to an existing output folder (:func:`check_export_target`).
 
@@ -12,7 +13,9 @@ from .check import check_artifact
 from .files import atomic_dir, atomic_file, atomic_write_bytes, atomic_write_text, replace_dir, sha256_file
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, REFERENCE_WEIGHTS, SUPPORTED_FORMAT_VERSIONS, GraphEntry,
                        Manifest, WeightsSource, load_manifest, now, read_fingerprint)
+from .tokenizer_files import TOKENIZER_FILES, TokenizerFiles, copy_tokenizer_files
 
 __all__ = ["check_artifact", "atomic_dir", "atomic_file", "atomic_write_bytes", "atomic_write_text", "replace_dir",
            "sha256_file", "FORMAT", "FORMAT_VERSION", "MANIFEST", "REFERENCE_WEIGHTS", "SUPPORTED_FORMAT_VERSIONS",
-           "GraphEntry", "Manifest", "WeightsSource", "load_manifest", "now", "read_fingerprint"]
+           "GraphEntry", "Manifest", "WeightsSource", "load_manifest", "now", "read_fingerprint",
+           "TOKENIZER_FILES", "TokenizerFiles", "copy_tokenizer_files"]

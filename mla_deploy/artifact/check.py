@@ -23,7 +23,8 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
 
     Args:
         artifact_dir: the export directory (holding ``manifest.json``).
-        verify_hashes: compare each graph file's sha256 with the manifest's (reads every byte of the graphs).
+        verify_hashes: compare each graph file's and tokenizer file's sha256 with the manifest's (reads every byte
+            of the graphs).
         check_graphs: parse each ONNX file (without external weights) and compare its I/O with the manifest's.
         verify_weights: also hash the shared weights file (reads all of it: minutes for a full-size model; its
             size is always checked).
@@ -54,6 +55,8 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
             raise ArtifactError(f"{role} graph {path} does not match the sha256 in {MANIFEST} (modified or replaced)")
         if check_graphs:
             _check_onnx_io(path, role, graph)
+    if manifest.tokenizer is not None and verify_hashes:
+        manifest.tokenizer.check(root, verify_hashes=True)
     data = manifest.weights_data
     if verify_weights and data is not None and data.get("sha256"):
         path = root / data["file"]

@@ -22,6 +22,7 @@ from ..config import MLAConfig
 from ..errors import ArtifactError, ConfigError, MLADeployError
 from ..io_spec import PRECISIONS, ROLES, TensorSpec
 from .files import atomic_write_text
+from .tokenizer_files import TokenizerFiles
 
 MANIFEST = "manifest.json"
 FORMAT = "mla-deploy-artifact"
@@ -147,6 +148,8 @@ class Manifest:
         format_version: the manifest format's version.
         weights_data: the graphs' shared weights file, ``{"file", "bytes", "sha256"}``; None when the weights are
             inside the graph files (small models).
+        tokenizer: the tokenizer files copied from the checkpoint (:class:`TokenizerFiles`); None: ids only.
+            Optional in format version 1: a manifest without it loads, and one with it loads in older readers.
     """
 
     name: str
@@ -163,6 +166,7 @@ class Manifest:
     created: str = ""
     format_version: int = FORMAT_VERSION
     weights_data: dict | None = None
+    tokenizer: TokenizerFiles | None = None
 
     # derived ------------------------------------------------------------------------------------
     @property
@@ -226,6 +230,7 @@ class Manifest:
             "graphs": {role: g.to_dict() for role, g in self.graphs.items()},
             "recipe": self.recipe, "versions": self.versions, "created": self.created,
             **({"weights_data": self.weights_data} if self.weights_data is not None else {}),
+            **({"tokenizer": self.tokenizer.to_dict()} if self.tokenizer is not None else {}),
         }
 
     @classmethod
@@ -279,7 +284,8 @@ class Manifest:
             cache=dict(cache), max_cache_length=capacity,
             graphs={role: GraphEntry.from_dict(role, g) for role, g in graphs.items()},
             recipe=dict(data.get("recipe") or {}), versions=dict(data.get("versions") or {}),
-            created=str(data.get("created", "")), format_version=version, weights_data=_weights_data(data, source))
+            created=str(data.get("created", "")), format_version=version, weights_data=_weights_data(data, source),
+            tokenizer=None if data.get("tokenizer") is None else TokenizerFiles.from_dict(data["tokenizer"], source))
 
     def save(self, folder: str | Path) -> Path:
         """Write ``folder/manifest.json`` atomically; returns its path."""
@@ -342,4 +348,6 @@ def load_manifest(artifact: str | Path) -> Manifest:
         if data.stat().st_size != manifest.weights_data["bytes"]:
             raise ArtifactError(f"the weights file {data} has {data.stat().st_size} bytes, the manifest says "
                                 f"{manifest.weights_data['bytes']} (truncated or replaced)")
+    if manifest.tokenizer is not None:
+        manifest.tokenizer.check(root, verify_hashes=False)
     return manifest

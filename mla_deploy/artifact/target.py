@@ -17,9 +17,11 @@ from pathlib import Path
 
 from ..errors import ExportError
 from .manifest import MANIFEST, read_fingerprint
+from .tokenizer_files import TOKENIZER_FILES
 
-#: the names an export may write into its folder; whatever else is there is kept
-ARTIFACT_FILES = (MANIFEST, "weights.data", "model.onnx", "prefill.onnx", "decode.onnx")
+#: the names an export may write into its folder (a checkpoint's tokenizer files included); whatever else is there
+#: is kept
+ARTIFACT_FILES = (MANIFEST, "weights.data", "model.onnx", "prefill.onnx", "decode.onnx", *TOKENIZER_FILES)
 
 
 def check_export_target(out: str | Path, fingerprint: str | None = None, overwrite: bool = False) -> list[str]:
@@ -70,6 +72,7 @@ def artifact_files(out: str | Path) -> set[str]:
         files = {MANIFEST, *(g["file"] for g in data.get("graphs", {}).values())}
         if data.get("weights_data"):
             files.add(data["weights_data"]["file"])
+        files.update(f["file"] for f in (data.get("tokenizer") or {}).get("files", []))
         return {Path(f).name for f in files}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ExportError(f"{path} is not readable; remove {out} or choose another --out") from None

@@ -13,6 +13,8 @@ from ..lazy import lazy_getattr
 _LAZY = {
     "Engine": "mla_deploy.engines.base",
     "Generation": "mla_deploy.engines.base",
+    "GenerationStream": "mla_deploy.engines.base",
+    "StepTokens": "mla_deploy.engines.base",
     "pad_prompts": "mla_deploy.engines.base",
     "OrtEngine": "mla_deploy.engines.ort_engine",
     "TrtEngine": "mla_deploy.engines.trt_engine",

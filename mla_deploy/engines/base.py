@@ -2,7 +2,9 @@
 
 :class:`Engine` owns what does not depend on the runtime: the artifact's manifest and config, input checks,
 right-padding a batch of prompts, the cache state (through the artifact's
-:class:`~mla_deploy.cache_layout.CacheLayout`), capacity checks, the prefill + decode loop and its
+:class:`~mla_deploy.cache_layout.CacheLayout`), capacity checks, and the one generation loop
+(:class:`GenerationStream`: prefill + decode steps, greedy or sampled next tokens
+(:mod:`mla_deploy.sampling`), per-sequence stop at end-of-sequence ids or at the caller's request) and its
 :class:`Generation` result. A runtime implements only allocation, binding and execution:
 
 * :meth:`Engine._allocate` ``(shape) -> array``: one zeroed cache array of the runtime's kind;
@@ -26,19 +28,28 @@ from ..artifact import Manifest
 from ..cache_layout import CacheState
 from ..errors import InputError, ShapeError
 from ..io_spec import present_name
+from ..sampling import SamplingConfig, next_tokens
+
+
+#: why a sequence stopped: an end-of-sequence id, a stop asked for by the caller (a stop string), max_new_tokens
+FINISH_REASONS = ("eos", "stop", "length")
 
 
 @dataclass
 class Generation:
-    """Result of :meth:`Engine.generate`.
+    """Result of :meth:`Engine.generate` (or of a consumed :meth:`Engine.stream`).
+
+    Times are the engine's own (graph runs and token choice), not the caller's work between streamed steps.
 
     Attributes:
-        tokens: the new ids of each sequence.
-        prefill_seconds: time of the prefill run (first token included).
+        tokens: the new ids of each sequence (an end-of-sequence id that stopped it included).
+        prefill_seconds: time of the prefill run and the choice of the first token: the time to first token.
         decode_seconds: time of all decode steps.
         decode_steps: number of decode runs.
         provider: what executed the graphs (an ONNX Runtime provider, ``TensorRT x.y``).
         extra: runtime-specific facts (GPU, aliasing).
+        finish_reasons: per sequence, one of :data:`FINISH_REASONS`.
+        sequence_decode_seconds: per sequence, the decode time until its last token.
     """
 
     tokens: list[list[int]]
@@ -47,13 +58,35 @@ class Generation:
     decode_steps: int
     provider: str
     extra: dict = field(default_factory=dict)
+    finish_reasons: list[str] = field(default_factory=list)
+    sequence_decode_seconds: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode throughput of the batch: new tokens of all sequences per second of decode."""
+        """Decode throughput of the batch: tokens made by decode steps (all sequences) per second of decode."""
         if not self.decode_seconds:
             return float("nan")
-        return self.decode_steps * len(self.tokens) / self.decode_seconds
+        return sum(len(t) - 1 for t in self.tokens) / self.decode_seconds
+
+    @property
+    def sequence_tokens_per_second(self) -> list[float]:
+        """Decode throughput of each sequence: its tokens after the first per second of decode until its last."""
+        return [(len(t) - 1) / s if s else float("nan") for t, s in zip(self.tokens, self.sequence_decode_seconds)]
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """One step of a :class:`GenerationStream`.
+
+    Attributes:
+        index: 0 for the token chosen from the prefill, then 1, 2, ... per decode step.
+        tokens: the new id of each sequence; None for a sequence that had already finished.
+        finished: per sequence, its finish reason once it has finished (this step included), else None.
+    """
+
+    index: int
+    tokens: tuple
+    finished: tuple
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -224,41 +257,39 @@ class Engine:
         return out
 
     # generation --------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Generation:
-        """Greedy generation: prefill the right-padded prompts, then ``max_new_tokens - 1`` decode steps.
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingConfig | None = None,
+               eos_ids: Sequence[int] = ()) -> "GenerationStream":
+        """The generation loop as an iterator of steps: prefill the right-padded prompts, then decode steps
+        until every sequence has finished (an id of ``eos_ids``, :meth:`GenerationStream.finish`, or
+        ``max_new_tokens``).
 
         Args:
             prompts: ``B`` lists of token ids, lengths may differ.
-            max_new_tokens: new tokens per sequence (>= 1).
-        Raises:
+            max_new_tokens: most new tokens per sequence (>= 1).
+            sampling: how the next token is chosen (default: greedy).
+            eos_ids: ids that end a sequence (the id is kept as its last token).
+        Returns:
+            a :class:`GenerationStream`: iterate it for :class:`StepTokens`, then :meth:`GenerationStream.result`.
+        Raises (here, before anything runs):
             InputError: an empty prompt, an id outside the vocabulary, ``max_new_tokens < 1``.
             CacheCapacityError: the prompts and new tokens do not fit the cache.
         """
-        if max_new_tokens < 1:
-            raise InputError("max_new_tokens must be at least 1")
-        ids, valid, lengths = pad_prompts(prompts, self.config.vocab_size)
-        batch, width = ids.shape
-        self.layout.check_request(width, max_new_tokens, self.capacity)
-        state = self.new_state(batch)
-        self._synchronize()
-        start = time.perf_counter()
-        last = np.zeros(batch, dtype=np.int64)  # the one row of logits each step asks for
-        logits = self.step("prefill", ids, np.broadcast_to(np.arange(width), ids.shape), state, valid,
-                           logits_index=(lengths - 1)[:, None])
-        token = self._greedy(logits, last)
-        prefill = time.perf_counter() - start
-        tokens = [token]
-        start = time.perf_counter()
-        for _ in range(max_new_tokens - 1):
-            logits = self.step("decode", token[:, None], state.lengths[:, None].copy(), state,
-                               logits_index=last[:, None])
-            token = self._greedy(logits, last)
-            tokens.append(token)
-        self._synchronize()
-        decode = time.perf_counter() - start
-        new = np.stack(tokens, axis=1)
-        return Generation([row.tolist() for row in new], prefill, decode, max_new_tokens - 1, self.provider,
-                          self._extra())
+        return GenerationStream(self, prompts, max_new_tokens, sampling or SamplingConfig(), eos_ids)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingConfig | None = None,
+                 eos_ids: Sequence[int] = ()) -> Generation:
+        """:meth:`stream`, run to the end. Greedy with no ``eos_ids``: exactly ``max_new_tokens`` per sequence."""
+        generation = self.stream(prompts, max_new_tokens, sampling, eos_ids)
+        for _ in generation:
+            pass
+        return generation.result()
+
+    def _next_tokens(self, logits, index: np.ndarray, sampling: SamplingConfig, rng) -> np.ndarray:
+        """``[B]`` int64: the next token from ``logits[b, index[b]]`` (greedy on the runtime, else sampled)."""
+        if sampling.greedy:
+            return self._greedy(logits, index)
+        host = self._to_host(logits)
+        return next_tokens(host[np.arange(host.shape[0]), index], sampling, rng)
 
     def info(self) -> dict[str, Any]:
         """What this engine runs: provider, precision, cache mode and capacity."""
@@ -282,3 +313,87 @@ def check_positions(config, longest_prompt: int, max_new_tokens: int, allow_long
     if not allow_long:
         raise InputError(f"{message}; shorten them or pass --allow-long")
     return message
+
+
+class GenerationStream:
+    """The one generation loop (made by :meth:`Engine.stream`): iterate it for one :class:`StepTokens` per
+    step; :meth:`finish` stops a sequence (its later tokens are not made); :meth:`result` is the
+    :class:`Generation` once the iteration has ended.
+
+    A finished sequence stays in the batch (it is fed its last token, and its outputs are ignored) until every
+    sequence has finished. Each step asks the graph for one row of logits per sequence (``logits_index``): the
+    prefill for each sequence's last real token, so ``[B, S, V]`` logits are never computed.
+    """
+
+    def __init__(self, engine: Engine, prompts, max_new_tokens: int, sampling: SamplingConfig, eos_ids):
+        if max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        self.engine, self.sampling, self.max_new_tokens = engine, sampling, int(max_new_tokens)
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.ids, self.valid, self.lengths = pad_prompts(prompts, engine.config.vocab_size)
+        engine.layout.check_request(self.ids.shape[1], self.max_new_tokens, engine.capacity)
+        batch = len(self.lengths)
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.finished: list[str | None] = [None] * batch
+        self.step_seconds: list[float] = []  # [0]: prefill and first token; then each decode step
+        self.last_step = [0] * batch  # the step that made each sequence's last token
+        self._steps = self._loop()
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepTokens:
+        return next(self._steps)
+
+    def finish(self, sequence: int, reason: str = "stop") -> None:
+        """Stop ``sequence`` after the tokens it has (no effect once it has finished)."""
+        assert reason in FINISH_REASONS, reason
+        if self.finished[sequence] is None:
+            self.finished[sequence] = reason
+
+    def result(self) -> Generation:
+        """The :class:`Generation` (after the iteration has ended)."""
+        assert self._done, "iterate the stream to its end first"
+        decode = self.step_seconds[1:]
+        return Generation(self.tokens, self.step_seconds[0], float(sum(decode)), len(decode), self.engine.provider,
+                          self.engine._extra(), list(self.finished),
+                          [float(sum(decode[: last])) for last in self.last_step])
+
+    def _record(self, token: np.ndarray, index: int) -> StepTokens:
+        new = []
+        for b, t in enumerate(token.tolist()):
+            if self.finished[b] is not None:
+                new.append(None)
+                continue
+            self.tokens[b].append(t)
+            self.last_step[b] = index
+            if t in self.eos_ids:
+                self.finished[b] = "eos"
+            elif len(self.tokens[b]) >= self.max_new_tokens:
+                self.finished[b] = "length"
+            new.append(t)
+        return StepTokens(index, tuple(new), tuple(self.finished))
+
+    def _loop(self):
+        engine, sampling = self.engine, self.sampling
+        rng = None if sampling.greedy else sampling.generator()
+        ids, width = self.ids, self.ids.shape[1]
+        state = engine.new_state(len(ids))
+        engine._synchronize()
+        start = time.perf_counter()
+        zeros = np.zeros(len(ids), dtype=np.int64)  # each step asks for one row of logits per sequence
+        logits = engine.step("prefill", ids, np.broadcast_to(np.arange(width), ids.shape), state, self.valid,
+                             logits_index=(self.lengths - 1)[:, None])
+        token = engine._next_tokens(logits, zeros, sampling, rng)
+        self.step_seconds.append(time.perf_counter() - start)
+        yield self._record(token, 0)
+        while any(f is None for f in self.finished):
+            start = time.perf_counter()
+            logits = engine.step("decode", token[:, None], state.lengths[:, None].copy(), state,
+                                 logits_index=zeros[:, None])
+            token = engine._next_tokens(logits, zeros, sampling, rng)
+            self.step_seconds.append(time.perf_counter() - start)
+            yield self._record(token, len(self.step_seconds) - 1)
+        engine._synchronize()
+        self._done = True

@@ -9,6 +9,9 @@ size, and the weights exist once on disk. When the prefill and decode forms are 
 with a ``CC`` prefill there are two graphs over the same ``weights.data``. Small models (weights at most
 ``[export] external_data_threshold`` bytes) keep their weights inside the graph file(s) instead.
 
+A checkpoint export also copies the checkpoint's tokenizer files into the artifact
+(:func:`~mla_deploy.artifact.copy_tokenizer_files`, recorded in the manifest).
+
 The directory is built with :func:`~mla_deploy.artifact.atomic_dir` (under a temporary name beside the
 target, swapped into place at the end), so a failed or interrupted export never leaves a half-written
 artifact, and temporaries left by a killed export are removed by the next one. Re-exporting into an artifact
@@ -30,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import __version__
-from ..artifact import GraphEntry, Manifest, WeightsSource, atomic_dir, now, sha256_file
+from ..artifact import GraphEntry, Manifest, WeightsSource, atomic_dir, copy_tokenizer_files, now, sha256_file
 from ..artifact.files import remove_stale
 from ..artifact.target import check_export_target
 from ..errors import ExportError
@@ -212,7 +215,8 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
         name=recipe.name, fingerprint=fp, model=config, weights=weights, precision=settings.precision,
         opset=settings.opset, cache=layout.describe(config),
         max_cache_length=layout.manifest_capacity(settings.max_cache_length), graphs=graphs,
-        recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data)
+        recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data,
+        tokenizer=copy_tokenizer_files(weights.path, tmp) if weights.kind == "hf" and weights.path else None)
     manifest.save(tmp)
     return manifest
 

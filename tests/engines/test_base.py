@@ -115,6 +115,66 @@ def test_logits_index_picks_rows_and_is_checked():
 
 
 @pytest.mark.parametrize("layout", [CONCAT, STATIC], ids=["concat", "static"])
+def test_each_sequence_stops_at_an_eos_id_and_the_batch_goes_on(layout):
+    engine = ToyEngine(layout, capacity=16)
+    result = engine.generate([[3], [9, 9]], max_new_tokens=6, eos_ids=[5, 99])
+    assert result.tokens == [[4, 5], [10, 11, 12, 13, 14, 15]]  # the EOS id is kept as the last token
+    assert result.finish_reasons == ["eos", "length"] and result.decode_steps == 5
+    decoded = [run[1][:, 0].tolist() for run in engine.runs[1:]]
+    assert [row[1] for row in decoded] == [10, 11, 12, 13, 14]  # the other sequence goes on
+    assert result.sequence_decode_seconds[0] <= result.sequence_decode_seconds[1] == result.decode_seconds
+    assert result.tokens_per_second == pytest.approx((1 + 5) / result.decode_seconds)
+    assert ToyEngine(layout, capacity=16).generate([[3], [4]], 6, eos_ids=[5, 6]).decode_steps == 1  # all done
+
+
+def test_stream_yields_each_step_and_stops_a_finished_sequence():
+    engine = ToyEngine(CONCAT)
+    stream = engine.stream([[1], [7]], max_new_tokens=5)
+    steps = []
+    for step in stream:
+        steps.append(step)
+        if step.index == 1:
+            stream.finish(0)  # as a stop string does
+    assert [s.tokens for s in steps] == [(2, 8), (3, 9), (None, 10), (None, 11), (None, 12)]
+    assert steps[1].finished == (None, None) and steps[2].finished == ("stop", None)
+    assert steps[-1].finished == ("stop", "length")
+    result = stream.result()
+    assert result.tokens == [[2, 3], [8, 9, 10, 11, 12]] and result.finish_reasons == ["stop", "length"]
+
+
+class LastPositionEngine(ToyEngine):
+    """A runtime whose prefill returns the logits of each sequence's last real position only ``[B, 1, V]``."""
+
+    def _run(self, role, ids, positions, control, state):
+        logits, presents = super()._run(role, ids, positions, control, state)
+        if role == "prefill":
+            lengths = (ids != 0).sum(1)  # the toy prompts hold no id 0
+            logits = logits[np.arange(len(ids)), lengths - 1][:, None]
+        return logits, presents
+
+
+def test_a_last_position_prefill_generates_the_same_tokens():
+    full = ToyEngine(CONCAT).generate([[3, 4, 5], [7]], 4)
+    assert LastPositionEngine(CONCAT).generate([[3, 4, 5], [7]], 4).tokens == full.tokens == [[6, 7, 8, 9],
+                                                                                              [8, 9, 10, 11]]
+
+
+def test_sampling_in_the_loop_is_seeded_and_top_k_1_is_greedy():
+    from mla_deploy.sampling import SamplingConfig
+
+    class Noisy(ToyEngine):  # logits with a clear maximum at (id + 1) % V and noise elsewhere
+        def _run(self, role, ids, positions, control, state):
+            logits, presents = super()._run(role, ids, positions, control, state)
+            return logits * 3 + np.random.default_rng(int(ids.sum())).normal(size=logits.shape), presents
+
+    greedy = Noisy(CONCAT).generate([[3, 4, 5], [7]], 10)
+    assert Noisy(CONCAT).generate([[3, 4, 5], [7]], 10, SamplingConfig(2.0, top_k=1, seed=0)).tokens == greedy.tokens
+    hot = SamplingConfig(3.0, seed=5)
+    first = Noisy(CONCAT).generate([[3, 4, 5], [7]], 10, hot).tokens
+    assert Noisy(CONCAT).generate([[3, 4, 5], [7]], 10, hot).tokens == first != greedy.tokens
+
+
+@pytest.mark.parametrize("layout", [CONCAT, STATIC], ids=["concat", "static"])
 def test_forward_returns_the_rows_held(layout):
     engine = ToyEngine(layout, capacity=8)
     state = engine.new_state(2)

@@ -47,7 +47,20 @@ DAMAGE = {
     "missing_manifest": (lambda a: (a / "manifest.json").unlink(), r"holds no manifest.json"),
     "unknown_format_version": (lambda a: _edit_manifest(a, lambda m: m.update(format_version=99)),
                                r"format_version 99 is not supported"),
+    "malformed_tokenizer_record": (lambda a: _edit_manifest(a, lambda m: m.update(tokenizer={"files": ["x"]})),
+                                   r"\[tokenizer\] must list tokenizer.json"),
+    "missing_tokenizer_file": (
+        lambda a: _edit_manifest(a, lambda m: m.update(tokenizer={"files": [
+            {"file": "tokenizer.json", "bytes": 3, "sha256": "0" * 64}]})),
+        r"the tokenizer file .*tokenizer.json is missing"),
 }
+
+
+def test_a_manifest_without_a_tokenizer_record_loads_and_saves_without_one(tiny_static):
+    """The tokenizer record is optional in format version 1: a preset export has none and writes none."""
+    manifest = check_artifact(tiny_static)
+    assert manifest.tokenizer is None and "tokenizer" not in manifest.to_dict()
+    assert "tokenizer" not in json.loads((tiny_static / "manifest.json").read_text())
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
