@@ -45,12 +45,14 @@ class CacheState:
         caches: per layer, the engine's arrays in the layout's shape (:meth:`CacheLayout.cache_shape`).
         key_valid: concat only: ``[B, P]`` int64, 1 for a real token's slot, 0 for a padding slot.
         extra: engine-specific buffers (e.g. TensorRT's scratch present buffers).
+        capacity: fixed-capacity layouts: the slots per sequence this state's caches have (None: growing).
     """
 
     lengths: np.ndarray
     caches: list
     key_valid: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
+    capacity: int | None = None
 
 
 class CacheLayout:
@@ -324,7 +326,7 @@ class StaticLayout(CacheLayout):
         if not capacity or capacity < 1:
             raise CacheCapacityError("a static cache needs a capacity (the manifest has none; pass capacity=)")
         caches = [allocate(self.cache_shape(batch, capacity, width)) for _ in range(layers)]
-        return CacheState(np.zeros(batch, dtype=np.int64), caches)
+        return CacheState(np.zeros(batch, dtype=np.int64), caches, capacity=int(capacity))
 
     def check_request(self, prompt_length, new_tokens, capacity):
         if prompt_length + new_tokens - 1 > (capacity or 0):
@@ -333,6 +335,7 @@ class StaticLayout(CacheLayout):
 
     def check_step(self, state, steps, capacity):
         held = int(state.lengths.max(initial=0))
+        capacity = state.capacity or capacity  # a state may be smaller than the engine's capacity
         if held + steps > (capacity or 0):
             raise CacheCapacityError(f"{held} cached + {steps} new tokens exceed the static cache capacity {capacity}")
 

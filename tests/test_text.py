@@ -31,8 +31,8 @@ class ScriptedEngine(Engine):
     def _allocate(self, shape):
         return np.zeros(shape, np.float32)
 
-    def _run(self, role, ids, positions, control, state):
-        logits = np.zeros((*ids.shape, self.config.vocab_size), np.float32)
+    def _run(self, role, ids, positions, logits_index, control, state):
+        logits = np.zeros((*logits_index.shape, self.config.vocab_size), np.float32)
         for b, script in enumerate(self.scripts):
             logits[b, :, script[min(self.calls, len(script) - 1)]] = 1
         self.calls += 1

@@ -79,9 +79,7 @@ class OursPath:
     def _new_state(self, batch: int, rows: int):
         """An empty cache for ``batch`` sequences of at most ``rows`` rows: a fixed-capacity cache is made exactly
         that large (its steps attend to every slot, so a larger one would slow them down)."""
-        if self.engine.layout.has_capacity:
-            self.engine.capacity = rows
-        return self.engine.new_state(batch)
+        return self.engine.new_state(batch, rows)
 
     def _greedy(self, logits) -> np.ndarray:
         return np.asarray(logits)[:, -1].argmax(-1).astype(np.int64)

@@ -205,9 +205,22 @@ class Engine:
         return {}
 
     # state and one step -------------------------------------------------------------------------------
-    def new_state(self, batch: int) -> CacheState:
-        """An empty cache for ``batch`` sequences."""
-        return self.layout.new_state(batch, self.config.latent_dim, self.config.num_hidden_layers, self.capacity,
+    #: the runtime's fixed-capacity cache can be allocated smaller than :attr:`capacity` (ONNX Runtime: the
+    #: capacity axis is dynamic; a TensorRT engine's profile fixes it)
+    resizable_capacity: bool = True
+
+    def new_state(self, batch: int, rows: int | None = None) -> CacheState:
+        """An empty cache for ``batch`` sequences.
+
+        Args:
+            rows: the most rows a sequence will hold. A fixed-capacity layout whose runtime can resize it gets
+                ``min(rows, capacity)`` slots instead of the full capacity: each decode step attends over every
+                slot, so a cache larger than the request would slow every step down. None: the full capacity.
+        """
+        capacity = self.capacity
+        if capacity and rows is not None and self.resizable_capacity:
+            capacity = max(1, min(int(rows), capacity))
+        return self.layout.new_state(batch, self.config.latent_dim, self.config.num_hidden_layers, capacity,
                                      self._allocate)
 
     def step(self, role: str, input_ids, position_ids, state: CacheState, valid=None, logits_index=None):
@@ -379,7 +392,7 @@ class GenerationStream:
         engine, sampling = self.engine, self.sampling
         rng = None if sampling.greedy else sampling.generator()
         ids, width = self.ids, self.ids.shape[1]
-        state = engine.new_state(len(ids))
+        state = engine.new_state(len(ids), rows=width + self.max_new_tokens - 1)  # the last token is not cached
         engine._synchronize()
         start = time.perf_counter()
         zeros = np.zeros(len(ids), dtype=np.int64)  # each step asks for one row of logits per sequence

@@ -159,10 +159,12 @@ class TrtEngine(Engine):
         with self.torch.cuda.stream(self.stream):
             return self.torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 
-    def new_state(self, batch: int) -> CacheState:
+    resizable_capacity = False  # the engine's profile fixes the capacity axis at the exported max_cache_length
+
+    def new_state(self, batch: int, rows: int | None = None) -> CacheState:
         """An empty cache for ``batch`` sequences; an in-place layout whose engines do not alias the present
         to the past also gets one scratch present buffer per layer (``state.extra["scratch"]``)."""
-        state = super().new_state(batch)
+        state = super().new_state(batch, rows)
         if self.layout.in_place and not self._all_aliased():
             with self.torch.cuda.stream(self.stream):
                 state.extra["scratch"] = [self.torch.empty_like(cache) for cache in state.caches]

@@ -99,6 +99,21 @@ def test_generate_is_prefill_then_decode_steps(layout):
     assert info["cache_mode"] == layout.mode and info["capacity"] == (16 if layout.has_capacity else None)
 
 
+def test_generation_sizes_a_static_cache_to_the_request():
+    """Each decode step attends over every slot of a static cache: generation allocates the rows the request
+    needs (prompt + new tokens - 1), not the whole capacity, and a step past the state's own capacity is refused."""
+    engine = ToyEngine(STATIC, capacity=64)
+    shapes = []
+    engine._allocate = lambda shape: shapes.append(shape) or np.zeros(shape, np.float32)
+    result = engine.generate([[3, 4, 5], [7]], max_new_tokens=4)
+    assert result.tokens == [[6, 7, 8, 9], [8, 9, 10, 11]]
+    assert shapes == [(2, 1, 6, C)] * 2  # 3 + 4 - 1 rows per layer
+    state = engine.new_state(1, rows=2)
+    assert state.capacity == 2 and engine.new_state(1).capacity == 64 and engine.new_state(1, rows=999).capacity == 64
+    with pytest.raises(CacheCapacityError, match="capacity 2"):
+        engine.step("prefill", np.array([[1, 2, 3]]), np.array([[0, 1, 2]]), state)
+
+
 def test_logits_index_picks_rows_and_is_checked():
     engine = ToyEngine(CONCAT)
     ids = np.array([[3, 4, 5], [7, 8, 9]])
@@ -142,29 +157,12 @@ def test_stream_yields_each_step_and_stops_a_finished_sequence():
     assert result.tokens == [[2, 3], [8, 9, 10, 11, 12]] and result.finish_reasons == ["stop", "length"]
 
 
-class LastPositionEngine(ToyEngine):
-    """A runtime whose prefill returns the logits of each sequence's last real position only ``[B, 1, V]``."""
-
-    def _run(self, role, ids, positions, control, state):
-        logits, presents = super()._run(role, ids, positions, control, state)
-        if role == "prefill":
-            lengths = (ids != 0).sum(1)  # the toy prompts hold no id 0
-            logits = logits[np.arange(len(ids)), lengths - 1][:, None]
-        return logits, presents
-
-
-def test_a_last_position_prefill_generates_the_same_tokens():
-    full = ToyEngine(CONCAT).generate([[3, 4, 5], [7]], 4)
-    assert LastPositionEngine(CONCAT).generate([[3, 4, 5], [7]], 4).tokens == full.tokens == [[6, 7, 8, 9],
-                                                                                              [8, 9, 10, 11]]
-
-
 def test_sampling_in_the_loop_is_seeded_and_top_k_1_is_greedy():
     from mla_deploy.sampling import SamplingConfig
 
     class Noisy(ToyEngine):  # logits with a clear maximum at (id + 1) % V and noise elsewhere
-        def _run(self, role, ids, positions, control, state):
-            logits, presents = super()._run(role, ids, positions, control, state)
+        def _run(self, role, ids, positions, logits_index, control, state):
+            logits, presents = super()._run(role, ids, positions, logits_index, control, state)
             return logits * 3 + np.random.default_rng(int(ids.sum())).normal(size=logits.shape), presents
 
     greedy = Noisy(CONCAT).generate([[3, 4, 5], [7]], 10)
