@@ -185,8 +185,8 @@ class Engine:
         raise NotImplementedError
 
     def _to_host(self, array) -> np.ndarray:
-        """A host NumPy copy or view of a runtime array."""
-        return np.asarray(array)
+        """A host NumPy copy of a runtime array (it must outlive the step and the state it came from)."""
+        return np.array(array)
 
     def _sliceable(self, cache):
         """``cache`` as an array that can be sliced (default: itself; a GPU cache is sliced before it is copied)."""
