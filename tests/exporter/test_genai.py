@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (the [genai] extra; "
-                                                     "`pip install --no-deps onnxruntime-genai`)")
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (the [genai] extra: "
+                                                     "pip install -e '.[genai]', which make test does)")
 transformers = pytest.importorskip("transformers")
 
 from hf_oracle import TEXT_PROMPTS, text_checkpoint  # noqa: E402
@@ -109,6 +109,12 @@ def test_genai_folder_holds_the_latent_cache_as_two_halves(exported):
     assert list(dims)[:2] == ["input_ids", "attention_mask"]
     assert dims["past_key_values.1.value"] == ["batch_size", 1, "max_cache_length", latent // 2]
     assert "TensorScatter" in {n.op_type for n in graph.node}
+    # the cache halves are scored and weighted one by one: no Concat (nor Slice) of cache-sized tensors
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(folder / "model.onnx"), load_external_data=False))
+    shapes = {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
+    copies = [n.output[0] for n in inferred.graph.node if n.op_type in ("Concat", "Slice")
+              and "max_cache_length" in shapes.get(n.output[0], [])]
+    assert not copies
     # genai's tokenizer reads the carried files; it does not apply tokenizer.json's post-processor (the V2
     # checkpoint's BOS), so ids are compared with the text's ids without special tokens
     tokenizer = og.Tokenizer(og.Model(str(folder)))
@@ -116,6 +122,13 @@ def test_genai_folder_holds_the_latent_cache_as_two_halves(exported):
         ids = [int(i) for i in tokenizer.encode(text)]
         assert ids == tok(text, add_special_tokens=False).input_ids
         assert tokenizer.decode(np.array(ids, dtype=np.int32)) == text
+    # a chat rendered by transformers encodes to transformers' ids (special tokens in the text included); genai's
+    # own renderer reads the carried template but keeps the newline after a block tag (no trim_blocks)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 🙂"}]
+    chat = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert [int(i) for i in tokenizer.encode(chat)] == tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                                 return_dict=False)
+    assert tokenizer.apply_chat_template(json.dumps(messages), add_generation_prompt=True).startswith("<s><|system|>")
 
 
 @pytest.mark.slow
