@@ -322,8 +322,11 @@ def _export_genai(resolved, hf, out, overwrite, cache_mode, block, run_validatio
                f"{resolved.model.latent_dim} per token per layer as key/value halves of {decoder['head_size']}")
     from pathlib import Path
 
-    for name in sorted(p.name for p in Path(out).iterdir()):
-        click.echo(f"  {name}")
+    from .exporter.genai import GENAI_FILES
+
+    for name in GENAI_FILES:
+        if (Path(out) / name).is_file():
+            click.echo(f"  {name:<22} {_size((Path(out) / name).stat().st_size)}")
 
 
 def _size(nbytes: int) -> str:

@@ -196,7 +196,7 @@ def export_genai(recipe: Recipe, out: str | Path, source, checkpoint: str | Path
             if offenders:
                 raise ExportError(f"the genai graph holds per-head K/V over the cache: {offenders[0]}")
             carried = copy_tokenizer_files(checkpoint, tmp) if checkpoint else None
-            genai = genai_config(recipe, _special_ids(tmp) if carried else {})
+            genai = genai_config(recipe, _special_ids(tmp) if carried else _config_ids(checkpoint))
             (tmp / GENAI_CONFIG).write_text(json.dumps(genai, indent=2) + "\n")
             if external:
                 log(f"weights in {WEIGHTS_FILE}")
@@ -230,6 +230,20 @@ def genai_config(recipe: Recipe, special: dict) -> dict:
               "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
               "no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
     return {"model": model, "search": search}
+
+
+def _config_ids(checkpoint: str | Path | None) -> dict:
+    """``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of a checkpoint's config.json (a checkpoint without a
+    tokenizer; the EOS stands in for a missing pad id)."""
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint else {}
+    except (OSError, ValueError):
+        config = {}
+    special = {name: config[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if isinstance(config.get(name), (int, list))}
+    if "pad_token_id" not in special and isinstance(special.get("eos_token_id"), int):
+        special["pad_token_id"] = special["eos_token_id"]
+    return special
 
 
 def _special_ids(folder: Path) -> dict:
