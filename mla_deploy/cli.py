@@ -308,10 +308,12 @@ def _export_genai(resolved, hf, out, overwrite, cache_mode, block, run_validatio
     if cache_mode or block != "decoder" or run_validation:
         raise ConfigError("--target genai takes neither --cache-mode, --block nor --validate (genai holds the "
                           "cache in its own layout)")
+    from .artifact.target import probe_writable
     from .checkpoint import CheckpointTensors
     from .exporter.genai import check_genai_target, export_genai
 
     check_genai_target(out, overwrite)  # before reading the checkpoint: a bad --out fails at once
+    probe_writable(out)
     show = force_progress or (not quiet and sys.stderr.isatty())
     start = time.perf_counter()
     config = export_genai(resolved, out, CheckpointTensors(hf), hf, overwrite=overwrite,

@@ -233,6 +233,7 @@ def test_genai_export_errors_are_one_line(tmp_path_factory, tmp_path):
     assert "already holds an onnxruntime-genai export" in error("--hf", ckpt, "--out", folder)
     assert "holds no onnxruntime-genai export" in error("--hf", ckpt, "--out", artifact)
     assert "takes neither --cache-mode" in error("--hf", ckpt, "--out", tmp_path / "y", "--cache-mode", "static")
+    assert "cannot write" in error("--hf", ckpt, "--out", "/proc/genai")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
