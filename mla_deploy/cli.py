@@ -223,9 +223,12 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines (they are shown on a terminal only).")
 @click.option("--progress", "force_progress", is_flag=True, help="Progress lines on stderr even when it is no "
                                                                  "terminal.")
+@click.option("--target", type=click.Choice(["artifact", "genai"]), default="artifact", show_default=True,
+              help="artifact: the mla-deploy artifact; genai: a folder onnxruntime-genai loads (needs --hf; "
+                   "--max-cache-length is its context length).")
 @_one_line_errors
 def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, overwrite, run_validation,
-           dump_recipe, block, quiet, force_progress):
+           dump_recipe, block, quiet, force_progress, target):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
     import json
     import time
@@ -238,6 +241,9 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
         return
     if out is None:
         raise ConfigError("export needs --out DIR (the artifact directory to write)")
+    if target == "genai":
+        _export_genai(resolved, hf, out, overwrite, cache_mode, block, run_validation, quiet, force_progress)
+        return
     if block == "decoder":  # before the heavy imports: a bad --out fails at once
         from .artifact.target import check_export_target, probe_writable
 
@@ -289,6 +295,40 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
         result = validate_artifact(out)
         click.echo(result.summary())
         result.raise_for_failure()
+
+
+def _export_genai(resolved, hf, out, overwrite, cache_mode, block, run_validation, quiet, force_progress):
+    """``export --target genai``: the onnxruntime-genai folder of a checkpoint (:mod:`mla_deploy.exporter.genai`)."""
+    import time
+
+    from .errors import ConfigError
+
+    if not hf:
+        raise ConfigError("--target genai exports a checkpoint: give --hf CHECKPOINT")
+    if cache_mode or block != "decoder" or run_validation:
+        raise ConfigError("--target genai takes neither --cache-mode, --block nor --validate (genai holds the "
+                          "cache in its own layout)")
+    from .artifact.target import probe_writable
+    from .checkpoint import CheckpointTensors
+    from .exporter.genai import check_genai_target, export_genai
+
+    check_genai_target(out, overwrite)  # before reading the checkpoint: a bad --out fails at once
+    probe_writable(out)
+    show = force_progress or (not quiet and sys.stderr.isatty())
+    start = time.perf_counter()
+    config = export_genai(resolved, out, CheckpointTensors(hf), hf, overwrite=overwrite,
+                          progress=_progress_line("weights") if show else None, log=_log_line(start) if show else None)
+    decoder = config["model"]["decoder"]
+    click.echo(f"exported {resolved.name} for onnxruntime-genai to {out} in {time.perf_counter() - start:.1f} s: "
+               f"{resolved.export.precision}, context length {config['model']['context_length']}, latent "
+               f"{resolved.model.latent_dim} per token per layer as key/value halves of {decoder['head_size']}")
+    from pathlib import Path
+
+    from .exporter.genai import GENAI_FILES
+
+    for name in GENAI_FILES:
+        if (Path(out) / name).is_file():
+            click.echo(f"  {name:<22} {_size((Path(out) / name).stat().st_size)}")
 
 
 def _size(nbytes: int) -> str:

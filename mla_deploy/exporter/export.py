@@ -143,9 +143,25 @@ def _trace(recipe: Recipe, file: str, form: str, attention: str) -> _Traced:
         use_decode_plugin(graph_model)
     wrapper = CausalLMGraph(graph_model, layout).eval()
     args = tuple(a.to("meta") for a in example_decoder_inputs(graph_model, layout, settings.max_cache_length, dtype))
+    model, placeholders, specs = trace_meta_graph(wrapper, args, inputs, outputs,
+                                                  decoder_dynamic_shapes(layout, config.num_hidden_layers),
+                                                  settings.opset, file)
+    return _Traced(file, form, attention, model, placeholders, specs)
+
+
+def trace_meta_graph(wrapper: torch.nn.Module, args: tuple, inputs, outputs, dynamic_shapes, opset: int,
+                     file: str) -> tuple[Any, dict, dict[str, WeightSpec]]:
+    """Trace ``wrapper`` (a graph wrapper around an :class:`MLAForCausalLM` on the meta device, as ``.model``,
+    called on meta ``args``) and say where each placeholder initializer's data comes from.
+
+    Returns:
+        ``(onnx_ir model, {initializer: placeholder value}, {initializer: WeightSpec})``; bind the data with
+        :func:`make_weights` and :func:`~mla_deploy.exporter.onnx_export.bind_initializers`.
+    Raises:
+        ExportError: the trace failed or an initializer is no parameter of the model.
+    """
     with torch.no_grad():
-        model, placeholders = trace_graph(wrapper, args, inputs, outputs,
-                                          decoder_dynamic_shapes(layout, config.num_hidden_layers), settings.opset, file)
+        model, placeholders = trace_graph(wrapper, args, inputs, outputs, dynamic_shapes, opset, file)
     parameters = {name for name, _ in wrapper.named_parameters()} | {name for name, _ in wrapper.named_buffers()}
     derived = fold_weight_views(model, placeholders)
     specs = {}
@@ -160,7 +176,7 @@ def _trace(recipe: Recipe, file: str, form: str, attention: str) -> _Traced:
         for op in reversed(ops):
             spec = spec.then(op)
         specs[final] = spec
-    return _Traced(file, form, attention, model, placeholders, specs)
+    return model, placeholders, specs
 
 
 def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource, fp: str, tmp: Path,
@@ -183,11 +199,11 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
             if specs.setdefault(name, spec) != spec:
                 raise ExportError(f"initializer {name} means different tensors in two graphs")
     values = {name: v for graph in traced.values() for name, v in graph.placeholders.items()}
-    total = sum(_nbytes(v) for v in values.values())
+    total = sum(nbytes(v) for v in values.values())
     external = total > settings.external_data_threshold
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
     log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
-    tensors, data = _make_weights(specs, values, source, config, tmp if external else None, total, progress)
+    tensors, data = make_weights(specs, values, source, config, tmp if external else None, total, progress)
     inputs, outputs = layout.io(config, settings.precision)
     entries: dict[str, tuple[Any, Any]] = {}
     for file, graph in traced.items():
@@ -221,13 +237,13 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
     return manifest
 
 
-def _nbytes(value) -> int:
+def nbytes(value) -> int:
     import math
 
     return math.prod(int(d) for d in value.shape) * value.dtype.itemsize
 
 
-def _make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSource, config, folder: Path | None,
+def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSource, config, folder: Path | None,
                   total: int, progress: Progress | None) -> tuple[dict, dict | None]:
     """Every initializer's data, made one at a time from ``source``: written to ``folder/weights.data`` and
     referenced (``folder`` given), or kept in memory (small models). Returns ``(tensors, weights_data record)``."""

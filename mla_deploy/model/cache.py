@@ -7,6 +7,10 @@ model built on these exports to ONNX with the cache as explicit inputs and outpu
 * :class:`StaticCache`: a fixed-capacity ``[..., T_max, C]`` buffer; the ``S`` new rows of sequence ``b``
   are written at ``write_indices[b]`` and the rest is left as is (ONNX ``TensorScatter``, in place in
   ONNX Runtime when input and output share a buffer). Slot ``t`` holds position ``t``.
+* :class:`MaskedBlockCache`: the latent row split into column blocks, each a fixed-capacity
+  ``[B, 1, T_max, w]`` buffer written in place (``TensorScatter``) at slot ``total - S`` of an
+  ``attention_mask [B, total]`` whose zeros mark (left) padding: the cache as onnxruntime-genai holds it
+  (:mod:`mla_deploy.exporter.genai`).
 """
 
 from __future__ import annotations
@@ -111,3 +115,51 @@ class StaticCache:
         q = self.write_indices.unsqueeze(1) + torch.arange(seq_len, device=past.device)  # [B, S]
         k = torch.arange(past.shape[-2], device=past.device)  # [T_max]
         return (k.view(1, 1, -1) <= q.unsqueeze(-1)).unsqueeze(1)
+
+
+class MaskedBlockCache:
+    """A fixed-capacity cache kept as column blocks of the latent row, addressed by an attention mask.
+
+    Each layer's past is a tuple of buffers ``[B, 1, T_max, w_j]`` whose widths sum to ``C`` (e.g. two halves of
+    288 for DeepSeek's 576). Slot ``t`` holds the token of the mask's column ``t``; a step of ``S`` tokens writes
+    slots ``total - S .. total - 1`` (the same for every sequence: padding is on the left, marked by zeros).
+
+    Args:
+        attention_mask: ``[B, total]`` (1 a real token, 0 padding) over the cached and the new tokens.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor):
+        self.attention_mask = attention_mask
+
+    def write_indices(self, steps: int) -> torch.Tensor:
+        """``[B]`` int64: the first slot this step writes (``total - steps``)."""
+        total = self.attention_mask.shape[1]
+        return torch.zeros_like(self.attention_mask[:, 0], dtype=torch.long) + (total - steps)
+
+    def positions(self, steps: int) -> torch.Tensor:
+        """``[B, steps]`` int64 position of each new token: real tokens before it (``cumsum(mask) - 1``, as
+        transformers' ``generate`` computes them; 0 for padding)."""
+        return (self.attention_mask.long().cumsum(1) - 1)[:, -steps:].clamp(min=0)
+
+    def write_latent(self, past: tuple, new: torch.Tensor) -> tuple[tuple, tuple]:
+        """Write a step's rows ``new [B, S, C]`` across the blocks. Args: past a tuple of ``[B, 1, T_max, w_j]``.
+        Returns: present (the same tuple layout) and the rows to attend, a tuple of ``[B, T_max, w_j]``."""
+        index, start, present = self.write_indices(new.shape[1]), 0, []
+        for block in past:
+            width = block.shape[-1]
+            present.append(tensor_scatter(block, new[..., start:start + width].unsqueeze(1), index))
+            start += width
+        return tuple(present), tuple(p.squeeze(1) for p in present)
+
+    def lengths_after(self, steps: int) -> torch.Tensor:
+        """Not known per sequence (the padding is a mask)."""
+        raise ConfigError("the masked block cache marks padding with a mask instead of per-sequence lengths")
+
+    def mask(self, seq_len: int, past: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, S, T_max]`` bool: slot ``t`` is visible to new token ``i`` iff ``t <= total - S + i`` and the
+        mask's column ``t`` is a real token."""
+        total, capacity = self.attention_mask.shape[1], past.shape[-2]
+        q = torch.arange(seq_len, device=past.device) + (total - seq_len)  # [S]
+        k = torch.arange(capacity, device=past.device)  # [T_max]
+        valid = torch.nn.functional.pad(self.attention_mask != 0, (0, capacity - total))  # [B, T_max]
+        return ((k.unsqueeze(0) <= q.unsqueeze(1)).unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)

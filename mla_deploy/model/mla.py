@@ -43,6 +43,30 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(dim=-1)
 
 
+def latent_scores(rows, q: torch.Tensor) -> torch.Tensor:
+    """``q . rows^T``: ``q [B, N, C]`` against the latent rows ``[B, T, C]``, or a tuple of their column blocks
+    ``[B, T, w_j]`` (scored block by block and summed, never concatenated). Returns ``[B, N, T]``.
+
+    The cache is the left operand (``[T, C] x [C, N]``) and the small result is transposed, so no cache-sized
+    tensor is transposed or sliced (an ONNX Transpose/Slice would copy it)."""
+    if not isinstance(rows, tuple):
+        return (rows @ q.transpose(-1, -2)).transpose(-1, -2)
+    scores, start = None, 0
+    for block in rows:
+        width = block.shape[-1]
+        part = block @ q[..., start:start + width].transpose(-1, -2)  # [B, T, N]
+        scores, start = part if scores is None else scores + part, start + width
+    return scores.transpose(-1, -2)
+
+
+def latent_mix(probs: torch.Tensor, rows) -> torch.Tensor:
+    """``probs . rows``: ``probs [B, N, T]`` over the latent rows ``[B, T, C]`` or a tuple of their column blocks
+    (each block weighted on its own; only the small results are concatenated). Returns ``[B, N, C]``."""
+    if not isinstance(rows, tuple):
+        return probs @ rows
+    return torch.cat([probs @ block for block in rows], dim=-1)
+
+
 class MLABase(nn.Module):
     """The projections every form shares: the query path, ``kv_a_proj_with_mqa`` + ``kv_a_layernorm``, ``o_proj``."""
 
@@ -80,7 +104,8 @@ class MLABase(nn.Module):
 
     def update_latent(self, past: torch.Tensor, new: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``new [B, S, C]`` into ``past`` as the cache policy lays it out (concat ``[B, P, C]``, static
-        ``[B, 1, T_max, C]``). Returns: present (the past's layout) and the rows to attend ``[B, T, C]``."""
+        ``[B, 1, T_max, C]``). Returns: present (the past's layout) and the rows to attend ``[B, T, C]`` (a tuple of
+        column blocks for a block cache)."""
         return cache.write_latent(past, new)
 
 
@@ -173,14 +198,14 @@ class AbsorbedMLAttention(MLABase):
         # broadcast runs as B*H matrix-vector products, each reading the whole cache).
         if self.form == "A_CC":
             q = torch.cat((q_lat, q_pe), dim=-1).flatten(1, 2)  # [B, H*S, C]
-            # the cache is the left operand: [T, C] x [C, H*S]; the small result is transposed
-            scores = (rows @ q.transpose(-1, -2)).transpose(-1, -2).unflatten(1, (heads, steps))  # [B, H, S, T]
+            scores = latent_scores(rows, q).unflatten(1, (heads, steps))  # [B, H, S, T]
         else:
+            rows = torch.cat(rows, dim=-1) if isinstance(rows, tuple) else rows
             kv = rows.unsqueeze(1)  # [B, 1, T, C]: one latent "head" shared by all query heads
             scores = q_lat @ kv[..., :r].transpose(-1, -2) + q_pe @ kv[..., r:].transpose(-1, -2)
         probs = masked_softmax(scores.float() * self.softmax_scale, mask)
         # softmax-weighted sum of whole cache rows [c_kv | k_pe], then keep the c_kv part of the small result
-        o_lat = (probs.to(rows.dtype).flatten(1, 2) @ rows)[..., :r]  # [B, H*S, r]
+        o_lat = latent_mix(probs.to(q_lat.dtype).flatten(1, 2), rows)[..., :r]  # [B, H*S, r]
         return o_lat.unflatten(1, (heads, steps)), present
 
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
