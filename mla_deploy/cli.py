@@ -416,9 +416,9 @@ def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, tempe
     from .sampling import SamplingConfig
     from .tokenizer import load_tokenizer
 
-    if bool(prompts) == bool(prompt_ids):
-        raise InputError("give --prompt (text) or --prompt-ids (token ids), not both" if prompts else
-                         "give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
+    if bool(prompts) == bool(prompt_ids):  # a malformed command line: click's usage error (exit 2)
+        raise click.UsageError("give --prompt (text) or --prompt-ids (token ids), not both" if prompts else
+                               "give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
     if (chat or system is not None) and not prompts:
         raise InputError("--chat and --system apply to --prompt")
     sampling = SamplingConfig(temperature, top_k, top_p, seed)

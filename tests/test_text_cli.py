@@ -33,8 +33,8 @@ def ok(result):
     return result.stdout
 
 
-def one_line_error(result):
-    assert result.returncode == 1, result.stdout + result.stderr
+def one_line_error(result, status=1):
+    assert result.returncode == status, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mla-deploy: error: ") and "Traceback" not in result.stderr
     return lines[0]
@@ -170,8 +170,8 @@ def test_run_text_errors_are_one_line(tmp_path_factory):
                                                            "--top-p", "0"))
     assert "temperature must be" in one_line_error(cli("run", out, "--prompt", "x", "--temperature", "-1"))
     assert "give a temperature > 0" in one_line_error(cli("run", out, "--prompt", "x", "--top-k", "5"))
-    assert "not both" in one_line_error(cli("run", out, "--prompt", "x", "--prompt-ids", "1"))
-    assert "give a prompt" in one_line_error(cli("run", out))
+    assert "not both" in one_line_error(cli("run", out, "--prompt", "x", "--prompt-ids", "1"), 2)  # usage errors
+    assert "give a prompt" in one_line_error(cli("run", out), 2)
     assert "apply to --prompt" in one_line_error(cli("run", out, "--prompt-ids", "1", "--chat"))
     assert "needs the chat template" in one_line_error(cli("run", out, "--prompt", "x", "--system", "s"))
     assert "stop string cannot be empty" in one_line_error(cli("run", out, "--prompt", "x", "--stop", ""))
