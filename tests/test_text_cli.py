@@ -6,31 +6,19 @@ process against transformers' own tokenizer and `generate`."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from cli_run import cli, ok  # noqa: E402
 from hf_oracle import TEXT_PROMPTS, text_checkpoint  # noqa: E402
 from artifacts import tiny_artifact  # noqa: E402
 from mla_deploy.artifact import check_artifact, load_manifest  # noqa: E402
 from mla_deploy.errors import ArtifactError  # noqa: E402
 
 NEW = 12
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "mla_deploy", *map(str, args)], capture_output=True, text=True,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"},
-                          timeout=600)
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 def one_line_error(result, status=1):

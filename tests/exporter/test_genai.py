@@ -7,8 +7,6 @@ past and present)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,21 +16,11 @@ og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not i
                                                      "pip install -e '.[genai]', which make test does)")
 transformers = pytest.importorskip("transformers")
 
+from cli_run import cli, ok  # noqa: E402
 from hf_oracle import TEXT_PROMPTS, text_checkpoint  # noqa: E402
 
 NEW = 12
 CONTEXT = 64
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "mla_deploy", *map(str, args)], capture_output=True, text=True,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"},
-                          timeout=600)
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 _EXPORTED = {}
