@@ -157,3 +157,21 @@ def test_public_tracing_pieces_export_a_fixed_length_head(tmp_path, mode):
     graph = check_onnx_file(path).graph
     assert [v.name for v in graph.input] == [t.name for t in inputs]
     assert [_dims(v) for v in graph.input] == [list(t.shape) for t in inputs]
+
+
+def test_weights_that_overflow_the_export_precision_are_refused(tmp_path):
+    """A weight finite in float32 but past float16's range would be written as Inf: refused, named, as an
+    overflow (a NaN in the source itself is 'holds NaN', tested through the CLI); nothing is left behind."""
+    import torch
+
+    from mla_deploy.model import build_model
+
+    recipe = tiny_recipe("static", "fp16")
+    model = build_model(recipe.model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, :3] = 1e6
+    out = tmp_path / "x"
+    with pytest.raises(ExportError, match=r"weight model\.layers\.1\.mlp\.down_proj\.weight overflows float16 with "
+                                          r"Inf \(3 of \d+ values\)"):
+        export_recipe(recipe, out, model=model)
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -142,10 +142,11 @@ def test_real_manifest_gives_static_profiles_and_a_plugin_build_plan(artifact):
     from mla_deploy.trt.build import build_plan
 
     plan = build_plan(load_manifest(artifact), None, "11.4.0.106")
-    assert plan["decode"]["attention"] == "plugin" and plan["decode"]["strongly_typed"]
-    assert plan["decode"]["profile"]["past_latent.0"] == ((1, 1, 64, 24), (2, 1, 64, 24), (4, 1, 64, 24))
-    assert plan["decode"]["profile"]["write_indices"] == ((1,), (2,), (4,))
-    assert plan["prefill"]["profile"]["input_ids"] == ((1, 1), (2, 8), (4, 32))
+    decode, prefill = plan["decode.engine"], plan["prefill.engine"]  # two graphs: an engine each
+    assert decode["attention"] == "plugin" and decode["strongly_typed"] and decode["roles"] == ["decode"]
+    assert decode["profiles"][0]["past_latent.0"] == ((1, 1, 64, 24), (2, 1, 64, 24), (4, 1, 64, 24))
+    assert decode["profiles"][0]["write_indices"] == ((1,), (2,), (4,))
+    assert prefill["profiles"][0]["input_ids"] == ((1, 1), (2, 8), (4, 32))
 
 
 def test_onnx_runtime_refuses_a_plugin_artifact_with_one_clear_error(artifact):
