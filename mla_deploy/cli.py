@@ -13,7 +13,6 @@ every failure prints exactly one line on stderr, ``mla-deploy: error: ...``:
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import NoReturn
 
@@ -32,18 +31,6 @@ def _fail(message: str, status: int) -> "NoReturn":
     """Print ``mla-deploy: error: <message>`` as one line on stderr and exit with ``status``."""
     click.echo(f"mla-deploy: error: {' '.join(str(message).split())}", err=True)
     sys.exit(status)
-
-
-def _one_line_errors(fn):
-    """Run ``fn``; a user error becomes one line and exit 1 (also done for every command by :class:`_Main`)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except MLADeployError as exc:
-            _fail(str(exc), 1)
-
-    return wrapper
 
 
 class Interrupted(BaseException):
@@ -155,7 +142,6 @@ def main() -> None:
 @click.option("--preset", metavar="NAME", help="A built-in preset (see `mla-deploy presets`).")
 @click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
 @click.option("--hf", type=click.Path(), help="A Hugging Face checkpoint folder or config.json.")
-@_one_line_errors
 def inspect(preset, recipe, hf):
     """Print a model's dimensions and its cache size per token per layer (MHA, CD, latent)."""
     from .cache_table import format_inspect
@@ -226,7 +212,6 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--target", type=click.Choice(["artifact", "genai"]), default="artifact", show_default=True,
               help="artifact: the mla-deploy artifact; genai: a folder onnxruntime-genai loads (needs --hf; "
                    "--max-cache-length is its context length).")
-@_one_line_errors
 def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, overwrite, run_validation,
            dump_recipe, block, quiet, force_progress, target):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
@@ -402,7 +387,6 @@ def _parse_ids(values) -> list[list[int]]:
               help="ONNX Runtime execution provider.")
 @click.option("--threads", type=Int(), help="ONNX Runtime intra-op threads.")
 @click.option("--allow-long", is_flag=True, help="Run past the model's max_position_embeddings (with a warning).")
-@_one_line_errors
 def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, temperature, top_k, top_p, seed, as_json,
         provider, threads, allow_long):
     """Generate from an exported artifact with ONNX Runtime: text in and text out (--prompt, streamed as it is
@@ -505,7 +489,6 @@ def _number(value: float) -> float | None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines (they are shown on a terminal only).")
 @click.option("--progress", "force_progress", is_flag=True, help="Progress lines on stderr even when it is no "
                                                                  "terminal.")
-@_one_line_errors
 def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt, quiet, force_progress):
     """Validate an exported artifact against its PyTorch original with Polygraphy; write report.{json,html,md}.
 
@@ -545,7 +528,6 @@ def doctor(as_json, no_providers):
                    "(default). TensorRT 11 is always strongly typed.")
 @click.option("--no-timing-cache", is_flag=True, help="Neither read nor write ARTIFACT_DIR/trt/timing.cache.")
 @click.option("--opt-level", type=click.IntRange(0, 5), help="TensorRT builder optimisation level.")
-@_one_line_errors
 def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_level):
     """Build TensorRT engines for an exported artifact: one engine per graph (ARTIFACT_DIR/trt/model.engine with a
     prefill and a decode profile, or prefill.engine and decode.engine), timing.cache and build.json, with
@@ -570,14 +552,6 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
     click.echo(f"TensorRT {record['tensorrt']} on {record['gpu']}; {record['precision']}, {typing}")
 
 
-class _OneLineOptions(click.Command):
-    """A command whose option types raise typed errors while the options are parsed (``mla_deploy.bench.options``):
-    those print one line too."""
-
-    def make_context(self, *args, **kwargs):
-        return _one_line_errors(super().make_context)(*args, **kwargs)
-
-
 def _command_line(ctx: click.Context) -> str:
     """The command as run, rebuilt from its parsed options (for the report)."""
     import shlex
@@ -592,7 +566,7 @@ def _command_line(ctx: click.Context) -> str:
     return " ".join(parts)
 
 
-@main.command(cls=_OneLineOptions)
+@main.command()
 @click.option("--whole-model", is_flag=True,
               help="Bench the whole model instead of the attention stack: decode ms/token and tokens/s after a context, "
                    "prefill tokens/s, peak memory, ONNX Runtime beside transformers' own model, each against the "
@@ -628,7 +602,6 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
               help="Folder for bench.json, bench.md and bench.png; --whole-model from --hf or --preset also keeps the "
                    "exported artifact (and the random checkpoint) there, reused by a later run on the same model.")
-@_one_line_errors
 def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, prompt_length, threads, repeat, warmup,
           passes, paths, max_seconds, seed, no_transformers, probe_mib, out):
     """Decode-step latency, tokens/s, cache and peak memory of MLA attention: transformers' own attention
