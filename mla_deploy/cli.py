@@ -161,7 +161,8 @@ def presets():
                    f"heads={c.num_attention_heads:<4} latent={c.latent_dim}")
 
 
-def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers):
+def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers, weights=None,
+                       block_size=None):
     """The recipe an export uses: a preset or recipe file, or a checkpoint's config with default settings."""
     import dataclasses
     from pathlib import Path
@@ -180,7 +181,10 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
     else:
         result = load_recipe(preset or recipe)
     changes = {k: v for k, v in (("precision", precision), ("cache_mode", cache_mode),
-                                 ("max_cache_length", max_cache_length)) if v is not None}
+                                 ("max_cache_length", max_cache_length), ("weights", weights),
+                                 ("block_size", block_size)) if v is not None}
+    if block_size is not None and (weights or result.export.weights) == "float":
+        raise ConfigError("--block-size needs --weights int8 or int4")
     if changes:
         result = result.replace(export=dataclasses.replace(result.export, **changes))
     if layers is not None:
@@ -200,6 +204,11 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--cache-mode", type=click.Choice(["concat", "static"]), help="Override [export] cache_mode.")
 @click.option("--max-cache-length", type=Int(), help="Override [export] max_cache_length (static capacity).")
 @click.option("--layers", type=Int(), help="Keep only the first N decoder layers (presets only).")
+@click.option("--weights", type=click.Choice(["float", "int8", "int4"]),
+              help="Override [export] weights: int8/int4 quantize the projections, MLPs, experts and lm_head "
+                   "(weight-only, a symmetric scale per block of input features); float (default) quantizes nothing.")
+@click.option("--block-size", type=click.Choice(["32", "64", "128"]),
+              help="Input features per scale of --weights int8/int4 (default 32).")
 @click.option("--overwrite", is_flag=True, help="Replace --out even if it holds a different model.")
 @click.option("--validate", "run_validation", is_flag=True, help="Validate against PyTorch right after exporting.")
 @click.option("--dump-recipe", is_flag=True, help="Print the resolved recipe as JSON and exit.")
@@ -212,15 +221,16 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--target", type=click.Choice(["artifact", "genai"]), default="artifact", show_default=True,
               help="artifact: the mla-deploy artifact; genai: a folder onnxruntime-genai loads (needs --hf; "
                    "--max-cache-length is its context length).")
-def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, overwrite, run_validation,
-           dump_recipe, block, quiet, force_progress, target):
+def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, weights, block_size, overwrite,
+           run_validation, dump_recipe, block, quiet, force_progress, target):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
     import json
     import time
 
     from .errors import ConfigError
 
-    resolved = _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers)
+    resolved = _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers, weights,
+                                  None if block_size is None else int(block_size))
     if dump_recipe:
         click.echo(json.dumps(resolved.to_dict(), indent=2))
         return

@@ -54,6 +54,9 @@ class ExportSettings:
         decode_attention: ``standard`` (ONNX ops) or ``plugin``: the decode graph's attention becomes one
             ``mla_deploy::MlaDecode`` node for the TensorRT plugin of ``plugins/mla_decode`` (static cache only;
             ONNX Runtime cannot run such a graph).
+        weights: ``float`` (the weights in ``precision``), or ``int8``/``int4``: weight-only quantization with a
+            symmetric scale per block of input features (:mod:`mla_deploy.quant`, :mod:`mla_deploy.exporter.quantize`).
+        block_size: input features per scale of quantized weights (32, 64 or 128).
     """
 
     precision: str = "fp32"
@@ -66,6 +69,8 @@ class ExportSettings:
     seed: int = 0
     init_std: float = 0.02
     decode_attention: str = "standard"
+    weights: str = "float"
+    block_size: int = 32
 
     def __post_init__(self) -> None:
         from .cache_layout import CACHE_MODES, get_layout
@@ -93,6 +98,23 @@ class ExportSettings:
             able = " or ".join(f'"{m}"' for m in CACHE_MODES if get_layout(m).supports_plugin)
             raise ConfigError(f"[export] decode_attention = \"plugin\" needs cache_mode = {able} "
                               f"(the plugin reads per-sequence valid lengths, not a padding mask)")
+
+        if self.weights != "float":
+            self.quantization  # noqa: B018  (raises ConfigError for an unknown scheme or block size)
+        elif self.block_size != 32:
+            raise ConfigError("[export] block_size needs quantized weights (weights = \"int8\" or \"int4\")")
+
+    @property
+    def quantization(self):
+        """The :class:`~mla_deploy.quant.WeightQuantization` of :attr:`weights`; None for ``float``."""
+        from .quant import WeightQuantization
+
+        if self.weights == "float":
+            return None
+        try:
+            return WeightQuantization(self.weights, self.block_size)
+        except ConfigError as exc:
+            raise ConfigError(f"[export] {exc}") from None
 
     @property
     def layout(self) -> "CacheLayout":

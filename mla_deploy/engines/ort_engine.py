@@ -33,12 +33,22 @@ def numpy_dtype(precision: str):
     return np.dtype(PRECISIONS[precision])
 
 
-def session_options(threads: int | None = None, log_severity: int = 4):
+#: ``quantized_compute``: the arithmetic of a quantized weight's product (ONNX Runtime's ``MatMulNBits``
+#: accuracy level, which its CPU provider gives each ``DequantizeLinear -> MatMul`` it fuses)
+QUANTIZED_COMPUTE = {"int8": "4", "fp32": "1"}
+
+
+def session_options(threads: int | None = None, log_severity: int = 4, quantized_compute: str = "int8"):
     """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's
     default), no spinning (a waiting thread sleeps instead of burning a core), and no CPU memory arena: the
     arena keeps the largest step's activations and grows by powers of two, so a batch-8 prefill of a 4-layer
     V2-Lite left the process at 13.5 GiB for 8.4 GiB of weights, against 10.9 GiB without it, at the same
-    decode speed (measured here, 2 threads)."""
+    decode speed (measured here, 2 threads).
+
+    ``quantized_compute`` (quantized weights only): ``int8`` quantizes the activations to int8 per block inside
+    each fused ``MatMulNBits`` (its fast path on CPU, as llama.cpp's ``Q8_0``/``Q4_0`` products do; about 0.5%
+    relative error per product), ``fp32`` multiplies in float32 with the dequantized weights (exact to float32
+    rounding; several times slower, int8 weights about 30x): what validation compares with PyTorch."""
     import onnxruntime as ort
 
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
@@ -49,10 +59,14 @@ def session_options(threads: int | None = None, log_severity: int = 4):
         options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.enable_cpu_mem_arena = False
+    if quantized_compute not in QUANTIZED_COMPUTE:
+        raise InputError(f"quantized_compute must be one of {', '.join(QUANTIZED_COMPUTE)}, got {quantized_compute!r}")
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", QUANTIZED_COMPUTE[quantized_compute])
     return options
 
 
-def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4):
+def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
+                 quantized_compute: str = "int8"):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
 
     Raises:
@@ -68,7 +82,7 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
     try:
-        session = ort.InferenceSession(str(path), session_options(threads, log_severity),
+        session = ort.InferenceSession(str(path), session_options(threads, log_severity, quantized_compute),
                                        providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from exc
@@ -88,10 +102,12 @@ class OrtEngine(Engine):
         capacity: static layouts: cache rows per sequence (default: the manifest's ``max_cache_length``).
         log_severity: ONNX Runtime's log level (0 verbose .. 4 fatal; default 4: its errors come back as
             exceptions, reported as one line).
+        quantized_compute: quantized weights: ``int8`` (activations quantized per block, the fast path) or
+            ``fp32`` (exact); see :func:`session_options`.
     """
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
-                 capacity: int | None = None, log_severity: int = 4):
+                 capacity: int | None = None, log_severity: int = 4, quantized_compute: str = "int8"):
         try:
             import onnxruntime as ort
         except ImportError as exc:
@@ -114,7 +130,7 @@ class OrtEngine(Engine):
             # one session per graph file: a graph serving prefill and decode holds its weights once
             session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
             if session is None:
-                session = open_session(self.root / graph.file, provider, threads, log_severity)
+                session = open_session(self.root / graph.file, provider, threads, log_severity, quantized_compute)
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "

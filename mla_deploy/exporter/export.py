@@ -22,6 +22,7 @@ directory replaces only the artifact's own files (manifest, graphs, weights); an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import platform
@@ -38,9 +39,11 @@ from ..artifact.files import remove_stale
 from ..artifact.target import check_export_target
 from ..errors import ExportError
 from ..model import MLAForCausalLM
+from ..quant import WeightQuantization, pack_int4, quantize
 from ..recipe import Recipe
 from .graphs import CausalLMGraph, example_decoder_inputs
 from .moe_onnx import all_expert_tensors
+from .quantize import quantize_graph_weights
 from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight_views, per_head_kv_tensors,
                           save_graph, trace_graph)
 from .weights import WEIGHTS_FILE, ModuleTensors, Progress, RandomTensors, TensorSource, WeightsFile, WeightSpec
@@ -51,7 +54,10 @@ Log = Callable[[str], None]
 
 def fingerprint(recipe: Recipe, weights: WeightsSource) -> str:
     """Identity of the model an artifact holds: its dimensions and where its weights came from (16 hex digits)."""
-    blob = json.dumps({"model": recipe.model.to_dict(), "weights": weights.to_dict()}, sort_keys=True)
+    identity = {"model": recipe.model.to_dict(), "weights": weights.to_dict()}
+    if recipe.export.quantization is not None:  # a quantized model is another model (float ones keep their identity)
+        identity["quantization"] = recipe.export.quantization.to_dict()
+    blob = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -193,6 +199,11 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
             start = time.perf_counter()
             traced[file] = _trace(recipe, file, form, attention)
             log(f"traced {file} in {time.perf_counter() - start:.1f} s")
+    scheme = settings.quantization
+    quantized = (quantize_graph_weights([(g.model, g.placeholders, g.specs) for g in traced.values()], scheme)
+                 if scheme is not None else [])
+    if scheme is not None:
+        log(f"{scheme.weights} weights in blocks of {scheme.block_size}: {len(quantized)} checkpoint tensors")
     specs: dict[str, WeightSpec] = {}
     for graph in traced.values():
         for name, spec in graph.specs.items():
@@ -204,6 +215,12 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
     log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
     tensors, data = make_weights(specs, values, source, config, tmp if external else None, total, progress)
+    quantization = None
+    if scheme is not None:
+        quantization = {**scheme.to_dict(), "symmetric": True, "axis": "input features",
+                        "format": "DequantizeLinear(axis=0, block_size) -> MatMul",
+                        "tensors": sum(1 for s in specs.values() if s.quant and s.quant[2] == "q"),
+                        "bytes": sum(nbytes(values[n]) for n, s in specs.items() if s.quant), "keys": quantized}
     inputs, outputs = layout.io(config, settings.precision)
     entries: dict[str, tuple[Any, Any]] = {}
     for file, graph in traced.items():
@@ -232,15 +249,18 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
         opset=settings.opset, cache=layout.describe(config),
         max_cache_length=layout.manifest_capacity(settings.max_cache_length), graphs=graphs,
         recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data,
-        tokenizer=copy_tokenizer_files(weights.path, tmp) if weights.kind == "hf" and weights.path else None)
+        tokenizer=copy_tokenizer_files(weights.path, tmp) if weights.kind == "hf" and weights.path else None,
+        quantization=quantization)
     manifest.save(tmp)
     return manifest
 
 
 def nbytes(value) -> int:
+    """Bytes of an initializer ``value`` (``INT4``: two per byte, rounded up)."""
     import math
 
-    return math.prod(int(d) for d in value.shape) * value.dtype.itemsize
+    count = math.prod(int(d) for d in value.shape)
+    return -(-count * value.dtype.bitwidth // 8)
 
 
 def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSource, config, folder: Path | None,
@@ -252,23 +272,32 @@ def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSourc
     order = {key: i for i, key in enumerate(source.keys())}
     names = sorted(specs, key=lambda n: (order.get(specs[n].key, len(order)), n))  # a source tensor's views together
     file = WeightsFile(folder / WEIGHTS_FILE, total, progress) if folder is not None else None
-    tensors, cached = {}, (None, None)
+    tensors, cached, quantized = {}, (None, None), (None, None)
     try:
         for name in names:
             spec, value = specs[name], values[name]
             if cached[0] != spec.key:
                 cached = (spec.key, _source_tensor(source, spec.key, config))
-            tensor = spec.apply(cached[1], config).to(_torch_dtype(value.dtype)).contiguous()
-            if not _all_finite(tensor):  # NaN and Inf survive the cast: one check of what is written is enough
+            if spec.quant is None:
+                tensor = spec.apply(cached[1], config).to(_torch_dtype(value.dtype)).contiguous()
+            else:  # q and scale of one view are adjacent in ``names``: the view is quantized once
+                view = dataclasses.replace(spec, quant=None)
+                if quantized[0] != view:
+                    scheme = WeightQuantization(spec.quant[0], spec.quant[1])
+                    quantized = (view, quantize(view.apply(cached[1], config), scheme))
+                q, scale = quantized[1]
+                tensor = q if spec.quant[2] == "q" else scale.to(_torch_dtype(value.dtype))
+            # NaN and Inf survive the cast, and make their block's scale NaN or Inf: one check of what is written
+            if not _all_finite(tensor):
                 verb = "holds" if not _all_finite(cached[1]) else f"overflows {value.dtype.name.lower()} with"
                 raise ExportError(f"weight {spec.key} {verb} {_non_finite(tensor)}; the export is refused")
             if tuple(tensor.shape) != tuple(int(d) for d in value.shape):
                 raise ExportError(f"{name}: the weights give {tuple(tensor.shape)}, the graph needs "
                                   f"{tuple(value.shape)}")
             if file is None:
-                tensors[name] = ir.Tensor(_numpy(tensor), dtype=value.dtype, name=name)
+                tensors[name] = ir.Tensor(_numpy(tensor, value.dtype), dtype=value.dtype, name=name)
             else:
-                offset, length = file.append(tensor)
+                offset, length = file.append(pack_int4(tensor) if value.dtype == ir.DataType.INT4 else tensor)
                 tensors[name] = ir.ExternalTensor(WEIGHTS_FILE, offset, length, value.dtype, shape=value.shape,
                                                   name=name, base_dir=str(folder))
             del tensor
@@ -312,11 +341,17 @@ def _torch_dtype(dtype) -> torch.dtype:
     import onnx_ir as ir
 
     table = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16,
-             ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64}
+             ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64, ir.DataType.INT8: torch.int8}
     return table[dtype]
 
 
-def _numpy(tensor: torch.Tensor):
+def _numpy(tensor: torch.Tensor, dtype=None):
+    import onnx_ir as ir
+
+    if dtype == ir.DataType.INT4:
+        import ml_dtypes
+
+        return tensor.numpy().astype(ml_dtypes.int4)
     if tensor.dtype == torch.bfloat16:
         import ml_dtypes
 

@@ -91,11 +91,14 @@ class WeightSpec:
         part: ``w_uk`` or ``w_uv`` to take that half of ``kv_b_proj`` per head; None for the whole tensor.
         ops: views applied in order after ``part``: ``("index", i)`` selects ``tensor[i]`` (one expert of a stacked
             tensor), ``("perm", p)`` transposes.
+        quant: ``(weights, block_size, "q" | "scale")``: the initializer is that part of the view's quantization
+            (:func:`mla_deploy.quant.quantize` of the ``[K, N]`` view); None: the view itself.
     """
 
     key: str
     part: str | None = None
     ops: tuple = ()
+    quant: tuple | None = None
 
     @classmethod
     def for_parameter(cls, name: str) -> "WeightSpec":
@@ -107,10 +110,11 @@ class WeightSpec:
 
     def then(self, op: tuple) -> "WeightSpec":
         """This spec followed by the view ``op`` (``("index", i)`` or ``("perm", p)``)."""
-        return WeightSpec(self.key, self.part, (*self.ops, op))
+        return WeightSpec(self.key, self.part, (*self.ops, op), self.quant)
 
     def apply(self, tensor: torch.Tensor, config: MLAConfig) -> torch.Tensor:
-        """The initializer made from the source's tensor ``key`` (same dtype; a view where possible)."""
+        """The view made from the source's tensor ``key`` (same dtype; a view where possible); ``quant`` is
+        applied by the writer (:func:`~mla_deploy.exporter.export.make_weights`)."""
         if self.part is not None:
             from ..model.absorb import split_kv_b
 

@@ -15,8 +15,12 @@ from ..artifact import Manifest
 from ..errors import ArtifactError, CheckpointError
 
 
-def load_reference_model(artifact_dir: str | Path, manifest: Manifest):
+def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized: bool = True):
     """The fp32 ``CC``-form :class:`~mla_deploy.model.decoder.MLAForCausalLM` an artifact was exported from.
+
+    ``quantized`` (artifacts with quantized weights): the tensors the artifact holds quantized are replaced by
+    their quantized-then-dequantized values (:func:`~mla_deploy.quant.fake_quantize`), the weights the graphs
+    compute with; False: the unquantized original.
 
     Raises:
         ArtifactError: no reference weights (an in-memory export), a missing or mismatched weights file,
@@ -79,4 +83,18 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest):
     else:
         raise ArtifactError(f"manifest.json records weights of kind {kind!r} and no reference file: "
                             f"there is nothing to validate against")
-    return model.float().eval()
+    model = model.float().eval()
+    scheme = manifest.weight_quantization
+    if quantized and scheme is not None:
+        import torch
+
+        from ..quant import fake_quantize
+
+        state = model.state_dict()
+        missing = sorted(manifest.quantized_keys - set(state))
+        if missing:
+            raise ArtifactError(f"manifest.json quantizes {missing[0]}, which the model does not have")
+        with torch.no_grad():
+            for key in sorted(manifest.quantized_keys):
+                state[key].copy_(fake_quantize(state[key], scheme))
+    return model

@@ -125,10 +125,13 @@ class TorchRunner(TrajectoryRunner):
         self._model = model
 
     @classmethod
-    def from_artifact(cls, artifact_dir: str | Path, manifest: Manifest, name: str = "torch") -> "TorchRunner":
+    def from_artifact(cls, artifact_dir: str | Path, manifest: Manifest, name: str = "torch",
+                      quantized: bool = True) -> "TorchRunner":
+        """The artifact's PyTorch original; ``quantized``: with the weights the artifact computes with (a quantized
+        artifact's weights quantized and dequantized), else the unquantized original."""
         from .reference import load_reference_model
 
-        return cls(load_reference_model(artifact_dir, manifest), name=name)
+        return cls(load_reference_model(artifact_dir, manifest, quantized=quantized), name=name)
 
     def _new_state(self, batch: int):
         """Per layer ``[B, 0, C]`` float32 caches and the key-valid mask ``[B, 0]``."""
@@ -180,13 +183,15 @@ class OrtRunner(EngineRunner):
         provider: ``cpu`` or ``cuda`` (the engine refuses a silent fallback).
         threads: intra-op threads (None: ONNX Runtime's default).
         name: runner name (default ``onnxrt``).
+        quantized_compute: quantized weights' arithmetic, ``int8`` or ``fp32`` (exact; see
+            :func:`~mla_deploy.engines.ort_engine.session_options`).
     """
 
     def __init__(self, artifact_dir: str | Path, provider: str = "cpu", threads: int | None = None,
-                 name: str = "onnxrt"):
+                 name: str = "onnxrt", quantized_compute: str = "int8"):
         from ..engines.ort_engine import OrtEngine
 
-        engine = OrtEngine(artifact_dir, provider=provider, threads=threads)
+        engine = OrtEngine(artifact_dir, provider=provider, threads=threads, quantized_compute=quantized_compute)
         super().__init__(engine, name, engine.provider, prefix="onnxrt-runner")
 
 

@@ -1,0 +1,145 @@
+"""Weight-only quantization: symmetric int8 / int4 with one scale per block of input features.
+
+A quantized weight ``W [N, K]`` (a Linear's ``[out, in]``; a stacked expert tensor ``[E, out, in]`` likewise,
+expert by expert) is cut along its input axis ``K`` into blocks of ``block_size`` (32, 64 or 128; a last block
+may be shorter). Each block ``b`` of each output row ``n`` has one scale ``s = max|W[n, b]| / qmax``
+(``qmax`` = 127 for int8, 7 for int4; a block of zeros has scale 0) and integers ``q = round(W / s)`` in
+``[-qmax, qmax]``; the weight the model computes with is ``q * s``. This is what ONNX's ``DequantizeLinear``
+computes with blocked scales (opset >= 21), what ONNX Runtime's ``MatMulNBits`` and TensorRT's weight-only
+quantization read, and the scheme of llama.cpp's ``Q8_0``/``Q4_0`` (block 32).
+
+The exporter lays a quantized weight out as the graph uses it, ``q [K, N]`` and ``scale [ceil(K/B), N]``
+(blocks on axis 0); :func:`fake_quantize` gives the same numbers in the checkpoint's layout, for the PyTorch
+reference that validation compares the graph with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+#: ``--weights`` values: bits per weight of each scheme (``float``: nothing is quantized)
+SCHEMES = {"int8": 8, "int4": 4}
+BLOCK_SIZES = (32, 64, 128)
+#: columns quantized at a time: the float copy a quantization makes stays near 64 MiB whatever the tensor
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """A weight-only quantization scheme.
+
+    Attributes:
+        weights: ``int8`` or ``int4``.
+        block_size: input features per scale (32, 64 or 128).
+    """
+
+    weights: str
+    block_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.weights not in SCHEMES:
+            raise ConfigError(f"weights must be float, {' or '.join(SCHEMES)}, got {self.weights!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"block size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size!r}")
+
+    @property
+    def bits(self) -> int:
+        return SCHEMES[self.weights]
+
+    @property
+    def qmax(self) -> int:
+        """The largest integer magnitude: 127 (int8) or 7 (int4); symmetric, so -qmax is the smallest."""
+        return (1 << (self.bits - 1)) - 1
+
+    def blocks(self, k: int) -> int:
+        """Scales per output feature for ``k`` input features."""
+        return -(-k // self.block_size)
+
+    def nbytes(self, k: int, n: int, scale_itemsize: int) -> int:
+        """Bytes of a quantized ``[K, N]`` weight: packed integers plus scales."""
+        return -(-k * n * self.bits // 8) + self.blocks(k) * n * scale_itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "block_size": self.block_size}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "WeightQuantization":
+        return cls(str(data.get("weights")), int(data.get("block_size", 32)))
+
+
+def parse_weights(weights: str | None, block_size: int | None = None) -> WeightQuantization | None:
+    """``--weights`` / ``[export] weights`` as a scheme: None for ``float`` (or None).
+
+    Raises:
+        ConfigError: an unknown scheme, a block size not in :data:`BLOCK_SIZES`, or a block size without a scheme.
+    """
+    if weights in (None, "float"):
+        if block_size is not None:
+            raise ConfigError("a block size needs quantized weights (weights = int8 or int4)")
+        return None
+    return WeightQuantization(weights, 32 if block_size is None else block_size)
+
+
+def quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Quantize ``weight [K, N]`` (any float dtype, any strides) in blocks along ``K`` (axis 0).
+
+    Returns:
+        ``(q, scale)``: ``q [K, N]`` int8 in ``[-qmax, qmax]`` and ``scale [ceil(K/B), N]`` float32, so that
+        ``dequantize(q, scale, scheme)`` is the weight the model computes with.
+    """
+    import torch
+
+    k, n = weight.shape
+    b = scheme.block_size
+    q = torch.empty((k, n), dtype=torch.int8)
+    scale = torch.empty((scheme.blocks(k), n), dtype=torch.float32)
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    for lo in range(0, n, step):  # a column chunk: the float copy stays small for the largest tensor
+        w = weight[:, lo: lo + step].to(torch.float32)
+        padded = torch.nn.functional.pad(w, (0, 0, 0, scale.shape[0] * b - k))  # zeros change no block's max
+        blocks = padded.reshape(scale.shape[0], b, -1)
+        s = blocks.abs().amax(dim=1) / scheme.qmax  # [blocks, chunk]
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        q[:, lo: lo + step] = torch.round(blocks * inv[:, None, :]).clamp_(-scheme.qmax, scheme.qmax) \
+            .reshape(-1, w.shape[1])[:k].to(torch.int8)
+        scale[:, lo: lo + step] = s
+    return q, scale
+
+
+def dequantize(q: "torch.Tensor", scale: "torch.Tensor", scheme: WeightQuantization) -> "torch.Tensor":
+    """``q [K, N]`` int8 times ``scale [ceil(K/B), N]`` repeated over each block: the weight ``[K, N]`` float32."""
+    import torch
+
+    return q.to(torch.float32) * torch.repeat_interleave(scale, scheme.block_size, dim=0)[: q.shape[0]]
+
+
+def fake_quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> "torch.Tensor":
+    """The weight the quantized graph computes with, in the checkpoint's layout: ``weight [..., N, K]`` (a Linear's
+    ``[out, in]``, or stacked experts ``[E, out, in]``) quantized in blocks along its last axis ``K``, then
+    dequantized. Returns float32 of the same shape."""
+    import torch
+
+    flat = weight.reshape(-1, weight.shape[-1])  # [rows, K]
+    out = torch.empty(flat.shape, dtype=torch.float32)
+    rows = max(1, _CHUNK_ELEMENTS // max(flat.shape[1], 1))
+    for lo in range(0, flat.shape[0], rows):
+        q, scale = quantize(flat[lo: lo + rows].T, scheme)
+        out[lo: lo + rows] = dequantize(q, scale, scheme).T
+    return out.reshape(weight.shape)
+
+
+def pack_int4(q: "torch.Tensor") -> "torch.Tensor":
+    """ONNX's ``INT4`` storage of ``q`` (int8 values in [-8, 7], any shape, row-major): two values per byte, the
+    first in the low nibble; ``uint8 [ceil(numel / 2)]``."""
+    import torch
+
+    flat = q.reshape(-1).to(torch.uint8) & 0x0F
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    return flat[0::2] | (flat[1::2] << 4)
