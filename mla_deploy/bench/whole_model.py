@@ -142,14 +142,18 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
 
     Raises:
         InputError: the model's fp32 weights do not fit this machine's memory, or its files do not fit the disk.
-        ExportError: ``out/checkpoint`` holds something the bench did not write."""
+        ExportError: ``out/checkpoint`` holds something the bench did not write.
+        RuntimeMissingError: an artifact ONNX Runtime's CPU provider cannot run (bf16)."""
     from ..artifact import load_manifest
     from ..cache_layout import STATIC
     from ..config import from_hf_config
     from ..recipe import Recipe, load_recipe
 
     if spec.source == "artifact":
+        from ..engines.ort_engine import check_precision
+
         manifest = load_manifest(spec.location)
+        check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (whole_worker)
         weights = manifest.weights
         checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
         return Prepared(Path(spec.location), manifest, checkpoint, [f"benched the artifact {spec.location} as given"])

@@ -33,6 +33,22 @@ def numpy_dtype(precision: str):
     return np.dtype(PRECISIONS[precision])
 
 
+def check_precision(precision: str, provider: str) -> None:
+    """Refuse, before any session is opened, an artifact precision that ``provider`` has no kernels for.
+
+    ONNX Runtime's CPU provider (1.31) has no bf16 kernels for the graphs' arithmetic (``MatMul``, ``Add``, ``Mul``,
+    ``Sigmoid``, ``ReduceMax``): loading a bf16 graph on it fails with ``NOT_IMPLEMENTED``. This is the one place
+    that rule lives; every ONNX Runtime engine (``run``, ``validate``, the whole-model bench) goes through it.
+
+    Raises:
+        RuntimeMissingError: bf16 on the CPU provider, in one line saying where bf16 runs.
+    """
+    if precision == "bf16" and provider == "cpu":
+        raise RuntimeMissingError("bf16 artifacts need TensorRT or ONNX Runtime's CUDA provider; ONNX Runtime's CPU "
+                                  "provider has no bf16 kernels (MatMul, Add, Mul, ...); export with --precision "
+                                  "fp16 or fp32 to run on the CPU")
+
+
 #: ``quantized_compute``: the arithmetic of a quantized weight's product (ONNX Runtime's ``MatMulNBits``
 #: accuracy level, which its CPU provider gives each ``DequantizeLinear -> MatMul`` it fuses)
 QUANTIZED_COMPUTE = {"int8": "4", "fp32": "1"}
@@ -115,6 +131,7 @@ class OrtEngine(Engine):
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         manifest = load_manifest(artifact)
+        check_precision(manifest.precision, provider)
         super().__init__(artifact, manifest, capacity)
         self.ort = ort
         self.dtype = numpy_dtype(self.precision)

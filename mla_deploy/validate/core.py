@@ -197,12 +197,16 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     decode_steps = settings.decode_steps if steps is None else int(steps)
     trajectory = make_trajectory(manifest.config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
                                  settings.seed, prompt_lengths, manifest.capacity)
-    log("loading the PyTorch reference ...")
-    runners = [TorchRunner.from_artifact(root, manifest)]
+    # the engines first: one their runtime cannot run (bf16 on ONNX Runtime's CPU provider, no TensorRT) is refused
+    # before the reference is loaded, which takes minutes for a full-size checkpoint
+    log(f"loading {', '.join(runtimes)} ...")
+    engines = []
     if "onnxrt" in runtimes:
-        runners.append(OrtRunner(root, provider=provider, threads=threads))
+        engines.append(OrtRunner(root, provider=provider, threads=threads))
     if "tensorrt" in runtimes:
-        runners.append(trt_runner(root))
+        engines.append(trt_runner(root))
+    log("loading the PyTorch reference ...")
+    runners = [TorchRunner.from_artifact(root, manifest), *engines]
     loader = TrajectoryLoader(trajectory)
     log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(quiet):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from artifacts import reference_model, tiny_artifact
+from cli_run import cli
 from mla_deploy.cache_layout import get_layout
 from mla_deploy.errors import ArtifactError, CacheCapacityError, InputError, RuntimeMissingError, ShapeError
 from mla_deploy.model import ConcatCache, StaticCache
@@ -196,8 +197,29 @@ def test_fp16_export_runs_on_onnx_runtime_cpu_close_to_fp32():
     assert len(fp32.tokens[0]) == 4
 
 
+BF16_REFUSAL = ("bf16 artifacts need TensorRT or ONNX Runtime's CUDA provider; ONNX Runtime's CPU provider has no "
+                "bf16 kernels (MatMul, Add, Mul, ...); export with --precision fp16 or fp32 to run on the CPU")
+
+
 def test_bf16_is_refused_by_ort_cpu():
-    """What ONNX Runtime 1.31's CPU provider cannot execute: bf16 arithmetic. The export is still checked
+    """What ONNX Runtime 1.31's CPU provider cannot execute: bf16 arithmetic. The engine refuses it before opening a
+    session, with one line saying where bf16 runs (not ONNX Runtime's NOT_IMPLEMENTED). The export is still checked
     (tests/exporter/test_export.py); bf16 runs on TensorRT or ONNX Runtime CUDA."""
-    with pytest.raises(ArtifactError, match="NOT_IMPLEMENTED|cannot load"):
+    with pytest.raises(RuntimeMissingError) as refused:
         OrtEngine(tiny_artifact("static", "bf16"))
+    assert str(refused.value) == BF16_REFUSAL
+
+
+def test_every_command_refuses_bf16_on_the_cpu_in_one_line(tmp_path):
+    """run, validate and bench --whole-model meet the engine's refusal up front: that one line, exit 1, no output
+    folder made (validate refuses before loading the PyTorch reference, the bench before any worker)."""
+    root = tiny_artifact("static", "bf16")
+    commands = [("run", root, "--prompt-ids", "1,2,3", "--max-new-tokens", "2"),
+                ("validate", root, "--out", tmp_path / "report"),
+                ("bench", "--whole-model", "--artifact", root, "--out", tmp_path / "bench", "--no-transformers",
+                 "--context", "0", "--batch", "1")]
+    for args in commands:
+        result = cli(*args)
+        assert result.returncode == 1, (args[0], result.stderr)
+        assert result.stderr.splitlines() == [f"mla-deploy: error: {BF16_REFUSAL}"], args[0]
+    assert not (tmp_path / "report").exists() and not (tmp_path / "bench").exists()

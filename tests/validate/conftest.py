@@ -1,4 +1,4 @@
-"""Fixtures of the validation tests: tiny fp32 exports (made once per session) and copies to damage."""
+"""Fixtures of the validation tests: tiny exports (made once per session) and copies to damage."""
 
 from __future__ import annotations
 
@@ -8,22 +8,23 @@ from pathlib import Path
 import pytest
 
 
-def _export(cache_mode: str, root: Path) -> Path:
-    """The tiny preset exported in ``cache_mode``: the shared test export when ``tests/artifacts.py`` has one."""
+def _export(cache_mode: str, root: Path, precision: str = "fp32") -> Path:
+    """The tiny preset exported in ``cache_mode`` and ``precision``: the shared test export when
+    ``tests/artifacts.py`` has one."""
     try:
         from artifacts import tiny_artifact
     except ImportError:
         tiny_artifact = None
     if tiny_artifact is not None:
-        return tiny_artifact(cache_mode, "fp32")
+        return tiny_artifact(cache_mode, precision)
     import dataclasses
 
     from mla_deploy import load_recipe
     from mla_deploy.exporter import export_recipe
 
     recipe = load_recipe("tiny")
-    recipe = recipe.replace(export=dataclasses.replace(recipe.export, cache_mode=cache_mode))
-    out = root / f"tiny-{cache_mode}"
+    recipe = recipe.replace(export=dataclasses.replace(recipe.export, cache_mode=cache_mode, precision=precision))
+    out = root / f"tiny-{cache_mode}-{precision}"
     export_recipe(recipe, out)
     return out
 
@@ -38,6 +39,12 @@ def tiny_static(tmp_path_factory) -> Path:
 def tiny_concat(tmp_path_factory) -> Path:
     """The tiny preset exported with the concat cache (never modified by a test)."""
     return _export("concat", tmp_path_factory.mktemp("validate-exports"))
+
+
+@pytest.fixture(scope="session")
+def tiny_static_fp16(tmp_path_factory) -> Path:
+    """The tiny preset exported in fp16 with the static cache (never modified by a test)."""
+    return _export("static", tmp_path_factory.mktemp("validate-exports"), "fp16")
 
 
 @pytest.fixture

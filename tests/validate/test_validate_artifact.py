@@ -1,10 +1,12 @@
 """validate_artifact and `mla-deploy validate` on the tiny fp32 export: both cache modes pass with every figure in
 the reports; a perturbed decode weight fails naming the worst output and step; saved run results compare again
-without running anything."""
+without running anything. The fp16 export passes its recipe's measured tolerance, which still catches a 5% weight
+error."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -100,6 +102,32 @@ def test_perturbed_decode_weight_fails(artifact_copy, tmp_path):
     assert outputs["logits"]["failed_steps"] == [1, 2, 3, 4]
     assert not outputs["present_latent.1"]["passed"]
     assert "FAIL" in (tmp_path / "report.md").read_text()
+
+
+def test_fp16_export_passes_its_measured_tolerance(tiny_static_fp16, tmp_path):
+    """`mla-deploy validate` on the tiny fp16 export exits 0 against the fp32 original at the tolerance measured in
+    export/tiny.toml; the error is fp16's (far above fp32's 1e-4) and every greedy token agrees."""
+    result = CliRunner().invoke(main, ["validate", str(tiny_static_fp16), "--out", str(tmp_path), "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    compared = len(OUTPUTS) * (STEPS + 1)
+    assert result.stdout.startswith(f"validation passed: {compared} output-steps within atol 2.0e-01, rtol 2.0e-01")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["artifact"]["precision"] == "fp16"
+    assert report["comparison"]["tolerances"]["logits"] == {"atol": 0.2, "rtol": 0.2}
+    assert 1e-3 < report["worst"]["max_abs"] < 0.2
+    assert report["runners"]["onnxrt"]["top1_rate"] == 1.0
+
+
+def test_fp16_tolerance_still_catches_a_small_weight_error(tiny_static_fp16, tmp_path):
+    """A 5% change of layer 0's w_uk in the fp16 decode graph fails the fp16 tolerance from the first decode step."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(tiny_static_fp16, copy, ignore=shutil.ignore_patterns("validation"))
+    scale_initializer(copy, "decode", "model.model.layers.0.self_attn.w_uk", 1.05)
+    rerecord(copy, "decode")
+    result = validate_artifact(copy, steps=4, threads=1, write_reports=False)
+    assert not result.passed and result.worst["output"] == "logits" and result.worst["max_abs"] > 0.4
+    outputs = result.report["runners"]["onnxrt"]["outputs"]
+    assert outputs["logits"]["steps"][0]["passed"] and not outputs["logits"]["passed"]  # prefill untouched
 
 
 def test_saved_results_compare_again_without_running(static_run, tmp_path, monkeypatch):
