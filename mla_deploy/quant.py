@@ -96,20 +96,21 @@ def quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> tuple["torch
     import torch
 
     k, n = weight.shape
-    b = scheme.block_size
-    q = torch.empty((k, n), dtype=torch.int8)
-    scale = torch.empty((scheme.blocks(k), n), dtype=torch.float32)
+    b, blocks = scheme.block_size, scheme.blocks(k)
+    rows = weight.T  # [N, K]: a checkpoint's own layout (a Linear's [out, in]), blocks contiguous
+    q = torch.empty((n, k), dtype=torch.int8)
+    scale = torch.empty((n, blocks), dtype=torch.float32)
     step = max(1, _CHUNK_ELEMENTS // max(k, 1))
-    for lo in range(0, n, step):  # a column chunk: the float copy stays small for the largest tensor
-        w = weight[:, lo: lo + step].to(torch.float32)
-        padded = torch.nn.functional.pad(w, (0, 0, 0, scale.shape[0] * b - k))  # zeros change no block's max
-        blocks = padded.reshape(scale.shape[0], b, -1)
-        s = blocks.abs().amax(dim=1) / scheme.qmax  # [blocks, chunk]
+    for lo in range(0, n, step):  # a chunk of output rows: the float copy stays small for the largest tensor
+        w = torch.nn.functional.pad(rows[lo: lo + step].to(torch.float32), (0, blocks * b - k))  # zeros: no max
+        w = w.view(w.shape[0], blocks, b)
+        s = w.abs().amax(dim=2)  # [rows, blocks]
+        s.div_(scheme.qmax)
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        q[:, lo: lo + step] = torch.round(blocks * inv[:, None, :]).clamp_(-scheme.qmax, scheme.qmax) \
-            .reshape(-1, w.shape[1])[:k].to(torch.int8)
-        scale[:, lo: lo + step] = s
-    return q, scale
+        w.mul_(inv.unsqueeze(2)).round_().clamp_(-scheme.qmax, scheme.qmax)
+        q[lo: lo + step] = w.view(w.shape[0], -1)[:, :k]
+        scale[lo: lo + step] = s
+    return q.T, scale.T
 
 
 def dequantize(q: "torch.Tensor", scale: "torch.Tensor", scheme: WeightQuantization) -> "torch.Tensor":

@@ -27,9 +27,10 @@ def _config(layers: int):
                         vocab_size=16384, num_hidden_layers=6).first_layers(layers)
 
 
-def _export_peak(checkpoint, out) -> int:
-    """Peak RSS in bytes of `mla-deploy export --hf checkpoint --out out` run in its own process."""
-    proc = subprocess.Popen([sys.executable, "-m", "mla_deploy", "export", "--hf", str(checkpoint), "--out", str(out)],
+def _export_peak(checkpoint, out, *options) -> int:
+    """Peak RSS in bytes of `mla-deploy export --hf checkpoint --out out [options]` run in its own process."""
+    proc = subprocess.Popen([sys.executable, "-m", "mla_deploy", "export", "--hf", str(checkpoint), "--out", str(out),
+                             *options],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     _, status, usage = os.wait4(proc.pid, 0)
@@ -48,3 +49,22 @@ def test_export_peak_memory_does_not_grow_with_layers(tmp_path):
     extra_weights = weights[6] - weights[1]
     assert extra_weights > 200e6  # five more layers, mostly experts: the growth a non-streaming export would show
     assert peaks[6] - peaks[1] < 0.35 * extra_weights, (peaks, weights)
+
+
+@pytest.mark.slow
+def test_quantized_export_peak_memory_does_not_grow_with_layers(tmp_path):
+    """Quantizing streams too: each tensor is quantized as it is written (column chunks of the float copy), so the
+    peak grows by a small fraction of the five extra layers' checkpoint tensors, which an export holding the model
+    before quantizing it would add whole."""
+    peaks, source, written = {}, {}, {}
+    for layers in (1, 6):
+        write_random_checkpoint(_config(layers), tmp_path / f"ckpt{layers}", dtype="fp32")
+        peaks[layers] = _export_peak(tmp_path / f"ckpt{layers}", tmp_path / f"out{layers}", "--weights", "int4")
+        source[layers] = sum(f.stat().st_size for f in (tmp_path / f"ckpt{layers}").glob("*.safetensors"))
+        manifest = load_manifest(tmp_path / f"out{layers}")
+        assert manifest.quantization["weights"] == "int4"
+        written[layers] = sum(f.stat().st_size for f in (tmp_path / f"out{layers}").iterdir())
+    extra_source = source[6] - source[1]
+    assert extra_source > 200e6
+    assert written[6] - written[1] < 0.2 * extra_source  # int4 + fp32 scales per 32: 5/32 of fp32, plus float parts
+    assert peaks[6] - peaks[1] < 0.35 * extra_source, (peaks, source)

@@ -1,0 +1,102 @@
+"""Quantized exports: a blocked DequantizeLinear before every MatMul weight but the router's, fused by ONNX Runtime
+into MatMulNBits (the optimized graph holds no DequantizeLinear), the same numbers as PyTorch with the same
+dequantized weights, and the manifest's record of what was quantized."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from artifacts import tiny_recipe
+from cli_run import cli
+from mla_deploy.artifact import load_manifest
+from mla_deploy.engines.ort_engine import OrtEngine, session_options
+from mla_deploy.exporter import export_recipe
+from mla_deploy.validate.reference import load_reference_model
+
+
+def _moe_recipe(weights: str, block_size: int = 32, **export):
+    """The tiny preset, its second layer a MoE of 8 experts (V3 routing), with quantized weights."""
+    recipe = tiny_recipe("concat", weights=weights, block_size=block_size, prefill_form="A_CC", **export)
+    return recipe.replace(model=recipe.model.replace(
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=4, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=2.5))
+
+
+@pytest.fixture(scope="module", params=[("int4", 32, 64 << 20), ("int8", 64, 0)], ids=["int4-inline", "int8-file"])
+def quantized(request, tmp_path_factory):
+    weights, block, threshold = request.param
+    out = tmp_path_factory.mktemp(weights) / "artifact"
+    export_recipe(_moe_recipe(weights, block, external_data_threshold=threshold), out)
+    return out, weights, block
+
+
+def test_every_matmul_weight_but_the_router_is_quantized(quantized):
+    out, weights, block = quantized
+    manifest = load_manifest(out)
+    model = onnx.load(str(out / "model.onnx"))
+    record = manifest.quantization
+    assert (record["weights"], record["block_size"], record["symmetric"]) == (weights, block, True)
+    assert (manifest.weights_data is not None) == (block == 64)  # the int8 case goes through weights.data
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == record["tensors"]
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in dq:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"axis": 0, "block_size": block}
+        q, scale = inits[node.input[0]], inits[node.input[1]]
+        assert q.data_type == (onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8)
+        assert scale.data_type == onnx.TensorProto.FLOAT and scale.dims[0] == -(-q.dims[0] // block)
+    keys = set(record["keys"])
+    layer1 = "model.layers.1."
+    assert {"lm_head.weight", layer1 + "mlp.experts.gate_up_proj", layer1 + "mlp.experts.down_proj",
+            layer1 + "self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= keys
+    assert not [k for k in keys if "embed" in k or "norm" in k or k.endswith("mlp.gate.weight") or "kv_b" in k]
+    float_inits = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+    assert any("embed_tokens" in i.name for i in float_inits) and any("mlp.gate" in i.name for i in float_inits)
+
+
+@pytest.mark.parametrize("compute", ["int8", "fp32"])
+def test_onnx_runtime_fuses_every_dequantize_into_matmulnbits(quantized, compute, tmp_path):
+    out, _, _ = quantized
+    options = session_options(1, quantized_compute=compute)
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False)
+    ops = collections.Counter(n.op_type for n in optimized.graph.node)
+    assert ops["DequantizeLinear"] == 0
+    assert ops["MatMulNBits"] == load_manifest(out).quantization["tensors"]
+
+
+def test_exact_compute_equals_pytorch_with_the_dequantized_weights(quantized):
+    """fp32 arithmetic on the quantized weights is PyTorch's on the same dequantized weights (fp32 tolerance);
+    the unquantized model is farther off (the check can tell them apart), and int8 activations farther still."""
+    out, _, _ = quantized
+    manifest = load_manifest(out)
+    ids = torch.randint(0, manifest.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, 9)
+    logits = {}
+    for compute in ("fp32", "int8"):
+        engine = OrtEngine(out, threads=1, quantized_compute=compute)
+        logits[compute] = engine.forward("prefill", ids.numpy(), pos.numpy(), engine.new_state(2))["logits"]
+    with torch.no_grad():
+        for name, flag in (("dequantized", True), ("float", False)):
+            model = load_reference_model(out, manifest, quantized=flag)
+            logits[name] = model(ids, pos, model.empty_cache(2, 0))[0].numpy()
+    np.testing.assert_allclose(logits["fp32"], logits["dequantized"], atol=1e-4, rtol=1e-4)
+    exact = np.abs(logits["fp32"] - logits["dequantized"]).max()
+    assert np.abs(logits["float"] - logits["dequantized"]).max() > 50 * exact
+    assert np.abs(logits["int8"] - logits["dequantized"]).max() > 10 * exact
+
+
+def test_block_size_without_quantized_weights_is_one_line(tmp_path):
+    result = cli("export", "--preset", "tiny", "--out", str(tmp_path / "a"), "--block-size", "64")
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "--block-size needs --weights int8 or int4" in result.stderr
+    assert not (tmp_path / "a").exists()
