@@ -235,3 +235,22 @@ def test_genai_overwrite_keeps_the_users_files(tmp_path):
     with pytest.raises(ExportError, match="pass --overwrite"):
         check_genai_target(tmp_path, overwrite=False)
     assert check_genai_target(tmp_path, overwrite=True) == ["notes.txt"]  # kept; the export's own are replaced
+
+
+def test_genai_quantized_export_runs_like_the_artifact(tmp_path_factory, tmp_path):
+    """``--weights int8`` reaches the genai graph too: its DequantizeLinear nodes are the artifact's, and genai's
+    greedy tokens equal `mla-deploy run` on the artifact quantized the same way (V2's checkpoint)."""
+    import onnx
+
+    hf, tok, folder, _ = export_checkpoint(2, tmp_path_factory)
+    checkpoint = folder.parent / "ckpt"
+    ok(cli("export", "--hf", checkpoint, "--out", tmp_path / "genai", "--target", "genai", "--max-cache-length",
+           CONTEXT, "--weights", "int8"))
+    ok(cli("export", "--hf", checkpoint, "--out", tmp_path / "artifact", "--weights", "int8"))
+    graphs = [onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False).graph for d in ("genai", "artifact")]
+    counts = [sum(n.op_type == "DequantizeLinear" for n in g.node) for g in graphs]
+    assert counts[0] == counts[1] > 0
+    prompts = [tok(p).input_ids for p in TEXT_PROMPTS]
+    record = json.loads(ok(cli("run", tmp_path / "artifact", "--prompt-ids", ",".join(map(str, prompts[1])),
+                               "--max-new-tokens", NEW, "--json")))
+    assert genai_greedy(tmp_path / "genai", [prompts[1]], tok.pad_token_id) == [record["sequences"][0]["tokens"]]
