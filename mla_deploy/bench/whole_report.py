@@ -171,6 +171,7 @@ def _compare(rows: list[dict], records: dict, routed: dict, primary: str) -> Non
         if row["path"] == primary and theirs and theirs["status"] == "ok":
             ours, other = records[primary][key]["tokens"], records[TRANSFORMERS][key]["tokens"]
             theirs["tokens_agree_with_ours"] = float((np.asarray(other) == np.asarray(ours)).mean())
+            theirs["tokens_compared_with"] = primary
 
 
 def _path_info(path: str, status: dict, result: dict | None, groups, artifact: str | None) -> dict:
@@ -268,9 +269,11 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
             "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = "
                       "attention, dense MLP, shared-expert, router, norm and lm_head weights + the routed experts of "
                       "the step (per MoE layer, the union over the batch, and over the prompt for a prefill) + one "
-                      "embedding row per distinct token id + the latent cache held; FLOPs = 2 x tokens x (those "
+                      "embedding row per distinct token id + the latent cache held, each tensor as the artifact stores it (a "
+                      "quantized one: its integers and scales; transformers: fp32); FLOPs = 2 x tokens x (those "
                       "matrices, k experts per token) + absorbed attention over the rows attended + the lm_head of "
-                      "one token per sequence; achieved_over_bound = median time / median bound"),
+                      "one token per sequence, over the fp32 GEMM rate also for the quantized artifacts; "
+                      "achieved_over_bound = median time / median bound"),
         },
         "routing": routing, "machine": machine, "paths": paths, "rows": rows, "versions": _versions(),
     }
@@ -384,19 +387,22 @@ def _routing_line(report: dict) -> str:
         return (f"routed experts: NOT MEASURED, the expected number under uniform routing is used "
                 f"({routing['reason']})")
     if routing["method"] == "measured":
-        return ("routed experts: measured with router hooks on the PyTorch reference, on the tokens ours fed"
+        return ("routed experts: measured with router hooks on the PyTorch reference of each artifact's weights, on "
+                "the tokens that artifact fed"
                 + (f"; {routing['note']}" if routing.get("note") else ""))
     return f"routed experts: none ({routing['reason']})"
 
 
 def _agreement_line(report: dict) -> str | None:
-    """How often the paths chose the same greedy tokens (the same weights computing the same function)."""
+    """How often the paths chose the same greedy tokens (the same weights computing the same function): each
+    artifact against the PyTorch reference of its own weights, transformers against the float artifact."""
     parts = []
-    for path, key, against in (("ours", "tokens_agree_with_reference", "the reference"),
-                               ("transformers", "tokens_agree_with_ours", "ours")):
-        values = [r[key] for r in report["rows"] if r["path"] == path and r.get(key) is not None]
-        if values:
-            parts.append(f"{path} = {against} on {min(values):.0%} of the decode tokens (worst point)")
+    for path in report["paths"]:
+        key = "tokens_agree_with_ours" if path == TRANSFORMERS else "tokens_agree_with_reference"
+        rows = [r for r in report["rows"] if r["path"] == path and r.get(key) is not None]
+        if rows:
+            against = rows[0].get("tokens_compared_with", "ours") if path == TRANSFORMERS else "its reference"
+            parts.append(f"{path} = {against} on {min(r[key] for r in rows):.0%} of the decode tokens (worst point)")
     return f"greedy tokens: {'; '.join(parts)}" if parts else None
 
 
