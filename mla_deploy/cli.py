@@ -608,12 +608,18 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--seed", type=Int(minimum=0), default=0, show_default=True,
               help="Seed of the weights and inputs (--whole-model: of the prompts and of a preset's checkpoint).")
 @click.option("--no-transformers", is_flag=True, help="--whole-model: do not time transformers' model.")
+@click.option("--weights", "weights", metavar="LIST",
+              help="--whole-model (--hf, --preset, --recipe): comma list of float, int8, int4; each is exported "
+                   "(OUT/artifact, OUT/artifact-int8, ...) and timed, quantized rows beside the float one "
+                   "[default: float].")
+@click.option("--block-size", type=click.Choice(["32", "64", "128"]),
+              help="--whole-model: input features per scale of the int8/int4 exports [default: 32].")
 @click.option("--probe-mib", type=Int(), default=512, show_default=True, hidden=True, help="Read-bandwidth probe buffer.")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
               help="Folder for bench.json, bench.md and bench.png; --whole-model from --hf or --preset also keeps the "
                    "exported artifact (and the random checkpoint) there, reused by a later run on the same model.")
 def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, prompt_length, threads, repeat, warmup,
-          passes, paths, max_seconds, seed, no_transformers, probe_mib, out):
+          passes, paths, max_seconds, seed, no_transformers, weights, block_size, probe_mib, out):
     """Decode-step latency, tokens/s, cache and peak memory of MLA attention: transformers' own attention
     (naive), this project's PyTorch model (CD and absorbed), the exported graph in ONNX Runtime (concat and
     static in place) and TensorRT where available; each against the machine's measured roofline.
@@ -639,7 +645,8 @@ def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, pro
         from .bench.whole_report import format_table as whole_model_table
         from .bench.whole_spec import WholeModelSpec
 
-        chosen = {"contexts": context, "prompt_length": prompt_length, "repeat": repeat}
+        chosen = {"contexts": context, "prompt_length": prompt_length, "repeat": repeat, "weights": weights,
+                  "block_size": None if block_size is None else int(block_size)}
         spec = WholeModelSpec(source=given[0], location=sources[given[0]], layers=layers, batches=batch,
                               threads=threads, warmup=warmup, seed=seed, transformers=not no_transformers,
                               probe_mib=probe_mib, **{k: v for k, v in chosen.items() if v is not None})
@@ -648,7 +655,8 @@ def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, pro
         click.echo(f"wrote {out}/bench.json, {out}/bench.md")
         return
     misplaced = [n for n, v in (("--artifact", artifact), ("--hf", hf), ("--prompt-length", prompt_length),
-                                ("--no-transformers", no_transformers)) if v]
+                                ("--no-transformers", no_transformers), ("--weights", weights),
+                                ("--block-size", block_size)) if v]
     if misplaced:
         raise ConfigError(f"{misplaced[0]} applies to --whole-model only")
     from .bench.driver import run_bench

@@ -10,6 +10,11 @@ the absorbed ``A_CC`` form, built on the meta device, so nothing is allocated):
 * the lm_head: read whole;
 * everything else (attention, norms, dense MLPs, shared experts, routers): read whole every step.
 
+Each tensor counts its bytes as the artifact stores it: a tensor the artifact holds quantized (the manifest's
+``quantization.keys``, :attr:`~mla_deploy.artifact.Manifest.quantized_keys`) its packed integers plus one scale
+per block (:meth:`~mla_deploy.quant.WeightQuantization.nbytes`, per expert for stacked experts), every other
+tensor ``numel * itemsize``.
+
 A step of ``n`` tokens per sequence over ``B`` sequences, each holding ``P`` cached rows:
 
     bytes = always + sum_l distinct_experts_l * expert + lm_head + distinct_ids * embedding_row
@@ -27,10 +32,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..config import MLAConfig
 from .roofline import PROCESS_OVERHEAD, attention_flops
+
+if TYPE_CHECKING:
+    from ..quant import WeightQuantization
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 #: the context is filled with prefill steps whose attention scores and logits stay below this many bytes
@@ -41,88 +49,121 @@ MAX_CHUNK = 512
 
 @dataclass(frozen=True)
 class WeightGroups:
-    """The model's weights sorted by how a step reads them (see the module docstring). Bytes at ``itemsize``.
+    """The model's weights sorted by how a step reads them (see the module docstring), in bytes as the artifact
+    stores them.
 
     Attributes:
-        itemsize: bytes per weight.
+        itemsize: bytes per float weight (and per scale of a quantized one).
+        weights: ``float``, or the quantization (``int8``, ``int4``) of :attr:`quantized_keys`.
         always_bytes: weights every step reads whole.
         always_matrix_params: the matrix (>= 2-D) parameters among them: 2 FLOPs per parameter per token.
         expert_params: parameters of one routed expert (gate, up, down).
+        expert_bytes: bytes of one routed expert.
         moe_layers: indices of the layers with routed experts.
         n_experts, top_k: routed experts per MoE layer, experts chosen per token.
         embedding_row_bytes: one embedding row (0 when the lm_head shares the matrix: it is read whole).
-        lm_head_params: parameters of the lm_head.
-        total_params: every parameter of the model.
+        lm_head_params, lm_head_bytes: the lm_head.
+        total_params, total_bytes: every parameter of the model.
+        quantized_bytes: bytes of the quantized tensors (integers and scales; 0 for float weights).
+        quantized_keys: the state-dict keys held quantized.
     """
 
     itemsize: int
     always_bytes: int
     always_matrix_params: int
     expert_params: int
+    expert_bytes: int
     moe_layers: tuple[int, ...]
     n_experts: int
     top_k: int
     embedding_row_bytes: int
     lm_head_params: int
+    lm_head_bytes: int
     total_params: int
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.expert_params * self.itemsize
-
-    @property
-    def lm_head_bytes(self) -> int:
-        return self.lm_head_params * self.itemsize
-
-    @property
-    def total_bytes(self) -> int:
-        return self.total_params * self.itemsize
+    total_bytes: int
+    weights: str = "float"
+    quantized_bytes: int = 0
+    quantized_keys: frozenset = frozenset()
 
     def active_params_per_token(self) -> int:
         """Matrix parameters one token multiplies with (its k routed experts per MoE layer, the lm_head)."""
         return self.always_matrix_params + self.top_k * self.expert_params * len(self.moe_layers) + self.lm_head_params
 
     def to_dict(self) -> dict:
-        return {"itemsize": self.itemsize, "always_bytes": self.always_bytes,
+        return {"weights": self.weights, "itemsize": self.itemsize, "always_bytes": self.always_bytes,
                 "always_matrix_params": self.always_matrix_params, "expert_bytes": self.expert_bytes,
                 "moe_layers": len(self.moe_layers), "n_experts": self.n_experts, "top_k": self.top_k,
                 "all_experts_bytes": self.expert_bytes * self.n_experts * len(self.moe_layers),
                 "embedding_row_bytes": self.embedding_row_bytes, "lm_head_bytes": self.lm_head_bytes,
                 "total_params": self.total_params, "total_bytes": self.total_bytes,
+                "quantized_bytes": self.quantized_bytes, "quantized_tensors": len(self.quantized_keys),
                 "active_params_per_token": self.active_params_per_token()}
 
 
-def weight_groups(config: MLAConfig, itemsize: int = 4) -> WeightGroups:
-    """Sort ``config``'s parameters (the absorbed model's, on the meta device) into :class:`WeightGroups`."""
+def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQuantization | None" = None,
+                  quantized_keys: frozenset = frozenset()) -> WeightGroups:
+    """Sort ``config``'s parameters (the absorbed model's, on the meta device) into :class:`WeightGroups`.
+
+    Args:
+        itemsize: bytes per float weight (and per scale).
+        quantization: the scheme of ``quantized_keys`` (None: every weight is float).
+        quantized_keys: state-dict keys (``Linear [out, in]`` or stacked experts ``[E, out, in]``) held quantized,
+            as the manifest records them (:func:`manifest_weight_groups`).
+    """
     import torch
 
     from ..model import MLAForCausalLM
 
     with torch.device("meta"):
         model = MLAForCausalLM(config, "A_CC")
-    always = matrices = expert = lm_head = total = 0
+    state = model.state_dict()
+    unknown = sorted(set(quantized_keys) - set(state)) if quantization is not None else []
+    if unknown:
+        raise ValueError(f"quantized key {unknown[0]} is no parameter of the model")
+
+    def nbytes(name: str, tensor) -> int:
+        if quantization is None or name not in quantized_keys:
+            return tensor.numel() * itemsize
+        *lead, n, k = tensor.shape  # [..., out, in]: quantized per output row in blocks of input features
+        return math.prod(lead) * quantization.nbytes(k, n, itemsize)
+
+    always_bytes = matrices = expert = expert_bytes = lm_head = lm_head_bytes = total = total_bytes = quantized = 0
     moe_layers = set()
     tied = config.tie_word_embeddings
-    for name, tensor in model.state_dict().items():
-        n = tensor.numel()
-        total += n if not (tied and name == "lm_head.weight") else 0
+    for name, tensor in state.items():
+        n, size = tensor.numel(), nbytes(name, tensor)
+        if quantization is not None and name in quantized_keys:
+            quantized += size
+        if not (tied and name == "lm_head.weight"):
+            total, total_bytes = total + n, total_bytes + size
         match = _EXPERT.match(name)
         if match:
             moe_layers.add(int(match.group(1)))
             expert += n // config.n_routed_experts
+            expert_bytes += size // config.n_routed_experts
         elif name == "lm_head.weight":
-            lm_head = n
+            lm_head, lm_head_bytes = n, size
         elif name == "model.embed_tokens.weight":
             continue
         else:
-            always += n
+            always_bytes += size
             matrices += n if tensor.dim() >= 2 else 0
     layers = tuple(sorted(moe_layers))
-    return WeightGroups(itemsize=itemsize, always_bytes=always * itemsize, always_matrix_params=matrices,
-                        expert_params=expert // max(len(layers), 1), moe_layers=layers,
+    per_layer = max(len(layers), 1)
+    return WeightGroups(itemsize=itemsize, always_bytes=always_bytes, always_matrix_params=matrices,
+                        expert_params=expert // per_layer, expert_bytes=expert_bytes // per_layer, moe_layers=layers,
                         n_experts=config.n_routed_experts or 0, top_k=config.num_experts_per_tok if layers else 0,
                         embedding_row_bytes=0 if tied else config.hidden_size * itemsize, lm_head_params=lm_head,
-                        total_params=total)
+                        lm_head_bytes=lm_head_bytes, total_params=total, total_bytes=total_bytes,
+                        weights=quantization.weights if quantization is not None else "float",
+                        quantized_bytes=quantized,
+                        quantized_keys=frozenset(quantized_keys) if quantization is not None else frozenset())
+
+
+def manifest_weight_groups(manifest) -> WeightGroups:
+    """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized."""
+    return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.weight_quantization,
+                         manifest.quantized_keys)
 
 
 def precision_itemsize(precision: str) -> int:

@@ -2,10 +2,11 @@
 exported artifact in ONNX Runtime beside transformers' own model on the same checkpoint, each against the
 bound this machine's bandwidth and GEMM rate (measured in the same run) put on the step.
 
-The driver prepares the artifact (a checkpoint is exported into ``OUT/artifact``; a preset's random
-checkpoint is first written to ``OUT/checkpoint``; both are reused by a later run on the same model), then
-runs every part in a process of its own (:mod:`.whole_worker`): probes of the machine, ``ours``, the routing
-reference, ``transformers``, and writes ``bench.json`` and ``bench.md`` (:mod:`.whole_report`).
+The driver prepares the artifacts (a checkpoint is exported into ``OUT/artifact``, and with ``--weights int8``
+... also into ``OUT/artifact-int8`` ...; a preset's random checkpoint is first written to ``OUT/checkpoint``;
+all are reused by a later run on the same model), then runs every part in a process of its own
+(:mod:`.whole_worker`): probes of the machine, ``ours`` on each artifact (``ours``, ``ours-int8``, ...) and the
+routing reference of each, ``transformers``, and writes ``bench.json`` and ``bench.md`` (:mod:`.whole_report`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,21 @@ from typing import Callable
 from ..errors import ExportError, InputError
 from . import machine
 from .roofline import PROCESS_OVERHEAD
-from .whole_cost import precision_itemsize, weight_groups
-from .whole_spec import WholeModelSpec, points
+from .whole_cost import manifest_weight_groups, weight_groups
+from .whole_spec import TRANSFORMERS, WholeModelSpec, ours_path, points
 
 #: marks ``OUT/checkpoint`` as written by the bench, with what it holds (a later run reuses it when equal)
 CHECKPOINT_RECORD = "checkpoint.json"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One artifact ``ours`` runs. Attributes: path: its name in the report (:func:`~.whole_spec.ours_path`);
+    artifact: the folder; manifest: its manifest."""
+
+    path: str
+    artifact: Path
+    manifest: object
 
 
 @dataclass
@@ -37,16 +48,28 @@ class Prepared:
     """What the bench runs on.
 
     Attributes:
-        artifact: the artifact folder. manifest: its manifest.
+        variants: the artifacts, in ``--weights`` order (one for ``--artifact``).
         checkpoint: the checkpoint folder transformers and the reference load (None: the artifact has none).
         notes: what preparing did, for the report. seconds: how long each preparation step took.
     """
 
-    artifact: Path
-    manifest: object
+    variants: list[Variant]
     checkpoint: Path | None
     notes: list[str] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
+
+    @property
+    def primary(self) -> Variant:
+        """The float artifact when there is one, else the first: transformers' rows take its routing."""
+        return next((v for v in self.variants if v.path == "ours"), self.variants[0])
+
+    @property
+    def artifact(self) -> Path:
+        return self.primary.artifact
+
+    @property
+    def manifest(self):
+        return self.primary.manifest
 
 
 def _every(seconds: float, echo: Callable[[str], None], label: str):
@@ -138,7 +161,8 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
     ``out/artifact``; a preset or recipe written as a random fp32 checkpoint into ``out/checkpoint`` (seed
     ``spec.seed``, the recipe's ``init_std``), then exported from it, so every path reads the same weights.
 
-    The bench's exports are fp32 with the in-place (static) cache.
+    The bench's exports are fp32 with the in-place (static) cache, one per ``spec.weights``: ``float`` into
+    ``out/artifact``, ``int8``/``int4`` (blocks of ``spec.block_size``) into ``out/artifact-int8``/``-int4``.
 
     Raises:
         InputError: the model's fp32 weights do not fit this machine's memory, or its files do not fit the disk.
@@ -156,7 +180,9 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
         check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (whole_worker)
         weights = manifest.weights
         checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
-        return Prepared(Path(spec.location), manifest, checkpoint, [f"benched the artifact {spec.location} as given"])
+        scheme = manifest.weight_quantization
+        variant = Variant(ours_path(scheme.weights if scheme else "float"), Path(spec.location), manifest)
+        return Prepared([variant], checkpoint, [f"benched the artifact {spec.location} as given"])
     notes, seconds = [], {}
     if spec.source == "hf":
         checkpoint = Path(spec.location)
@@ -176,19 +202,26 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
     # the recipe's capacity stays a floor (the export traces its graphs within it); the engine sizes each
     # point's cache itself
     settings = dataclasses.replace(base.export, precision="fp32", cache_mode=STATIC.mode, decode_attention="standard",
-                                   max_cache_length=max(spec.capacity, base.export.max_cache_length))
-    manifest, seconds["export"], note = _export(base.replace(export=settings), checkpoint, out / "artifact", echo)
-    notes.append(note)
-    return Prepared(out / "artifact", manifest, checkpoint, notes, seconds)
+                                   max_cache_length=max(spec.capacity, base.export.max_cache_length),
+                                   weights="float", block_size=32)
+    variants = []
+    for weights in spec.weights:
+        scheme = settings if weights == "float" else dataclasses.replace(
+            settings, weights=weights, block_size=spec.block_size or settings.block_size)
+        folder = out / ("artifact" if weights == "float" else f"artifact-{weights}")
+        manifest, seconds[f"export {weights}"], note = _export(base.replace(export=scheme), checkpoint, folder, echo)
+        notes.append(note)
+        variants.append(Variant(ours_path(weights), folder, manifest))
+    return Prepared(variants, checkpoint, notes, seconds)
 
 
 def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
     """Which paths run and how routing is counted, before anything is loaded.
 
     Returns:
-        ``({"ours": {"available", "reason"}, "transformers": {...}}, {"method", "reason"})``; routing method
-        ``measured`` (the reference runs), ``uniform`` (expected distinct experts under uniform routing) or
-        ``none`` (a dense model).
+        ``({path: {"available", "reason"}}`` for each variant (``ours``, ``ours-int8``, ...) and ``transformers``,
+        ``{"method", "reason"})``; routing method ``measured`` (the reference runs), ``uniform`` (expected distinct
+        experts under uniform routing) or ``none`` (a dense model).
     """
     config = prepared.manifest.config
     fp32 = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD
@@ -201,15 +234,17 @@ def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
         return (f"needs about {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available "
                 f"(limit {spec.memory_fraction:.0%} of it)")
 
-    ours_need = weight_groups(config, precision_itemsize(prepared.manifest.precision)).total_bytes + PROCESS_OVERHEAD
-    status = {"ours": {"available": True, "reason": None}, "transformers": {"available": True, "reason": None}}
     try:
         import onnxruntime  # noqa: F401
+        missing = None
     except ImportError:
-        status["ours"] = {"available": False, "reason": "onnxruntime is not installed"}
-    if status["ours"]["available"] and too_big(ours_need):
-        status["ours"] = {"available": False, "reason": f"the artifact {too_big(ours_need)}"}
-    status["transformers"] = _transformers_status(spec, prepared, too_big(fp32))
+        missing = "onnxruntime is not installed"
+    status = {}
+    for variant in prepared.variants:
+        need = too_big(manifest_weight_groups(variant.manifest).total_bytes + PROCESS_OVERHEAD)
+        reason = missing or (f"the artifact {need}" if need else None)
+        status[variant.path] = {"available": reason is None, "reason": reason}
+    status[TRANSFORMERS] = _transformers_status(spec, prepared, too_big(fp32))
     if not config.is_moe:
         routing = {"method": "none", "reason": "a dense model: no routed experts"}
     elif too_big(fp32):
@@ -254,18 +289,22 @@ def _spawn(job: dict, stem: Path, threads: int, echo) -> tuple[int, str]:
     return proc.returncode, (lines[-1][:300] if lines else "")
 
 
-def run_role(role: str, base_job: dict, keys: list[str], work: Path, threads: int, echo) -> dict:
+def run_role(role: str, base_job: dict, keys: list[str], work: Path, threads: int, echo,
+             name: str | None = None) -> dict:
     """Run ``role`` over the points ``keys`` in fresh processes until each point has a record (a process killed
-    at a point, e.g. by the kernel's OOM killer, is restarted on the points after it).
+    at a point, e.g. by the kernel's OOM killer, is restarted on the points after it). ``name``: how its files
+    and progress lines call it (default: ``role``).
 
     Returns: ``{"records": {key: record}, "probes", "info", "load_seconds", "peak_rss_after_load_bytes",
     "restarts", "failure"}`` (``failure``: why the worker died before its first point, else None)."""
+    name = name or role
     merged = {"records": {}, "probes": [], "info": None, "load_seconds": None, "peak_rss_after_load_bytes": None,
               "restarts": 0, "failure": None}
     remaining = list(keys)
     for attempt in range(len(keys) + 1):
-        stem = work / f"{role}_{attempt}"
-        job = {**base_job, "role": role, "points": remaining, "result": str(stem.with_suffix(".result.json"))}
+        stem = work / f"{name}_{attempt}"
+        job = {**base_job, "role": role, "name": name, "points": remaining,
+               "result": str(stem.with_suffix(".result.json"))}
         code, last = _spawn(job, stem, threads, echo)
         result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).is_file() else {}
         merged["probes"] += result.get("probes", [])
@@ -280,7 +319,7 @@ def run_role(role: str, base_job: dict, keys: list[str], work: Path, threads: in
         why = "was killed by signal 9 (the kernel's OOM killer?)" if killed else f"failed (exit {code}): {last}"
         current = result.get("current")
         if current is None:
-            merged["failure"] = f"the {role} process {why} before its first point"
+            merged["failure"] = f"the {name} process {why} before its first point"
             break
         merged["records"][current] = {"point": current, "status": "out of memory" if killed else "error",
                                       "detail": f"the process {why} at this point"}
@@ -288,7 +327,7 @@ def run_role(role: str, base_job: dict, keys: list[str], work: Path, threads: in
         if not remaining:
             break
         merged["restarts"] += 1
-        echo(f"  {role}: the process stopped at {current}; restarting on {len(remaining)} point(s)")
+        echo(f"  {name}: the process stopped at {current}; restarting on {len(remaining)} point(s)")
     return merged
 
 
@@ -313,27 +352,32 @@ def run_whole_model(spec: WholeModelSpec, out_dir: str | Path, echo: Callable[[s
     work = Path(tempfile.mkdtemp(prefix=".bench-work-", dir=out))
     try:
         keys = points(spec)
-        base = {"spec": spec.to_dict(), "artifact": str(prepared.artifact), "capacity": spec.capacity,
+        base = {"spec": spec.to_dict(), "capacity": spec.capacity,
                 "checkpoint": str(prepared.checkpoint) if prepared.checkpoint else None}
-        results, probes = {}, []
+        results, routed, probes = {}, {}, []
 
         def probe() -> None:
             probes.extend(run_role("probe", base, [], work, spec.threads, echo)["probes"])
 
         probe()
-        if status["ours"]["available"]:
-            results["ours"] = run_role("ours", base, keys, work, spec.threads, echo)
-        if routing["method"] == "measured":
-            tokens = {k: r["tokens"] for k, r in results.get("ours", {}).get("records", {}).items()
-                      if r.get("status") == "ok" and "tokens" in r}
-            results["routing"] = run_role("routing", {**base, "tokens": tokens}, keys, work, spec.threads, echo)
-            if results["routing"]["failure"]:
-                routing = {"method": "uniform", "reason": results["routing"]["failure"]}
-        if status["transformers"]["available"]:
+        for variant in prepared.variants:
+            if not status[variant.path]["available"]:
+                continue
+            job = {**base, "artifact": str(variant.artifact)}
+            results[variant.path] = run_role("ours", job, keys, work, spec.threads, echo, variant.path)
+            if routing["method"] == "measured":  # the reference of this artifact's weights, on its tokens
+                tokens = {k: r["tokens"] for k, r in results[variant.path]["records"].items()
+                          if r.get("status") == "ok" and "tokens" in r}
+                routed[variant.path] = run_role("routing", {**job, "tokens": tokens}, keys, work, spec.threads, echo,
+                                                f"routing {variant.path}")
+        if routing["method"] == "measured" and routed and all(r["failure"] for r in routed.values()):
+            routing = {"method": "uniform", "reason": next(iter(routed.values()))["failure"]}
+        if status[TRANSFORMERS]["available"]:
             probe()
-            results["transformers"] = run_role("transformers", base, keys, work, spec.threads, echo)
+            results[TRANSFORMERS] = run_role(TRANSFORMERS, {**base, "artifact": str(prepared.artifact)}, keys, work,
+                                             spec.threads, echo)
         probe()
-        report = build_report(spec, prepared, status, routing, results, probes, described, started, command)
+        report = build_report(spec, prepared, status, routing, results, routed, probes, described, started, command)
         write_outputs(report, out, to_markdown=markdown, to_plot=None)
         return report
     finally:

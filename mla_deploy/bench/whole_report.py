@@ -3,8 +3,13 @@ printed table.
 
 Decode rows give ms per token (one decode step: one new token for every sequence), tokens/s per sequence
 (1000 / ms) and for the batch (B * 1000 / ms); prefill rows the prompt's time and tokens/s (B * L * 1000 / ms).
-The bound of a step (:mod:`.whole_cost`) counts the experts the step really routes to (the reference's
-router hooks; or the uniform-routing expectation, said so) and the rows it really attends to.
+Each artifact ``ours`` ran (``ours``: fp32 weights; ``ours-int8``, ``ours-int4``: quantized) has its rows, with
+its speed-up over transformers and over the float artifact's row. The bound of a step (:mod:`.whole_cost`)
+counts the bytes the artifact stores (quantized integers and scales for the quantized tensors), the experts the
+step really routes to (the reference's router hooks; or the uniform-routing expectation, said so) and the rows
+it really attends to. The batch-1 rows are also given as llama.cpp's ``llama-bench`` reports them: ``pp{L}``
+(prompt tokens/s) and ``tg{n} @ d{T}`` (generated tokens/s after a context of T), mean +- standard deviation of
+the per-call rates.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import numpy as np
 from .. import __version__
 from .machine import summarize
 from .output import format_bytes, format_ms, machine_line
-from .whole_cost import CHUNK_BYTES, bound, expected_distinct_experts, precision_itemsize, step_cost, weight_groups
-from .whole_spec import PATH_LABELS, PATHS, PREFILL, WholeModelSpec, parse_point, points, prompt_ids
+from .whole_cost import CHUNK_BYTES, bound, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
+from .whole_spec import PREFILL, TRANSFORMERS, WholeModelSpec, parse_point, path_label, points, prompt_ids
 
 FORMAT = "mla-deploy-bench-whole-model"
 
@@ -111,10 +116,20 @@ class _Bounds:
         return out
 
 
+def _llama_bench(spec: WholeModelSpec, kind: str, context: int | None, times: list[float]) -> dict:
+    """A batch-1 point as llama-bench names and rates it: ``pp{L}`` or ``tg{n} @ d{T}``, tokens/s mean and
+    standard deviation over the timed calls (llama-bench: over its repetitions)."""
+    tokens = spec.prompt_length if kind == "prefill" else 1
+    rates = tokens / np.asarray(times)
+    test = f"pp{spec.prompt_length}" if kind == "prefill" else f"tg{spec.repeat} @ d{context}"
+    return {"test": test, "tokens_per_s_mean": float(rates.mean()), "tokens_per_s_std": float(rates.std(ddof=1))
+            if len(rates) > 1 else 0.0}
+
+
 def _row(spec: WholeModelSpec, path: str, key: str, record: dict | None, bounds: _Bounds) -> dict:
     kind, batch, context = parse_point(key)
-    row = {"path": path, "point": key, "kind": kind, "batch": batch, "context": context,
-           "prompt_length": spec.prompt_length if kind == "prefill" else None}
+    row = {"path": path, "weights": bounds.groups.weights, "point": key, "kind": kind, "batch": batch,
+           "context": context, "prompt_length": spec.prompt_length if kind == "prefill" else None}
     if record is None or record.get("status") != "ok":
         record = record or {"status": "error", "detail": "no record (the process stopped before this point)"}
         row.update(status=record["status"], detail=record.get("detail"))
@@ -130,32 +145,37 @@ def _row(spec: WholeModelSpec, path: str, key: str, record: dict | None, bounds:
                    bound=bounds.decode(key, batch, record))
     else:
         row.update(tokens_per_s=batch * spec.prompt_length * 1e3 / ms, bound=bounds.prefill(key, batch, record))
+    if batch == 1:
+        row["llama_bench"] = _llama_bench(spec, kind, context, record["times_s"])
     return row
 
 
-def _compare(rows: list[dict], records: dict, routing_records: dict) -> None:
-    """Speed-ups of ours over transformers, and whether the paths fed the same greedy tokens."""
+def _compare(rows: list[dict], records: dict, routed: dict, primary: str) -> None:
+    """Speed-ups of each ``ours`` artifact over transformers and over the float artifact (``ours``), and whether
+    the paths fed the same greedy tokens (each artifact against its reference; transformers against ``primary``)."""
     index = {(r["path"], r["point"]): r for r in rows}
     for row in rows:
-        if row["path"] != "ours" or row["status"] != "ok":
+        if row["path"] == TRANSFORMERS or row["status"] != "ok":
             continue
         key = row["point"]
-        theirs = index.get(("transformers", key))
-        theirs = theirs if theirs and theirs["status"] == "ok" else None
-        if theirs:
-            row["speedup_vs_transformers"] = theirs["latency_ms"]["median"] / row["latency_ms"]["median"]
+        for other, field in ((TRANSFORMERS, "speedup_vs_transformers"), ("ours", "speedup_vs_float")):
+            theirs = index.get((other, key))
+            if theirs and theirs["status"] == "ok" and other != row["path"]:
+                row[field] = theirs["latency_ms"]["median"] / row["latency_ms"]["median"]
         if row["kind"] != "decode":
             continue
-        check = routing_records.get(key)
+        check = routed.get(row["path"], {}).get(key)
         if check and check.get("status") == "ok" and check.get("replayed"):
             row["tokens_agree_with_reference"] = check["tokens_agreeing"] / check["tokens_compared"]
-        if theirs:
-            ours, other = records["ours"][key]["tokens"], records["transformers"][key]["tokens"]
+        theirs = index.get((TRANSFORMERS, key))
+        if row["path"] == primary and theirs and theirs["status"] == "ok":
+            ours, other = records[primary][key]["tokens"], records[TRANSFORMERS][key]["tokens"]
             theirs["tokens_agree_with_ours"] = float((np.asarray(other) == np.asarray(ours)).mean())
+            theirs["tokens_compared_with"] = primary
 
 
-def _path_info(path: str, status: dict, result: dict | None) -> dict:
-    info = {"label": PATH_LABELS[path], **status}
+def _path_info(path: str, status: dict, result: dict | None, groups, artifact: str | None) -> dict:
+    info = {"label": path_label(path), **status, "artifact": artifact, "weights": groups.to_dict()}
     if result is None:
         return info
     peaks = [r.get("peak_rss_bytes") for r in result["records"].values()] + [result.get("peak_rss_after_load_bytes")]
@@ -168,23 +188,35 @@ def _path_info(path: str, status: dict, result: dict | None) -> dict:
     return info
 
 
-def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: dict, probes: list[dict],
-                 described: dict, started: float, command: str | None) -> dict:
-    """bench.json's content (see the module docstring)."""
+def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: dict, routed: dict,
+                 probes: list[dict], described: dict, started: float, command: str | None) -> dict:
+    """bench.json's content (see the module docstring).
+
+    Args:
+        results: per path (``ours``, ``ours-int8``, ..., ``transformers``), :func:`~.whole_model.run_role`'s result.
+        routed: per ``ours`` path, the result of the routing reference of its artifact."""
     manifest = prepared.manifest
     config = manifest.config
-    groups = weight_groups(config, precision_itemsize(manifest.precision))
     machine = _machine(spec, probes, described)
-    routing_result = results.get("routing") or {}
-    bounds = _Bounds(spec, config, groups, routing, routing_result.get("records", {}), machine)
-    paths = {path: _path_info(path, status[path], results.get(path)) for path in PATHS}
-    rows = [_row(spec, path, key, results[path]["records"].get(key), bounds)
-            for path in PATHS if path in results and paths[path]["available"] for key in points(spec)]
-    _compare(rows, {p: r["records"] for p, r in results.items()}, routing_result.get("records", {}))
-    routing = dict(routing, reference=routing_result.get("info"))
+    primary = prepared.primary.path
+    groups = {v.path: manifest_weight_groups(v.manifest) for v in prepared.variants}
+    groups[TRANSFORMERS] = weight_groups(config, 4)  # transformers runs the checkpoint in fp32
+    artifacts = {v.path: str(v.artifact) for v in prepared.variants}
+    records = {path: r.get("records", {}) for path, r in routed.items()}
+    bounds = {path: _Bounds(spec, config, g, routing, records.get(path if path in artifacts else primary, {}), machine)
+              for path, g in groups.items()}
+    paths = {path: _path_info(path, status[path], results.get(path), groups[path], artifacts.get(path))
+             for path in groups}
+    rows = [_row(spec, path, key, results[path]["records"].get(key), bounds[path])
+            for path in paths if path in results and paths[path]["available"] for key in points(spec)]
+    _compare(rows, {p: r["records"] for p, r in results.items()}, records, primary)
+    routing = dict(routing, reference=next((r["info"] for r in routed.values() if r.get("info")), None))
     if routing["method"] == "measured" and any(r.get("bound") and r["bound"]["routed_experts"] != "measured"
                                                for r in rows if r["status"] == "ok"):
-        routing["note"] = "some points fell back to the uniform expectation (their reference run failed)"
+        failed = [f"{path}: {r['failure']}" for path, r in routed.items() if r.get("failure")]
+        routing["note"] = ("some points fell back to the uniform expectation (their reference run failed"
+                           + (f"; {'; '.join(failed)}" if failed else "") + ")")
+    scheme = next((v.manifest.weight_quantization for v in prepared.variants if v.manifest.weight_quantization), None)
     return {
         "format": FORMAT, "format_version": 1, "command": command,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -197,7 +229,7 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
                   "num_attention_heads": config.num_attention_heads, "latent_dim": config.latent_dim,
                   "vocab_size": config.vocab_size, "n_routed_experts": config.n_routed_experts,
                   "num_experts_per_tok": config.num_experts_per_tok if config.is_moe else None,
-                  "weights": groups.to_dict()},
+                  "weights": groups[primary].to_dict()},
         "artifact": {"path": str(prepared.artifact), "precision": manifest.precision,
                      "cache_mode": manifest.layout.mode, "max_cache_length": manifest.capacity,
                      "weights": manifest.weights.to_dict()},
@@ -205,6 +237,14 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
         "preparation": {"notes": prepared.notes, "seconds": prepared.seconds},
         "protocol": {
             "threads": spec.threads, "warmup": spec.warmup, "repeat": spec.repeat, "dtype": "float32",
+            "weights": ("fp32" if scheme is None else
+                        f"ours: fp32 weights; ours-int8, ours-int4: symmetric int8/int4 MatMul weights in blocks of "
+                        f"{scheme.block_size} input features, one fp32 scale each (export --weights/--block-size; the "
+                        f"embedding, norms, kv_b_proj and routers stay fp32), run by ONNX Runtime's MatMulNBits with "
+                        f"int8 activations (OrtEngine's default); x float = the ours row's median time / this row's"),
+            "llama_bench": ("batch-1 points as llama.cpp's llama-bench reports them (-p L -n n -d T -b 1 -t threads): "
+                            "pp{L} = prompt tokens/s, tg{n} @ d{T} = generated tokens/s after a context of T; mean "
+                            "+- standard deviation of the per-call rates (llama-bench: of its repetitions)"),
             "processes": "machine probes, ours, the routing reference and transformers each in a process of its own, "
                          "one after the other",
             "decode": (f"a prompt of max(T, 1) random tokens per sequence fills the cache (ours: prefill steps in "
@@ -229,9 +269,11 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
             "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = "
                       "attention, dense MLP, shared-expert, router, norm and lm_head weights + the routed experts of "
                       "the step (per MoE layer, the union over the batch, and over the prompt for a prefill) + one "
-                      "embedding row per distinct token id + the latent cache held; FLOPs = 2 x tokens x (those "
+                      "embedding row per distinct token id + the latent cache held, each tensor as the artifact stores it (a "
+                      "quantized one: its integers and scales; transformers: fp32); FLOPs = 2 x tokens x (those "
                       "matrices, k experts per token) + absorbed attention over the rows attended + the lm_head of "
-                      "one token per sequence; achieved_over_bound = median time / median bound"),
+                      "one token per sequence, over the fp32 GEMM rate also for the quantized artifacts; "
+                      "achieved_over_bound = median time / median bound"),
         },
         "routing": routing, "machine": machine, "paths": paths, "rows": rows, "versions": _versions(),
     }
@@ -250,42 +292,82 @@ def _bound_cells(row: dict) -> tuple[str, str, str]:
     return f"{format_ms(b['bound_ms'])} {b['bound'][:3]}", f"{b['achieved_over_bound']:.2f}x", experts
 
 
-def _speedup(row: dict) -> str:
-    return f"{row['speedup_vs_transformers']:.2f}x" if row.get("speedup_vs_transformers") else "-"
+def _ratio(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x" if row.get(key) else "-"
+
+
+def _read(row: dict) -> str:
+    return format_bytes(row["bound"]["bytes"]) if row.get("bound") else "-"
 
 
 DECODE_HEAD = ("path", "T", "B", "ms/token", "p10-p90 ms", "tok/s per seq", "tok/s batch", "x transformers",
-               "peak RSS", "bound ms", "achieved/bound", "experts/MoE layer")
-PREFILL_HEAD = ("path", "B", "prompt", "ms", "p10-p90 ms", "tok/s", "x transformers", "peak RSS", "bound ms",
-                "achieved/bound", "experts/MoE layer")
+               "x float", "peak RSS", "read/step", "bound ms", "achieved/bound", "experts/MoE layer")
+PREFILL_HEAD = ("path", "B", "prompt", "ms", "p10-p90 ms", "tok/s", "x transformers", "x float", "peak RSS",
+                "read/step", "bound ms", "achieved/bound", "experts/MoE layer")
+LLAMA_BENCH_HEAD = ("path", "weights", "size", "params", "backend", "threads", "test", "t/s")
+
+
+def _ordered(report: dict, kind: str) -> list[dict]:
+    """The rows of ``kind`` by point, then in the order of the paths (the artifacts, then transformers)."""
+    order = {path: i for i, path in enumerate(report["paths"])}
+    rows = [r for r in report["rows"] if r["kind"] == kind]
+    return sorted(rows, key=lambda r: (r["context"] or 0, r["batch"], order.get(r["path"], len(order))))
 
 
 def decode_rows(report: dict) -> list[tuple]:
     out = []
-    for r in (r for r in report["rows"] if r["kind"] == "decode"):
+    for r in _ordered(report, "decode"):
         if r["status"] != "ok":
             out.append((r["path"], r["context"], r["batch"], f"{r['status']}: {r.get('detail') or ''}")
                        + ("",) * (len(DECODE_HEAD) - 4))
             continue
         lat = r["latency_ms"]
         out.append((r["path"], r["context"], r["batch"], f"{r['ms_per_token']:.2f}", f"{lat['p10']:.2f}-{lat['p90']:.2f}",
-                    f"{r['tokens_per_s_per_sequence']:.1f}", f"{r['tokens_per_s_batch']:.1f}", _speedup(r),
-                    format_bytes(r["peak_rss_bytes"]), *_bound_cells(r)))
+                    f"{r['tokens_per_s_per_sequence']:.1f}", f"{r['tokens_per_s_batch']:.1f}",
+                    _ratio(r, "speedup_vs_transformers"), _ratio(r, "speedup_vs_float"),
+                    format_bytes(r["peak_rss_bytes"]), _read(r), *_bound_cells(r)))
     return out
 
 
 def prefill_rows(report: dict) -> list[tuple]:
     out = []
-    for r in (r for r in report["rows"] if r["kind"] == "prefill"):
+    for r in _ordered(report, "prefill"):
         if r["status"] != "ok":
             out.append((r["path"], r["batch"], r["prompt_length"], f"{r['status']}: {r.get('detail') or ''}")
                        + ("",) * (len(PREFILL_HEAD) - 4))
             continue
         lat = r["latency_ms"]
         out.append((r["path"], r["batch"], r["prompt_length"], f"{lat['median']:.2f}",
-                    f"{lat['p10']:.2f}-{lat['p90']:.2f}", f"{r['tokens_per_s']:.1f}", _speedup(r),
-                    format_bytes(r["peak_rss_bytes"]), *_bound_cells(r)))
+                    f"{lat['p10']:.2f}-{lat['p90']:.2f}", f"{r['tokens_per_s']:.1f}",
+                    _ratio(r, "speedup_vs_transformers"), _ratio(r, "speedup_vs_float"),
+                    format_bytes(r["peak_rss_bytes"]), _read(r), *_bound_cells(r)))
     return out
+
+
+def llama_bench_rows(report: dict) -> list[tuple]:
+    """The batch-1 rows as llama-bench's table gives them (size: the weights as stored; params: all of them)."""
+    out = []
+    threads = report["protocol"]["threads"]
+    for r in _ordered(report, "prefill") + _ordered(report, "decode"):
+        if r["status"] != "ok" or "llama_bench" not in r:
+            continue
+        weights = report["paths"][r["path"]]["weights"]
+        backend = "torch CPU" if r["path"] == TRANSFORMERS else "ORT CPU"
+        lb = r["llama_bench"]
+        params = weights["total_params"]
+        out.append((r["path"], "fp32" if r["weights"] == "float" else r["weights"],
+                    format_bytes(weights["total_bytes"]),
+                    f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M", backend, threads,
+                    lb["test"], f"{lb['tokens_per_s_mean']:.2f} ± {lb['tokens_per_s_std']:.2f}"))
+    return out
+
+
+def _llama_bench_title(report: dict) -> str:
+    p = report["protocol"]
+    return (f"of {report['model']['name']} as llama-bench reports them (batch 1, {p['threads']} thread(s); "
+            f"ppL = prompt tokens/s of an L-token prompt, tg{p['repeat']} @ dT = generated tokens/s after a context "
+            f"of T; "
+            f"mean ± std of the per-call rates)")
 
 
 def _text_table(head: tuple, rows: list[tuple]) -> list[str]:
@@ -305,19 +387,22 @@ def _routing_line(report: dict) -> str:
         return (f"routed experts: NOT MEASURED, the expected number under uniform routing is used "
                 f"({routing['reason']})")
     if routing["method"] == "measured":
-        return ("routed experts: measured with router hooks on the PyTorch reference, on the tokens ours fed"
+        return ("routed experts: measured with router hooks on the PyTorch reference of each artifact's weights, on "
+                "the tokens that artifact fed"
                 + (f"; {routing['note']}" if routing.get("note") else ""))
     return f"routed experts: none ({routing['reason']})"
 
 
 def _agreement_line(report: dict) -> str | None:
-    """How often the paths chose the same greedy tokens (the same weights computing the same function)."""
+    """How often the paths chose the same greedy tokens (the same weights computing the same function): each
+    artifact against the PyTorch reference of its own weights, transformers against the float artifact."""
     parts = []
-    for path, key, against in (("ours", "tokens_agree_with_reference", "the reference"),
-                               ("transformers", "tokens_agree_with_ours", "ours")):
-        values = [r[key] for r in report["rows"] if r["path"] == path and r.get(key) is not None]
-        if values:
-            parts.append(f"{path} = {against} on {min(values):.0%} of the decode tokens (worst point)")
+    for path in report["paths"]:
+        key = "tokens_agree_with_ours" if path == TRANSFORMERS else "tokens_agree_with_reference"
+        rows = [r for r in report["rows"] if r["path"] == path and r.get(key) is not None]
+        if rows:
+            against = rows[0].get("tokens_compared_with", "ours") if path == TRANSFORMERS else "its reference"
+            parts.append(f"{path} = {against} on {min(r[key] for r in rows):.0%} of the decode tokens (worst point)")
     return f"greedy tokens: {'; '.join(parts)}" if parts else None
 
 
@@ -335,7 +420,11 @@ def format_table(report: dict) -> str:
     """What the command prints: the machine, the decode and prefill tables, the paths and the routing."""
     lines = [machine_line(report), report["unit"], "", "decode (one new token per sequence per step):"]
     lines += _text_table(DECODE_HEAD, decode_rows(report))
-    lines += ["", "prefill:"] + _text_table(PREFILL_HEAD, prefill_rows(report)) + [""] + _notes(report)
+    lines += ["", "prefill:"] + _text_table(PREFILL_HEAD, prefill_rows(report))
+    bench_rows = llama_bench_rows(report)
+    if bench_rows:
+        lines += ["", "batch-1 points " + _llama_bench_title(report) + ":"] + _text_table(LLAMA_BENCH_HEAD, bench_rows)
+    lines += [""] + _notes(report)
     lines.append("achieved/bound: median time / the bound (bytes the step must read over the measured bandwidth, "
                  "or FLOPs over the measured GEMM rate, whichever is longer)")
     return "\n".join(lines)
@@ -348,7 +437,7 @@ def _md_table(head: tuple, rows: list[tuple]) -> list[str]:
 
 def markdown(report: dict) -> str:
     """bench.md: the protocol, the decode and prefill tables, the paths, the routing and the weights."""
-    p, w = report["protocol"], report["model"]["weights"]
+    p = report["protocol"]
     lines = [f"# mla-deploy bench --whole-model: {report['model']['name']}", "", f"Unit: {report['unit']}.", "",
              f"Machine: {machine_line(report)}.", ""]
     if report.get("command"):
@@ -357,6 +446,10 @@ def markdown(report: dict) -> str:
               "seq = 1000 / ms; tok/s batch = B x 1000 / ms.", ""]
     lines += _md_table(DECODE_HEAD, decode_rows(report))
     lines += ["", "## Prefill", "", "tok/s = B x prompt / s.", ""] + _md_table(PREFILL_HEAD, prefill_rows(report))
+    bench_rows = llama_bench_rows(report)
+    if bench_rows:
+        lines += ["", "## llama-bench", "", f"The batch-1 points {_llama_bench_title(report)}. size: the weights as "
+                  "stored (quantized integers and scales included).", ""] + _md_table(LLAMA_BENCH_HEAD, bench_rows)
     lines += ["", "## Paths", ""]
     for path, info in report["paths"].items():
         line = f"* `{path}`: {info['label']}"
@@ -368,10 +461,15 @@ def markdown(report: dict) -> str:
         lines.append(line)
     lines += ["", "## Bound", "", p["bound"] + ".", "", f"* {_routing_line(report)}"]
     lines += [f"* {line}" for line in [_agreement_line(report)] if line]
-    lines += [f"* weights: {format_bytes(w['total_bytes'])} in all; every step reads {format_bytes(w['always_bytes'])} "
-              f"(attention, dense and shared MLPs, routers, norms) + lm_head {format_bytes(w['lm_head_bytes'])}; "
-              f"one routed expert {format_bytes(w['expert_bytes'])} ({w['n_experts']} per MoE layer, "
-              f"{w['moe_layers']} MoE layer(s), top-{w['top_k']})", ""]
+    for path, info in report["paths"].items():
+        w = info["weights"]
+        quantized = (f" ({format_bytes(w['quantized_bytes'])} of it in {w['quantized_tensors']} {w['weights']} "
+                     f"tensors, integers and scales)" if w["quantized_bytes"] else "")
+        lines.append(f"* weights of `{path}`: {format_bytes(w['total_bytes'])} in all{quantized}; every step reads "
+                     f"{format_bytes(w['always_bytes'])} (attention, dense and shared MLPs, routers, norms) + lm_head "
+                     f"{format_bytes(w['lm_head_bytes'])}; one routed expert {format_bytes(w['expert_bytes'])} "
+                     f"({w['n_experts']} per MoE layer, {w['moe_layers']} MoE layer(s), top-{w['top_k']})")
+    lines.append("")
     lines += ["## Protocol", ""] + [f"* {k}: {v}" for k, v in p.items() if isinstance(v, str)]
     lines += [f"* threads {p['threads']}, warm-up {p['warmup']}, repeat {p['repeat']}", ""]
     lines += [f"Preparation: {'; '.join(report['preparation']['notes'])}.", "",

@@ -23,12 +23,25 @@ from .spec import parse_int, parse_int_list
 #: where the model comes from: an exported artifact (benched as is), a checkpoint folder (exported first), a
 #: preset or recipe file (a random checkpoint of its model written first, then exported)
 SOURCES = ("artifact", "hf", "preset", "recipe")
-PATHS = ("ours", "transformers")
-PATH_LABELS = {
-    "ours": "mla-deploy: the exported artifact in ONNX Runtime (OrtEngine.step: prefill, then greedy decode steps)",
-    "transformers": "transformers: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=float32).generate "
-                    "(greedy, its own cache)",
-}
+#: ``--weights``: the float export, and the weight-only quantizations (:data:`mla_deploy.quant.SCHEMES`)
+WEIGHTS = ("float", "int8", "int4")
+TRANSFORMERS = "transformers"
+TRANSFORMERS_LABEL = ("transformers: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=float32).generate "
+                      "(greedy, its own cache)")
+
+
+def ours_path(weights: str) -> str:
+    """The name of this project's path on an artifact of ``weights``: ``ours`` (float), ``ours-int8``, ``ours-int4``."""
+    return "ours" if weights == "float" else f"ours-{weights}"
+
+
+def path_label(path: str) -> str:
+    """What a path runs, for the report."""
+    if path == TRANSFORMERS:
+        return TRANSFORMERS_LABEL
+    weights = "fp32" if path == "ours" else f"{path.removeprefix('ours-')} weights (MatMulNBits, int8 activations)"
+    return (f"mla-deploy: the exported artifact ({weights}) in ONNX Runtime (OrtEngine.step: prefill, then greedy "
+            f"decode steps)")
 #: the salts of the two kinds of prompts, so a prefill prompt and a context are different token ids
 PREFILL, CONTEXT = 1, 2
 
@@ -48,6 +61,10 @@ class WholeModelSpec:
         repeat: timed prefills per batch size, timed decode steps per point.
         warmup: untimed calls before them.
         seed: seed of the prompts and of a preset's random checkpoint.
+        weights: the artifacts ``ours`` runs, one per entry of :data:`WEIGHTS` (``--hf``, presets and recipes:
+            each exported into ``OUT/artifact`` (float) or ``OUT/artifact-int8`` ...; an ``--artifact`` is benched
+            as exported).
+        block_size: input features per scale of the quantized ones (None: the exporter's default, 32).
         transformers: also time transformers' own model (when it can run).
         probe_mib: size of the read-bandwidth probe buffer.
         memory_fraction: a path or point runs only if its estimated memory is below this fraction of the
@@ -64,6 +81,8 @@ class WholeModelSpec:
     repeat: int = 10
     warmup: int = 3
     seed: int = 0
+    weights: tuple[str, ...] = ("float",)
+    block_size: int | None = None
     transformers: bool = True
     probe_mib: int = 512
     memory_fraction: float = 0.8
@@ -81,8 +100,27 @@ class WholeModelSpec:
                               ("probe_mib", 1)):
             option = "--" + name.replace("_", "-")
             object.__setattr__(self, name, parse_int(getattr(self, name), option, minimum))
+        self._check_weights()
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError("memory_fraction must be in (0, 1]")
+
+    def _check_weights(self) -> None:
+        from ..quant import parse_weights
+
+        given = self.weights.split(",") if isinstance(self.weights, str) else list(self.weights)
+        weights = tuple(dict.fromkeys(w.strip() for w in given))
+        if not weights or any(w not in WEIGHTS for w in weights):
+            raise ConfigError(f"--weights takes a comma list of {', '.join(WEIGHTS)}; got {','.join(given)!r}")
+        object.__setattr__(self, "weights", weights)
+        quantized = [w for w in weights if w != "float"]
+        if self.source == "artifact" and (weights != ("float",) or self.block_size is not None):
+            raise ConfigError("--weights and --block-size apply to --hf, --preset and --recipe; an --artifact is "
+                              "benched with the weights it was exported with")
+        if self.block_size is not None:
+            if not quantized:
+                raise ConfigError("--block-size needs quantized --weights (int8 or int4)")
+            parse_weights(quantized[0], parse_int(self.block_size, "--block-size"))  # one of the exporter's sizes
+            object.__setattr__(self, "block_size", int(self.block_size))
 
     @property
     def decode_points(self) -> list[tuple[int, int]]:
@@ -101,13 +139,14 @@ class WholeModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["contexts"], out["batches"] = list(self.contexts), list(self.batches)
+        out["contexts"], out["batches"], out["weights"] = list(self.contexts), list(self.batches), list(self.weights)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "WholeModelSpec":
         data = dict(data)
         data["contexts"], data["batches"] = tuple(data["contexts"]), tuple(data["batches"])
+        data["weights"] = tuple(data.get("weights", ("float",)))
         return cls(**data)
 
 

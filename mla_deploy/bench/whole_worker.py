@@ -72,7 +72,10 @@ class OursPath:
         self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"])
         self.spec, self.config = spec, self.engine.config
         self.itemsize = np.dtype(self.engine.dtype).itemsize
+        scheme = self.engine.manifest.weight_quantization
         self.info = {"provider": self.engine.provider, "precision": self.engine.precision,
+                     "weights": scheme.to_dict() if scheme else "float",
+                     "quantized_compute": "int8 (OrtEngine's default)" if scheme else None,
                      "cache_mode": self.engine.cache_mode, "intra_op_threads": spec.threads,
                      "capacity": "the rows each point needs" if self.engine.layout.has_capacity else None}
 
@@ -322,6 +325,7 @@ def main(job_file: str) -> int:
     job = json.loads(Path(job_file).read_text())
     spec = WholeModelSpec.from_dict(job["spec"])
     role, result_path = job["role"], Path(job["result"])
+    name = job.get("name", role)
     result = {"role": role, "pid": os.getpid(), "probes": [], "points": [], "current": None}
     if role == "probe":  # its own process, so the ONNX Runtime process never loads torch
         result["probes"].append({**machine.probe(spec.threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
@@ -338,7 +342,7 @@ def main(job_file: str) -> int:
     path = ROLES[role](job, spec)
     result.update(load_seconds=time.perf_counter() - start, peak_rss_after_load_bytes=machine.peak_bytes(),
                   info=path.info)
-    _say(f"{role}: loaded in {result['load_seconds']:.1f} s, resident "
+    _say(f"{name}: loaded in {result['load_seconds']:.1f} s, resident "
          f"{result['peak_rss_after_load_bytes'] / 2**30:.2f} GiB")
     for key in job["points"]:
         result["current"] = key
@@ -347,7 +351,7 @@ def main(job_file: str) -> int:
         result["points"].append(record)
         result["current"] = None
         _write(result_path, result)
-        _say(_summary(role, record))
+        _say(_summary(name, record))
     result["done"] = True
     _write(result_path, result)
     return 0

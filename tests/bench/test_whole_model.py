@@ -131,13 +131,18 @@ def test_artifact_as_given_with_uniform_routing(smoke, tmp_path, monkeypatch):
 
 def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     """A preset is written as a random fp32 checkpoint that both paths load (transformers included); a second
-    preparation reuses the checkpoint and the artifact."""
+    preparation reuses the checkpoint and the artifacts. With --weights float,int4 one artifact of each is exported
+    and timed: the int4 rows sit beside the float ones with their speed-up over them, and the bound of a decode
+    step reads exactly the manifest's quantized bytes (integers and scales) plus every tensor of the checkpoint
+    the export did not quantize, one embedding row and the latent cache."""
+    from mla_deploy.artifact import load_manifest
     from mla_deploy.bench.whole_model import prepare
     from mla_deploy.bench.whole_spec import WholeModelSpec
+    from mla_deploy.checkpoint import CheckpointTensors
 
     args = ["bench", "--whole-model", "--preset", "tiny", "--layers", "1", "--context", "2", "--batch", "1",
             "--prompt-length", "4", "--repeat", "1", "--warmup", "0", "--threads", "1", "--probe-mib", "16",
-            "--out", str(tmp_path)]
+            "--weights", "float,int4", "--block-size", "64", "--out", str(tmp_path)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + (result.stderr or "") + repr(result.exception)
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -145,11 +150,33 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     assert report["routing"]["method"] == "none"  # the tiny preset is dense
     assert report["checkpoint"] == str(tmp_path / "checkpoint")
     assert report["artifact"]["weights"]["kind"] == "hf"
-    assert {r["path"] for r in report["rows"]} == {"ours", "transformers"}
-    assert all(r["status"] == "ok" and r["bound"]["bound_ms"] > 0 for r in report["rows"]), report["rows"]
+    rows = {(r["path"], r["kind"]): r for r in report["rows"]}
+    assert set(rows) == {(p, k) for p in ("ours", "ours-int4", "transformers") for k in ("decode", "prefill")}
+    assert all(r["status"] == "ok" and r["bound"]["bound_ms"] > 0 for r in rows.values()), rows
+    # the quantized artifact and its rows
+    manifest = load_manifest(tmp_path / "artifact-int4")
+    assert manifest.quantization["weights"] == "int4" and manifest.quantization["block_size"] == 64
+    assert load_manifest(tmp_path / "artifact").quantization is None
+    assert report["paths"]["ours-int4"]["weights"]["quantized_bytes"] == manifest.quantization["bytes"]
+    decode = rows[("ours-int4", "decode")]
+    assert decode["weights"] == "int4" and decode["speedup_vs_float"] > 0 and decode["speedup_vs_transformers"] > 0
+    assert decode["llama_bench"]["test"] == "tg1 @ d2" and decode["llama_bench"]["tokens_per_s_mean"] > 0
+    source = CheckpointTensors(tmp_path / "checkpoint")
+    sizes = {k: source.get(k).numel() * 4 for k in source.keys() if k != "model.embed_tokens.weight"}
+    source.close()
+    floats = sum(n for k, n in sizes.items() if k not in manifest.quantized_keys)
+    config = manifest.config
+    cache = decode["cache_rows_timed"][0] * config.latent_dim * 4 * config.num_hidden_layers
+    assert decode["bound"]["cache_bytes"] == cache
+    assert decode["bound"]["bytes"] == manifest.quantization["bytes"] + floats + config.hidden_size * 4 + cache
+    assert rows[("ours", "decode")]["bound"]["weight_bytes"] == sum(sizes.values()) + config.hidden_size * 4
+    md = (tmp_path / "bench.md").read_text()
+    assert "| ours-int4 |" in md and "## llama-bench" in md and "tg1 @ d2" in md and "1 thread(s)" in md
     again = prepare(WholeModelSpec(source="preset", location="tiny", layers=1, contexts=(2,), batches=(1,),
-                                   prompt_length=4, repeat=1, warmup=0), tmp_path, lambda line: None)
-    assert [note.split(" ")[0] for note in again.notes] == ["reused", "reused"], again.notes
+                                   prompt_length=4, repeat=1, warmup=0, weights=("float", "int4"), block_size=64),
+                    tmp_path, lambda line: None)
+    assert [note.split(" ")[0] for note in again.notes] == ["reused", "reused", "reused"], again.notes
+    assert [v.path for v in again.variants] == ["ours", "ours-int4"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -168,6 +195,10 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     pytest.param(["--whole-model", "--preset", "deepseek-v3"], "GiB in fp32", id="model_beyond_memory"),
     pytest.param(["--preset", "tiny", "--prompt-length", "8"], "--prompt-length", id="whole_model_option"),
     pytest.param(["--preset", "tiny", "--artifact", "x"], "--artifact", id="artifact_without_whole_model"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--weights", "int9"], "--weights", id="weights_unknown"),
+    pytest.param(["--whole-model", "--preset", "tiny", "--block-size", "64"], "--block-size", id="block_without_int"),
+    pytest.param(["--whole-model", "--artifact", "x", "--weights", "int8"], "--artifact", id="weights_of_artifact"),
+    pytest.param(["--preset", "tiny", "--weights", "int8"], "--weights", id="weights_without_whole_model"),
 ])
 def test_invalid_option_is_one_line(tmp_path, args, words):
     """A bad value exits 1 with one `mla-deploy: error:` line naming the problem, and writes nothing."""
@@ -199,6 +230,16 @@ def test_weight_groups_of_v2_lite():
     all_experts = 26 * 64 * g.expert_bytes
     assert g.always_bytes + all_experts + g.lm_head_bytes + 102400 * 2048 * 4 == g.total_bytes
     assert g.total_params == 15_706_484_224
+    # int4 in blocks of 32 (one fp32 scale each) for the experts and the lm_head, as a manifest would list them
+    from mla_deploy.quant import WeightQuantization
+
+    keys = frozenset(f"model.layers.{i}.mlp.experts.{p}" for i in range(1, 27) for p in ("gate_up_proj", "down_proj"))
+    q = weight_groups(c, 4, WeightQuantization("int4", 32), keys | {"lm_head.weight"})
+    assert q.expert_bytes == 3 * (2048 * 1408 // 2 + 2048 * 1408 // 32 * 4)  # gate, up: K = 2048; down: K = 1408
+    assert q.lm_head_bytes == 102400 * 2048 // 2 + 102400 * 2048 // 32 * 4 and q.always_bytes == g.always_bytes
+    assert q.quantized_bytes == 26 * 64 * q.expert_bytes + q.lm_head_bytes
+    saved = (g.lm_head_bytes - q.lm_head_bytes) + 26 * 64 * (g.expert_bytes - q.expert_bytes)
+    assert q.total_bytes == g.total_bytes - saved
 
 
 def test_step_cost_counts_routed_experts_and_cache():
