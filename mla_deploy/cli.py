@@ -162,7 +162,7 @@ def presets():
 
 
 def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers, weights=None,
-                       block_size=None):
+                       block_size=None, quant_format=None):
     """The recipe an export uses: a preset or recipe file, or a checkpoint's config with default settings."""
     import dataclasses
     from pathlib import Path
@@ -182,9 +182,10 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
         result = load_recipe(preset or recipe)
     changes = {k: v for k, v in (("precision", precision), ("cache_mode", cache_mode),
                                  ("max_cache_length", max_cache_length), ("weights", weights),
-                                 ("block_size", block_size)) if v is not None}
-    if block_size is not None and (weights or result.export.weights) == "float":
-        raise ConfigError("--block-size needs --weights int8 or int4")
+                                 ("block_size", block_size), ("quant_format", quant_format)) if v is not None}
+    for flag, given in (("--block-size", block_size), ("--quant-format", quant_format)):
+        if given is not None and (weights or result.export.weights) == "float":
+            raise ConfigError(f"{flag} needs --weights int8 or int4")
     if changes:
         result = result.replace(export=dataclasses.replace(result.export, **changes))
     if layers is not None:
@@ -209,6 +210,9 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
                    "(weight-only, a symmetric scale per block of input features); float (default) quantizes nothing.")
 @click.option("--block-size", type=click.Choice(["32", "64", "128"]),
               help="Input features per scale of --weights int8/int4 (default 32).")
+@click.option("--quant-format", type=click.Choice(["matmulnbits", "qdq"]),
+              help="How --weights int8/int4 are written: matmulnbits (default; ONNX Runtime's MatMulNBits, loads in "
+                   "1.4x the weights' bytes) or qdq (standard DequantizeLinear -> MatMul, for TensorRT).")
 @click.option("--overwrite", is_flag=True, help="Replace --out even if it holds a different model.")
 @click.option("--validate", "run_validation", is_flag=True, help="Validate against PyTorch right after exporting.")
 @click.option("--dump-recipe", is_flag=True, help="Print the resolved recipe as JSON and exit.")
@@ -221,8 +225,8 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--target", type=click.Choice(["artifact", "genai"]), default="artifact", show_default=True,
               help="artifact: the mla-deploy artifact; genai: a folder onnxruntime-genai loads (needs --hf; "
                    "--max-cache-length is its context length).")
-def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, weights, block_size, overwrite,
-           run_validation, dump_recipe, block, quiet, force_progress, target):
+def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, layers, weights, block_size,
+           quant_format, overwrite, run_validation, dump_recipe, block, quiet, force_progress, target):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
     import json
     import time
@@ -230,7 +234,7 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
     from .errors import ConfigError
 
     resolved = _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers, weights,
-                                  None if block_size is None else int(block_size))
+                                  None if block_size is None else int(block_size), quant_format)
     if dump_recipe:
         click.echo(json.dumps(resolved.to_dict(), indent=2))
         return
@@ -546,6 +550,18 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
 
     from .trt.build import build_engines, require_tensorrt
 
+    from pathlib import Path
+
+    from .artifact import load_manifest
+    from .errors import ArtifactError
+    from .trt.build import check_buildable
+
+    try:
+        manifest = load_manifest(artifact_dir)
+    except ArtifactError:
+        manifest = None  # reported after the runtime, as before
+    if manifest is not None:
+        check_buildable(manifest, Path(artifact_dir))  # an artifact TensorRT could never parse: said first
     require_tensorrt()  # before anything else: one line naming what is missing
     settings = None
     if workspace_mib:

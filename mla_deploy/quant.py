@@ -144,3 +144,20 @@ def pack_int4(q: "torch.Tensor") -> "torch.Tensor":
     if flat.numel() % 2:
         flat = torch.cat([flat, flat.new_zeros(1)])
     return flat[0::2] | (flat[1::2] << 4)
+
+
+def matmulnbits_layout(q: "torch.Tensor", scale: "torch.Tensor",
+                       scheme: WeightQuantization) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """ONNX Runtime's ``MatMulNBits`` layout of :func:`quantize`'s ``q [K, N]`` and ``scale [ceil(K/B), N]``:
+    ``uint8 [N, ceil(K/B), B*bits/8]`` (values plus ``2^(bits-1)``, the kernel's default zero point; int4 two per
+    byte, low nibble first; a short last block padded with the zero point) and ``scale [N * ceil(K/B)]``."""
+    import torch
+
+    k, n = q.shape
+    blocks, b, zero = scheme.blocks(k), scheme.block_size, 1 << (scheme.bits - 1)
+    u = torch.full((n, blocks * b), zero, dtype=torch.uint8)
+    u[:, :k] = (q.T.to(torch.int16) + zero).to(torch.uint8)
+    u = u.view(n, blocks, b)
+    if scheme.bits == 4:
+        u = u[..., 0::2] | (u[..., 1::2] << 4)
+    return u.contiguous(), scale.T.reshape(-1)

@@ -57,6 +57,9 @@ class ExportSettings:
         weights: ``float`` (the weights in ``precision``), or ``int8``/``int4``: weight-only quantization with a
             symmetric scale per block of input features (:mod:`mla_deploy.quant`, :mod:`mla_deploy.exporter.quantize`).
         block_size: input features per scale of quantized weights (32, 64 or 128).
+        quant_format: how quantized weights are written: ``matmulnbits`` (ONNX Runtime's ``com.microsoft``
+            ``MatMulNBits``: loads in 1.4x the weights' bytes) or ``qdq`` (standard ``DequantizeLinear -> MatMul``,
+            which TensorRT reads; ONNX Runtime fuses it at load in 2.2-2.8x). See :mod:`mla_deploy.exporter.quantize`.
     """
 
     precision: str = "fp32"
@@ -71,6 +74,7 @@ class ExportSettings:
     decode_attention: str = "standard"
     weights: str = "float"
     block_size: int = 32
+    quant_format: str = "matmulnbits"
 
     def __post_init__(self) -> None:
         from .cache_layout import CACHE_MODES, get_layout
@@ -99,6 +103,8 @@ class ExportSettings:
             raise ConfigError(f"[export] decode_attention = \"plugin\" needs cache_mode = {able} "
                               f"(the plugin reads per-sequence valid lengths, not a padding mask)")
 
+        if self.quant_format not in ("matmulnbits", "qdq"):
+            raise ConfigError(f"[export] quant_format must be matmulnbits or qdq, got {self.quant_format!r}")
         if self.weights != "float":
             self.quantization  # noqa: B018  (raises ConfigError for an unknown scheme or block size)
         elif self.block_size != 32:

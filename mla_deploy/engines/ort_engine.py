@@ -81,6 +81,22 @@ def session_options(threads: int | None = None, log_severity: int = 4, quantized
     return options
 
 
+def _exact_matmulnbits(path: Path) -> bytes | None:
+    """The graph at ``path`` with every ``MatMulNBits`` set to ``accuracy_level`` 1 (float32 arithmetic), without
+    its external weights (the session reads them from ``path``'s folder); None when it holds no such node."""
+    import onnx
+
+    from ..exporter.quantize import EXACT_ACCURACY
+
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = EXACT_ACCURACY
+    return model.SerializeToString() if nodes else None
+
+
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
                  quantized_compute: str = "int8"):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
@@ -97,9 +113,16 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     wanted = PROVIDERS[provider]
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
+    options = session_options(threads, log_severity, quantized_compute)
+    model: str | bytes = str(path)
+    if quantized_compute == "fp32":  # MatMulNBits nodes written with the fast accuracy level: made exact here
+        exact = _exact_matmulnbits(Path(path))
+        if exact is not None:
+            model = exact
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(Path(path).parent))
     try:
-        session = ort.InferenceSession(str(path), session_options(threads, log_severity, quantized_compute),
-                                       providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
+        session = ort.InferenceSession(model, options, providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from exc
     if session.get_providers()[0] != wanted:

@@ -39,11 +39,11 @@ from ..artifact.files import remove_stale
 from ..artifact.target import check_export_target
 from ..errors import ExportError
 from ..model import MLAForCausalLM
-from ..quant import WeightQuantization, pack_int4, quantize
+from ..quant import WeightQuantization, matmulnbits_layout, pack_int4, quantize
 from ..recipe import Recipe
 from .graphs import CausalLMGraph, example_decoder_inputs
 from .moe_onnx import all_expert_tensors
-from .quantize import quantize_graph_weights
+from .quantize import QUANT_OPS, quantize_graph_weights
 from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight_views, per_head_kv_tensors,
                           save_graph, trace_graph)
 from .weights import WEIGHTS_FILE, ModuleTensors, Progress, RandomTensors, TensorSource, WeightsFile, WeightSpec
@@ -200,8 +200,8 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
             traced[file] = _trace(recipe, file, form, attention)
             log(f"traced {file} in {time.perf_counter() - start:.1f} s")
     scheme = settings.quantization
-    quantized = (quantize_graph_weights([(g.model, g.placeholders, g.specs) for g in traced.values()], scheme)
-                 if scheme is not None else [])
+    quantized = (quantize_graph_weights([(g.model, g.placeholders, g.specs) for g in traced.values()], scheme,
+                                        settings.quant_format) if scheme is not None else [])
     if scheme is not None:
         log(f"{scheme.weights} weights in blocks of {scheme.block_size}: {len(quantized)} checkpoint tensors")
     specs: dict[str, WeightSpec] = {}
@@ -218,8 +218,8 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
     quantization = None
     if scheme is not None:
         quantization = {**scheme.to_dict(), "symmetric": True, "axis": "input features",
-                        "format": "DequantizeLinear(axis=0, block_size) -> MatMul",
-                        "tensors": sum(1 for s in specs.values() if s.quant and s.quant[2] == "q"),
+                        "format": settings.quant_format, "ops": QUANT_OPS[settings.quant_format],
+                        "tensors": sum(1 for s in specs.values() if s.quant and s.quant[2] in ("q", "nbits")),
                         "bytes": sum(nbytes(values[n]) for n, s in specs.items() if s.quant), "keys": quantized}
     inputs, outputs = layout.io(config, settings.precision)
     entries: dict[str, tuple[Any, Any]] = {}
@@ -286,7 +286,10 @@ def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSourc
                     scheme = WeightQuantization(spec.quant[0], spec.quant[1])
                     quantized = (view, quantize(view.apply(cached[1], config), scheme))
                 q, scale = quantized[1]
-                tensor = q if spec.quant[2] == "q" else scale.to(_torch_dtype(value.dtype))
+                part = spec.quant[2]
+                if part.startswith("nbits"):
+                    q, scale = matmulnbits_layout(q, scale, WeightQuantization(spec.quant[0], spec.quant[1]))
+                tensor = q if part in ("q", "nbits") else scale.to(_torch_dtype(value.dtype))
             # NaN and Inf survive the cast, and make their block's scale NaN or Inf: one check of what is written
             if not _all_finite(tensor):
                 verb = "holds" if not _all_finite(cached[1]) else f"overflows {value.dtype.name.lower()} with"
@@ -341,7 +344,8 @@ def _torch_dtype(dtype) -> torch.dtype:
     import onnx_ir as ir
 
     table = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16,
-             ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64, ir.DataType.INT8: torch.int8}
+             ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64, ir.DataType.INT8: torch.int8,
+             ir.DataType.UINT8: torch.uint8}
     return table[dtype]
 
 

@@ -188,7 +188,7 @@ def export_genai(recipe: Recipe, out: str | Path, source, checkpoint: str | Path
             _dynamic_shapes(config.num_hidden_layers), opset, GRAPH_FILE)
         log(f"traced {GRAPH_FILE} in {time.perf_counter() - start:.1f} s")
         if settings.quantization is not None:  # genai's sessions fuse these into MatMulNBits like ours
-            quantize_graph_weights([(model, placeholders, specs)], settings.quantization)
+            quantize_graph_weights([(model, placeholders, specs)], settings.quantization, settings.quant_format)
         total = sum(nbytes(v) for v in placeholders.values())
         external = total > settings.external_data_threshold
         with atomic_dir(out, keep=keep) as tmp:

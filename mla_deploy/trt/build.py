@@ -187,6 +187,17 @@ def _build_one(trt, spec: dict, root: Path, tmp: Path, cache: Path | None, works
             "build_seconds": round(seconds, 3), "attention": spec["attention"], "aliased_outputs": aliased}
 
 
+def check_buildable(manifest: Manifest, root: Path) -> None:
+    """Refuse an artifact TensorRT could never parse, before TensorRT is looked for.
+
+    Raises:
+        ArtifactError: its quantized weights are ONNX Runtime's ``MatMulNBits`` (``--quant-format matmulnbits``).
+    """
+    if (manifest.quantization or {}).get("format") == "matmulnbits":
+        raise ArtifactError(f"{root}'s quantized weights are ONNX Runtime MatMulNBits nodes, which TensorRT cannot "
+                            f"parse; export with --quant-format qdq for TensorRT")
+
+
 def build_engines(artifact: str | Path, build: BuildSettings | None = None, strongly_typed: bool | None = None,
                   timing_cache: bool = True, optimization_level: int | None = None) -> dict[str, Any]:
     """Build the engines of ``artifact`` and return the build record (also written to ``trt/build.json``).
@@ -198,12 +209,14 @@ def build_engines(artifact: str | Path, build: BuildSettings | None = None, stro
         timing_cache: reuse and update ``trt/timing.cache``.
         optimization_level: TensorRT's builder optimisation level (0..5; None: its default).
     Raises:
-        RuntimeMissingError: no TensorRT or no GPU (checked first). ArtifactError: a bad artifact.
+        RuntimeMissingError: no TensorRT or no GPU (checked first). ArtifactError: a bad artifact, or one whose
+            quantized weights are ONNX Runtime's MatMulNBits (:func:`check_buildable`).
         ConfigError: profile ranges that do not fit. ExportError: TensorRT failed to parse or build a graph.
     """
     trt, gpu = require_tensorrt()
     root = Path(artifact)
     manifest = load_manifest(root)
+    check_buildable(manifest, root)
     build = build or manifest.build_settings()
     plan = build_plan(manifest, build, trt.__version__, strongly_typed)
     if any(manifest.graphs[role].uses_plugin for spec in plan.values() for role in spec["roles"]):

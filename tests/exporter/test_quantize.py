@@ -1,6 +1,6 @@
-"""Quantized exports: a blocked DequantizeLinear before every MatMul weight but the router's, fused by ONNX Runtime
-into MatMulNBits (the optimized graph holds no DequantizeLinear), the same numbers as PyTorch with the same
-dequantized weights, and the manifest's record of what was quantized."""
+"""Quantized exports: every MatMul weight but the router's as a blocked DequantizeLinear (``qdq``, fused by ONNX
+Runtime into MatMulNBits: the optimized graph holds no DequantizeLinear) or as ONNX Runtime's own MatMulNBits
+(``matmulnbits``); the same numbers as PyTorch with the same dequantized weights; the manifest's record."""
 
 from __future__ import annotations
 
@@ -29,30 +29,45 @@ def _moe_recipe(weights: str, block_size: int = 32, **export):
         norm_topk_prob=True, routed_scaling_factor=2.5))
 
 
-@pytest.fixture(scope="module", params=[("int4", 32, 64 << 20), ("int8", 64, 0)], ids=["int4-inline", "int8-file"])
+CASES = [("int4", 32, 64 << 20, "qdq"), ("int8", 64, 0, "qdq"), ("int4", 32, 0, "matmulnbits"),
+         ("int8", 128, 64 << 20, "matmulnbits")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{c[3]}-{c[0]}-{'inline' if c[2] else 'file'}" for c in CASES])
 def quantized(request, tmp_path_factory):
-    weights, block, threshold = request.param
+    weights, block, threshold, quant_format = request.param
     out = tmp_path_factory.mktemp(weights) / "artifact"
-    export_recipe(_moe_recipe(weights, block, external_data_threshold=threshold), out)
-    return out, weights, block
+    export_recipe(_moe_recipe(weights, block, external_data_threshold=threshold, quant_format=quant_format), out)
+    return out, weights, block, threshold == 0
 
 
 def test_every_matmul_weight_but_the_router_is_quantized(quantized):
-    out, weights, block = quantized
+    out, weights, block, in_file = quantized
     manifest = load_manifest(out)
     model = onnx.load(str(out / "model.onnx"))
     record = manifest.quantization
     assert (record["weights"], record["block_size"], record["symmetric"]) == (weights, block, True)
-    assert (manifest.weights_data is not None) == (block == 64)  # the int8 case goes through weights.data
-    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dq) == record["tensors"]
+    assert (manifest.weights_data is not None) == in_file  # weights.data, or inline in the graph
     inits = {i.name: i for i in model.graph.initializer}
-    for node in dq:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs == {"axis": 0, "block_size": block}
-        q, scale = inits[node.input[0]], inits[node.input[1]]
-        assert q.data_type == (onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8)
-        assert scale.data_type == onnx.TensorProto.FLOAT and scale.dims[0] == -(-q.dims[0] // block)
+    if record["format"] == "qdq":
+        dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        assert len(dq) == record["tensors"] and not [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        for node in dq:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs == {"axis": 0, "block_size": block}
+            q, scale = inits[node.input[0]], inits[node.input[1]]
+            assert q.data_type == (onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8)
+            assert scale.data_type == onnx.TensorProto.FLOAT and scale.dims[0] == -(-q.dims[0] // block)
+    else:
+        nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nbits) == record["tensors"] and not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        for node in nbits:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (int(weights[3:]), block, 4)
+            q, scale = inits[node.input[1]], inits[node.input[2]]
+            blocks = -(-attrs["K"] // block)
+            assert q.data_type == onnx.TensorProto.UINT8 and list(q.dims) == [attrs["N"], blocks, block * attrs["bits"] // 8]
+            assert list(scale.dims) == [attrs["N"] * blocks]
     keys = set(record["keys"])
     layer1 = "model.layers.1."
     assert {"lm_head.weight", layer1 + "mlp.experts.gate_up_proj", layer1 + "mlp.experts.down_proj",
@@ -64,7 +79,9 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
 
 @pytest.mark.parametrize("compute", ["int8", "fp32"])
 def test_onnx_runtime_fuses_every_dequantize_into_matmulnbits(quantized, compute, tmp_path):
-    out, _, _ = quantized
+    out = quantized[0]
+    if load_manifest(out).quantization["format"] != "qdq":
+        pytest.skip("the matmulnbits format holds MatMulNBits already")
     options = session_options(1, quantized_compute=compute)
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
@@ -77,7 +94,7 @@ def test_onnx_runtime_fuses_every_dequantize_into_matmulnbits(quantized, compute
 def test_exact_compute_equals_pytorch_with_the_dequantized_weights(quantized):
     """fp32 arithmetic on the quantized weights is PyTorch's on the same dequantized weights (fp32 tolerance);
     the unquantized model is farther off (the check can tell them apart), and int8 activations farther still."""
-    out, _, _ = quantized
+    out = quantized[0]
     manifest = load_manifest(out)
     ids = torch.randint(0, manifest.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(9).expand(2, 9)
@@ -99,4 +116,20 @@ def test_block_size_without_quantized_weights_is_one_line(tmp_path):
     result = cli("export", "--preset", "tiny", "--out", str(tmp_path / "a"), "--block-size", "64")
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
     assert "--block-size needs --weights int8 or int4" in result.stderr
+    assert not (tmp_path / "a").exists()
+
+
+def test_tensorrt_build_refuses_matmulnbits_in_one_line(quantized):
+    """Before TensorRT is looked for: such an artifact could never be parsed by it."""
+    out = quantized[0]
+    if load_manifest(out).quantization["format"] != "matmulnbits":
+        pytest.skip("qdq artifacts are TensorRT's format")
+    result = cli("build", str(out))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "MatMulNBits nodes, which TensorRT cannot parse; export with --quant-format qdq" in result.stderr
+
+
+def test_quant_format_without_quantized_weights_is_one_line(tmp_path):
+    result = cli("export", "--preset", "tiny", "--out", str(tmp_path / "a"), "--quant-format", "qdq")
+    assert result.returncode == 1 and "--quant-format needs --weights int8 or int4" in result.stderr
     assert not (tmp_path / "a").exists()
