@@ -150,5 +150,5 @@ def summary_line(section: dict[str, Any]) -> str:
     steps = f"prefill + {s['decode_steps']} decode steps" + (" (clamped to the static cache)" if s["clamped"] else "")
     return (f"{head}: {s['runner']} vs {s['reference']} over {s['positions']} positions ({steps}): top-1 agreement "
             f"{s['top1'] * 100:.1f}% (min {s['thresholds']['min_top1'] * 100:.1f}%), logits cosine mean "
-            f"{s['mean_cosine']:.5f} (min {s['thresholds']['min_mean_cosine']}), worst {s['min_cosine']:.5f}, max abs error "
-            f"{s['max_abs']:.3e} ({s['max_abs_relative'] * 100:.2f}% of max |logit| {s['max_abs_reference']:.3g})")
+            f"{s['mean_cosine']:.5f} (min {s['thresholds']['min_mean_cosine']}), worst {s['min_cosine']:.5f}, "
+            f"max abs error {s['max_abs']:.3e} ({s['max_abs_relative'] * 100:.2f}% of max |logit| {s['max_abs_reference']:.3g})")

@@ -253,7 +253,8 @@ def _quantization_markdown(q: dict) -> list[str]:
             f"| mean logits cosine | {q['mean_cosine']:.6f} | >= {t['min_mean_cosine']} |",
             f"| worst logits cosine | {q['min_cosine']:.6f} | |",
             f"| max abs error | {q['max_abs']:.3e} ({q['max_abs_relative'] * 100:.2f}% of max abs logit "
-            f"{q['max_abs_reference']:.3g}) | |", ""] + ([f"fails: {'; '.join(q['failures'])}", ""] if q["failures"] else [])
+            f"{q['max_abs_reference']:.3g}) | |", ""] + ([f"fails: {'; '.join(q['failures'])}", ""] if q["failures"]
+                                                          else [])
 
 
 def _steps(steps: list[int], limit: int = 6) -> str:

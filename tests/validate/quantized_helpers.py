@@ -78,6 +78,6 @@ def blocks_along_n(model) -> None:
         weight = dequantize(q, scale, scheme)  # [K, N]
         q_n, scale_n = quantize(weight.T, scheme)  # blocks along N: [N, K], [ceil(N/B), K]
         q_init.CopyFrom(numpy_helper.from_array(q_n.T.contiguous().numpy(), q_init.name))
-        s_init.CopyFrom(numpy_helper.from_array(scale_n.T.contiguous().numpy().astype(numpy_helper.to_array(s_init).dtype),
-                                                s_init.name))
+        dtype = numpy_helper.to_array(s_init).dtype
+        s_init.CopyFrom(numpy_helper.from_array(scale_n.T.contiguous().numpy().astype(dtype), s_init.name))
         attrs["axis"].i = 1
