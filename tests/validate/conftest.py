@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+#: the static cache capacity of the quantized V3 test exports
+STATIC_CAPACITY = 64
+
 
 def _export(cache_mode: str, root: Path) -> Path:
     """The tiny preset exported in ``cache_mode``: the shared test export when ``tests/artifacts.py`` has one."""
@@ -68,15 +71,17 @@ def trained_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def quantized_artifacts(trained_checkpoints, tmp_path_factory):
     """``get(version, weights)``: the trained checkpoint of ``version`` exported with ``weights`` (int8/int4, blocks
-    of 32), made once per session (never modified by a test: copy it first)."""
+    of 32), made once per session (never modified by a test: copy it first). V2 has the concat cache, V3 a static
+    cache of :data:`STATIC_CAPACITY` rows (too few for 64 decode steps after the 7-token prompt)."""
     root, made = tmp_path_factory.mktemp("quantized-exports"), {}
 
     def get(version: int, weights: str) -> Path:
         if (version, weights) not in made:
             from quantized_helpers import export_checkpoint
 
+            cache = {"cache_mode": "static", "max_cache_length": STATIC_CAPACITY} if version == 3 else {}
             made[version, weights] = export_checkpoint(trained_checkpoints(version), root / f"v{version}-{weights}",
-                                                       weights)
+                                                       weights, **cache)
         return made[version, weights]
 
     return get

@@ -10,15 +10,16 @@ from pathlib import Path
 from validate_helpers import rerecord
 
 
-def export_checkpoint(checkpoint: Path, out: Path, weights: str, block_size: int = 32) -> Path:
-    """``mla-deploy export --hf CHECKPOINT --out OUT --weights WEIGHTS`` through the Python API."""
+def export_checkpoint(checkpoint: Path, out: Path, weights: str, block_size: int = 32, **export) -> Path:
+    """``mla-deploy export --hf CHECKPOINT --out OUT --weights WEIGHTS`` through the Python API (``export``: other
+    ``[export]`` settings)."""
     from mla_deploy.checkpoint import CheckpointTensors
     from mla_deploy.config import from_hf_config
     from mla_deploy.exporter import export_recipe
     from mla_deploy.recipe import Recipe
 
     recipe = Recipe(name=checkpoint.name, model=from_hf_config(checkpoint), source=str(checkpoint))
-    recipe = recipe.replace(export=dataclasses.replace(recipe.export, weights=weights, block_size=block_size))
+    recipe = recipe.replace(export=dataclasses.replace(recipe.export, weights=weights, block_size=block_size, **export))
     source = CheckpointTensors(checkpoint)
     export_recipe(recipe, out, weights=source.weights_source(), source=source)
     return out
