@@ -73,7 +73,7 @@ def quantization_figures(out_steps: Sequence[dict], ref_steps: Sequence[dict],
     max_abs = _max(np.abs(o - r).max(axis=-1), finite)
     largest = _max(np.abs(r).max(axis=-1), finite)
     return {"positions": int(len(o)), "max_abs": max_abs, "max_abs_reference": largest,
-            "max_abs_relative": max_abs / largest if largest > 0 else float("nan") if max_abs != max_abs else 0.0,
+            "max_abs_relative": _ratio(max_abs, largest),
             "min_cosine": float(cos.min()) if len(cos) else 1.0,
             "mean_cosine": float(cos.mean()) if len(cos) else 1.0,
             "top1": float(agree.mean()) if len(agree) else 1.0, "top1_agree": int(agree.sum()),
@@ -98,6 +98,15 @@ def _max(values: np.ndarray, finite: np.ndarray) -> float:
     if not finite.all():
         return float("nan")
     return float(values.max()) if len(values) else 0.0
+
+
+def _ratio(error: float, scale: float) -> float:
+    """``error / scale``: NaN when either is NaN, 0 for no error, inf for an error against an all-zero reference."""
+    if error != error or scale != scale:
+        return float("nan")
+    if scale > 0:
+        return error / scale
+    return float("inf") if error > 0 else 0.0
 
 
 def judge(figures: dict[str, Any], threshold) -> list[str]:
