@@ -146,3 +146,34 @@ def text_checkpoint(folder, version: int, bos_from: str = "post_processor"):
     tok.save_pretrained(folder)
     tok.padding_side = "left"
     return hf, tok
+
+
+def trained_model(version: int, seed: int = 0, steps: int = 100, batch: int = 16, length: int = 72,
+                  lr: float = 3e-3):
+    """A tiny transformers DeepSeek MoE model (:func:`hf_config`, transformers' own initialisation) trained with
+    Adam for ``steps`` steps on CPU on a learnable token task: for uniformly random ids ``x``, the label at position
+    ``t`` is ``perm[x[t - 1]]`` (``perm[x[0]]`` at 0), ``perm`` a fixed permutation, so the model must attend to the
+    previous token. Its weights and logits are shaped by training, with real margins between the top tokens on any
+    random ids (a validation trajectory's are the task's own inputs), where a random model's margins are tiny.
+    Seeded; about 5 s on one core.
+
+    Returns: the model in float32 eval mode.
+    """
+    import transformers
+
+    cfg = hf_config(version)
+    cls = transformers.DeepseekV3ForCausalLM if version == 3 else transformers.DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).float().train()
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(cfg.vocab_size, generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        x = torch.randint(0, cfg.vocab_size, (batch, length), generator=gen)
+        labels = perm[torch.cat([x[:, :1], x[:, :-1]], dim=1)]
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

@@ -12,6 +12,8 @@ Main entry points (imported lazily: Polygraphy, torch and onnxruntime load on fi
   engines of :mod:`mla_deploy.engines`.
 * :mod:`.compat`: Polygraphy 0.49 - 0.53 differences.
 * :mod:`.metrics`, :mod:`.report`, :mod:`.report_html`: figures and the report files.
+* :mod:`.quantization`: quantized weights: the graphs against a reference with the same dequantized weights,
+  and the quantization's cost (the artifact as deployed against the unquantized original) against thresholds.
 * :func:`check_artifact` (from :mod:`mla_deploy.artifact`): artifact integrity, usable by any command.
 """
 

@@ -6,7 +6,9 @@
    ``RunResults`` are saved (``run_results.json``, ``inputs.json``) so they can be compared again later.
 3. ``Comparator.compare_accuracy`` with per-output ``atol``/``rtol`` from the recipe's
    ``[validate.tolerance.<precision>]`` decides pass/fail per output per step.
-4. ``report.json``, ``report.html`` and ``report.md`` are written (see :mod:`.report`).
+4. An artifact with quantized weights adds the quantization's cost, the artifact as deployed against the
+   unquantized original, judged by the recipe's ``[validate.quantization.<scheme>]`` (:mod:`.quantization`).
+5. ``report.json``, ``report.html`` and ``report.md`` are written (see :mod:`.report`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Callable, Sequence
 from ..artifact import Manifest, check_artifact
 from ..errors import AccuracyError, InputError, OutputError
 from ..recipe import Tolerance, ValidateSettings
+from .quantization import DEPLOYED, EXACT, ORIGINAL, quantization_report, trajectory_steps
 from .report import INPUTS_FILE, REPORT_JSON, build_report, environment
 from .report import write_reports as write_files
 
@@ -30,7 +33,8 @@ class ValidationResult:
     """The outcome of :func:`validate_artifact`.
 
     Attributes:
-        passed: every output of every runner at every step is within tolerance.
+        passed: every output of every runner at every step is within tolerance, and quantized weights' cost
+            (``report["quantization"]``) is within its thresholds.
         report: the content of ``report.json`` (every figure).
         out_dir: where the files were written (None when ``write_reports=False``).
         files: ``{"report.json": path, ...}`` of the files written.
@@ -46,32 +50,55 @@ class ValidationResult:
         """The output, step and runner farthest from tolerance (the first failure's kind when failing)."""
         return self.report.get("worst")
 
+    @property
+    def graph_passed(self) -> bool:
+        """The graphs' comparison with the PyTorch reference (the reference carries a quantized artifact's
+        dequantized weights) is within tolerance."""
+        return all(r["passed"] for r in self.report.get("runners", {}).values())
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """The quantization's cost against the unquantized original (None for float weights)."""
+        return self.report.get("quantization")
+
+    def lines(self) -> list[str]:
+        """:meth:`summary`, then for quantized weights the quantization's line."""
+        from .quantization import summary_line
+
+        return [self.summary()] + ([summary_line(self.quantization)] if self.quantization is not None else [])
+
     def summary(self) -> str:
-        """One line: the verdict, the worst output, its step and error, and where the report is."""
+        """One line: the graphs' verdict, the worst output, its step and error, and where the report is."""
         w = self.worst
         where = f"; report: {self.files['report.html']}" if "report.html" in self.files else ""
+        passed = self.graph_passed
         if w is None:
-            return f"validation {'passed' if self.passed else 'failed'} (nothing compared){where}"
+            return f"validation {'passed' if passed else 'failed'} (nothing compared){where}"
         tol = f"atol {w['atol']:.1e}, rtol {w['rtol']:.1e}"
         if w.get("nonfinite"):
             return (f"validation failed: {w['output']} holds {w['nonfinite']} NaN/Inf values at step {w['step']} "
                     f"({w['role']}) ({w['runner']} vs {w['reference']}){where}")
         figures = f"max abs error {w['max_abs']:.3e}, max rel error {w['max_rel']:.3e}"
         step = f"step {w['step']} ({w['role']})"
-        if self.passed:
+        if passed:
             return (f"validation passed: {self.report['summary']['compared']} output-steps within {tol}; worst "
                     f"{w['output']} at {step}: {figures} ({w['runner']} vs {w['reference']}){where}")
         return (f"validation failed: worst output {w['output']} at {step}: {figures} exceeds {tol} "
                 f"({w['runner']} vs {w['reference']}; {self.report['summary']['failed']} of "
                 f"{self.report['summary']['compared']} output-steps fail){where}")
 
+    def failures(self) -> list[str]:
+        """The lines of :meth:`lines` that fail."""
+        verdicts = [self.graph_passed] + ([self.quantization["passed"]] if self.quantization is not None else [])
+        return [line for line, ok in zip(self.lines(), verdicts) if not ok]
+
     def raise_for_failure(self) -> None:
-        """Raise :class:`~mla_deploy.errors.AccuracyError` (with :meth:`summary`) unless passed."""
+        """Raise :class:`~mla_deploy.errors.AccuracyError` (the failing lines of :meth:`lines`) unless passed."""
         if not self.passed:
-            raise AccuracyError(self.summary())
+            raise AccuracyError("; ".join(self.failures()))
 
     def __str__(self) -> str:
-        return self.summary()
+        return "\n".join(self.lines())
 
 
 def output_names(layers: int) -> list[str]:
@@ -93,7 +120,8 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     Args:
         artifact_dir: the export directory.
         out_dir: where ``run_results.json``, ``inputs.json`` and the reports go (default ``<artifact>/validation``).
-        steps: decode steps after the prefill (default: the recipe's ``[validate] decode_steps``).
+        steps: decode steps after the prefill (default: the recipe's ``[validate] decode_steps``; quantized
+            weights: at least ``[validate] quantization_steps``, as many as a static cache holds).
         load_results: a ``run_results.json`` saved by an earlier run: compare it again without running anything
             (``inputs.json`` beside it, when present, restricts the figures to real tokens).
         runtimes: runners compared with the reference: ``onnxrt`` and/or ``tensorrt`` (needs ``mla_deploy.trt``).
@@ -132,7 +160,11 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
                                                          threads, prompt_lengths, quiet, log or (lambda line: None))
     runners = compat.runner_names(run_results)
     reference = "torch" if "torch" in runners else runners[0]
-    others = [name for name in runners if name != reference]
+    cost = (DEPLOYED, ORIGINAL) if manifest.weight_quantization is not None else ()
+    if cost and not set(cost) <= set(runners):
+        raise InputError(f"the run results lack the runners {' and '.join(cost)} that measure a quantized "
+                         f"artifact's cost (runners: {', '.join(runners)})")
+    others = [name for name in runners if name != reference and name not in cost]
     if not others:
         raise InputError(f"the run results hold only the runner {reference!r}: nothing to compare")
     comparisons = [(runners.index(name), runners.index(reference)) for name in others]
@@ -143,6 +175,9 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     report = build_report(root, manifest, run_results, accuracy, reference, others, names, feeds, tolerances,
                           check_error_stat, environment(providers), trajectory,
                           source=str(load_results) if load_results is not None else "run")
+    if cost:
+        section = quantization_report(run_results, feeds, manifest, settings, report["trajectory"])
+        report = {**report, "passed": bool(report["passed"]) and section["passed"], "quantization": section}
     result = ValidationResult(bool(report["passed"]), report)
     if write_reports:
         result.out_dir = out
@@ -195,25 +230,37 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     if unknown or not runtimes:
         raise InputError(f"runtimes must be among {', '.join(RUNTIMES)}, got {list(runtimes)}")
     decode_steps = settings.decode_steps if steps is None else int(steps)
+    quantized, clamped = manifest.weight_quantization is not None, False
+    if quantized and decode_steps >= 0:
+        longest = max(prompt_lengths) if prompt_lengths else settings.prompt_length
+        decode_steps, clamped = trajectory_steps(decode_steps, settings.quantization_steps, longest, manifest.capacity)
     trajectory = make_trajectory(manifest.config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
                                  settings.seed, prompt_lengths, manifest.capacity)
     # the engines first: one their runtime cannot run (bf16 on ONNX Runtime's CPU provider, no TensorRT) is refused
     # before the reference is loaded, which takes minutes for a full-size checkpoint
     log(f"loading {', '.join(runtimes)} ...")
     engines = []
-    if "onnxrt" in runtimes:
-        engines.append(OrtRunner(root, provider=provider, threads=threads))
+    if "onnxrt" in runtimes:  # quantized weights: exact float32 products, the graph's own error only
+        exact = {"name": EXACT, "quantized_compute": "fp32"} if quantized else {}
+        engines.append(OrtRunner(root, provider=provider, threads=threads, **exact))
     if "tensorrt" in runtimes:
         engines.append(trt_runner(root))
+    if quantized:  # the quantization's cost: as deployed vs the unquantized original
+        engines.append(OrtRunner(root, provider=provider, threads=threads, name=DEPLOYED, quantized_compute="int8"))
     log("loading the PyTorch reference ...")
     runners = [TorchRunner.from_artifact(root, manifest), *engines]
+    if quantized:
+        runners.append(TorchRunner.from_artifact(root, manifest, ORIGINAL, quantized=False))
     loader = TrajectoryLoader(trajectory)
     log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(quiet):
         run_results = compat.run_comparator(runners, loader)
     log("comparing ...")
     providers = {r.name: getattr(r, "provider", None) or "torch-cpu" for r in runners}
-    return run_results, list(loader), providers, trajectory.to_dict()
+    record = trajectory.to_dict()
+    if quantized:
+        record["quantization_steps_clamped"] = clamped
+    return run_results, list(loader), providers, record
 
 
 def _load(path: Path, names: list[str]):

@@ -13,7 +13,11 @@ Each file is written under a temporary name and renamed into place (:mod:`mla_de
      "runners": {name: {"passed", "outputs": {output: {"passed", "max_abs", "max_rel", "mean_abs", "min_cosine",
                                                         "steps": [StepFigures...]}},
                         "top1": [{"step", "agree", "positions", "rate"}...]}},
-     "summary": {"compared", "failed", "steps"}, "worst": {...} | null}
+     "summary": {"compared", "failed", "steps"}, "worst": {...} | null,
+     "quantization": {...}}   # quantized weights only: :func:`.quantization.quantization_report`
+
+``passed`` holds for quantized weights only when both the graphs' comparison (``runners``, against a reference
+carrying the same dequantized weights) and the quantization's cost (``quantization``) pass.
 """
 
 from __future__ import annotations
@@ -191,7 +195,8 @@ def render_markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"### mla-deploy validation: **{verdict}**", "",
              f"`{art['name']}` ({art['precision']}, {art['cache_mode']} cache, {art['layers']} layers, "
-             f"fingerprint `{art['fingerprint']}`) vs the PyTorch original ({cmp_['reference']}); "
+             f"fingerprint `{art['fingerprint']}`) vs the PyTorch original ({cmp_['reference']}"
+             f"{', with the same dequantized weights' if report.get('quantization') else ''}); "
              f"{report['summary']['steps']} steps (prefill + {report['summary']['steps'] - 1} decode), "
              f"{cmp_['check_error_stat']} check.", ""]
     w = report.get("worst")
@@ -223,12 +228,33 @@ def render_markdown(report: dict) -> str:
     for runner, data in report["runners"].items():
         lines.append(f"top-1 agreement {runner} vs {cmp_['reference']}: {data['top1_rate'] * 100:.1f}% of "
                      f"{sum(t['positions'] for t in data['top1'])} positions")
+    if report.get("quantization"):
+        lines += [""] + _quantization_markdown(report["quantization"])
     versions = env.get("versions", {})
     shown = ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("torch", "onnxruntime", "onnxruntime-gpu",
                                                                          "polygraphy", "mla-deploy"))
     providers = ", ".join(f"{k}: {v}" for k, v in env.get("providers", {}).items())
     lines += ["", f"<sub>{shown}; providers: {providers or 'not recorded'}</sub>", ""]
     return "\n".join(lines)
+
+
+def _quantization_markdown(q: dict) -> list[str]:
+    """The quantization's cost: what it compares, a table of figures against thresholds, the verdict."""
+    t = q["thresholds"]
+    steps = f"prefill + {q['decode_steps']} decode steps" + (" (clamped to the static cache)" if q["clamped"] else "")
+    return [f"#### Quantization: **{'PASS' if q['passed'] else 'FAIL'}**", "",
+            f"{q['weights']} weights in blocks of {q['block_size']} ({q['tensors']} tensors): `{q['runner']}` (as "
+            f"deployed: {q['compute']}) vs `{q['reference']}` (the unquantized original), logits of "
+            f"{q['positions']} positions ({steps}). The graphs themselves are compared above against a reference "
+            f"carrying the same dequantized weights.", "",
+            "| figure | value | threshold |", "|---|---|---|",
+            f"| top-1 agreement | {q['top1'] * 100:.2f}% ({q['top1_agree']}/{q['positions']}) | "
+            f">= {t['min_top1'] * 100:.1f}% |",
+            f"| mean logits cosine | {q['mean_cosine']:.6f} | >= {t['min_mean_cosine']} |",
+            f"| worst logits cosine | {q['min_cosine']:.6f} | |",
+            f"| max abs error | {q['max_abs']:.3e} ({q['max_abs_relative'] * 100:.2f}% of max abs logit "
+            f"{q['max_abs_reference']:.3g}) | |", ""] + ([f"fails: {'; '.join(q['failures'])}", ""] if q["failures"]
+                                                          else [])
 
 
 def _steps(steps: list[int], limit: int = 6) -> str:

@@ -2,8 +2,9 @@
 ``report`` extra: without it the page has the tables and a note instead of the plots).
 
 Sections: the verdict and worst output; the artifact and environment; the plots (logits error and each layer's
-latent cache error across the steps, prefill at step 0); top-1 token agreement; one table per output with
-max/mean absolute and relative error and cosine similarity per step.
+latent cache error across the steps, prefill at step 0); top-1 token agreement; for quantized weights, the
+quantization's cost against the unquantized original; one table per output with max/mean absolute and relative
+error and cosine similarity per step.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def render_html(report: dict[str, Any]) -> str:
         parts.append(_img(_logits_plot(report), "logits error across steps"))
         parts.append(_img(_cache_plot(report), "latent cache error per layer across steps"))
     parts.append("<h2>Top-1 token agreement</h2>" + _top1_table(report))
+    if report.get("quantization"):
+        parts.append(_quantization_section(report["quantization"]))
     parts.append("<h2>Per output</h2>")
     for runner, data in report["runners"].items():
         for name, out in data["outputs"].items():
@@ -85,8 +88,11 @@ def _summary_line(report: dict) -> str:
     if not w:
         return head
     kind = "Worst" if w["passed"] else "Worst failure"
+    q = report.get("quantization")
+    cost = f" Quantization: {'within' if q['passed'] else 'exceeds'} its thresholds." if q else ""
     return (f"{head} {kind}: {w['output']} at step {w['step']} ({w['role']}), {w['runner']}: "
-            f"max abs {w['max_abs']:.3e} (atol {w['atol']:.1e}), max rel {w['max_rel']:.3e} (rtol {w['rtol']:.1e}).")
+            f"max abs {w['max_abs']:.3e} (atol {w['atol']:.1e}), max rel {w['max_rel']:.3e} (rtol {w['rtol']:.1e})."
+            + cost)
 
 
 def _trajectory_line(t: dict) -> str:
@@ -124,6 +130,32 @@ def _top1_table(report: dict) -> str:
                + f"<td><b>{data['top1_rate'] * 100:.1f}%</b></td></tr>")
         parts.append(f"<table>{head}{row}</table>")
     return "".join(parts)
+
+
+def _quantization_section(q: dict) -> str:
+    """The quantization's cost: figures against thresholds, then top-1 agreement and worst cosine per step."""
+    e = html.escape
+    t = q["thresholds"]
+    verdict = "<span class='ok'>pass</span>" if q["passed"] else "<span class='ko'>FAIL</span>"
+    steps = f"prefill + {q['decode_steps']} decode steps" + (" (clamped to the static cache)" if q["clamped"] else "")
+    head = (f"<h2>Quantization &mdash; {verdict}</h2><p>{e(q['weights'])} weights in blocks of {q['block_size']} "
+            f"({q['tensors']} tensors): <code>{e(q['runner'])}</code> (as deployed: {e(q['compute'])}) vs "
+            f"<code>{e(q['reference'])}</code> (the unquantized original), logits of {q['positions']} positions "
+            f"({steps}). The comparison above uses a reference carrying the same dequantized weights.</p>")
+    rows = _kv_table([
+        ("top-1 agreement", f"{q['top1'] * 100:.2f}% ({q['top1_agree']}/{q['positions']}), at least "
+                            f"{t['min_top1'] * 100:.1f}%"),
+        ("mean logits cosine", f"{q['mean_cosine']:.6f}, at least {t['min_mean_cosine']}"),
+        ("worst logits cosine", f"{q['min_cosine']:.6f}"),
+        ("max abs error", f"{q['max_abs']:.3e} ({q['max_abs_relative'] * 100:.2f}% of max |logit| "
+                          f"{q['max_abs_reference']:.3g})"),
+        ("result", "pass" if q["passed"] else "; ".join(q["failures"])),
+    ])
+    per_step = ("<table><tr><th>step</th><th>top-1</th><th>worst cosine</th><th>max abs</th></tr>"
+                + "".join(f"<tr><td>{s['step']}</td><td>{s['agree']}/{s['positions']}</td>"
+                          f"<td>{s['min_cosine']:.6f}</td><td>{s['max_abs']:.3e}</td></tr>" for s in q["steps"])
+                + "</table>")
+    return head + rows + per_step
 
 
 def _img(png: bytes, alt: str) -> str:

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+#: the static cache capacity of the quantized V3 test exports
+STATIC_CAPACITY = 64
+
 
 def _export(cache_mode: str, root: Path, precision: str = "fp32") -> Path:
     """The tiny preset exported in ``cache_mode`` and ``precision``: the shared test export when
@@ -53,3 +56,56 @@ def artifact_copy(tiny_static, tmp_path) -> Path:
     dst = tmp_path / "artifact"
     shutil.copytree(tiny_static, dst, ignore=shutil.ignore_patterns("validation"))
     return dst
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoints(tmp_path_factory):
+    """``get(version)``: the folder of a tiny DeepSeek-V{version} MoE checkpoint trained briefly on a learnable task
+    (:func:`hf_oracle.trained_model`) and written by transformers' ``save_pretrained`` (trained once per session)."""
+    root, made = tmp_path_factory.mktemp("trained-checkpoints"), {}
+
+    def get(version: int) -> Path:
+        if version not in made:
+            from hf_oracle import trained_model
+
+            made[version] = root / f"deepseek-v{version}"
+            trained_model(version).save_pretrained(made[version])
+        return made[version]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized_artifacts(trained_checkpoints, tmp_path_factory):
+    """``get(version, weights)``: the trained checkpoint of ``version`` exported with ``weights`` (int8/int4, blocks
+    of 32), made once per session (never modified by a test: copy it first). V2 has the concat cache, V3 a static
+    cache of :data:`STATIC_CAPACITY` rows (too few for 64 decode steps after the 7-token prompt)."""
+    root, made = tmp_path_factory.mktemp("quantized-exports"), {}
+
+    def get(version: int, weights: str) -> Path:
+        if (version, weights) not in made:
+            from quantized_helpers import export_checkpoint
+
+            cache = {"cache_mode": "static", "max_cache_length": STATIC_CAPACITY} if version == 3 else {}
+            made[version, weights] = export_checkpoint(trained_checkpoints(version), root / f"v{version}-{weights}",
+                                                       weights, **cache)
+        return made[version, weights]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized_validations(quantized_artifacts, tmp_path_factory):
+    """``get(version, weights)``: ``(artifact, ValidationResult)`` of :func:`quantized_artifacts`'s export validated
+    once per session, its reports and run results in ``result.out_dir`` (outside the artifact)."""
+    root, made = tmp_path_factory.mktemp("quantized-validations"), {}
+
+    def get(version: int, weights: str):
+        if (version, weights) not in made:
+            from mla_deploy.validate import validate_artifact
+
+            artifact = quantized_artifacts(version, weights)
+            made[version, weights] = artifact, validate_artifact(artifact, root / f"v{version}-{weights}")
+        return made[version, weights]
+
+    return get
