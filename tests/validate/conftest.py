@@ -77,19 +77,20 @@ def trained_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def quantized_artifacts(trained_checkpoints, tmp_path_factory):
-    """``get(version, weights)``: the trained checkpoint of ``version`` exported with ``weights`` (int8/int4, blocks
-    of 32), made once per session (never modified by a test: copy it first). V2 has the concat cache, V3 a static
+    """``get(version, weights, quant_format="matmulnbits")``: the trained checkpoint of ``version`` exported with
+    ``weights`` (int8/int4, blocks of 32) in ``quant_format``, made once per session (never modified by a test: copy it first). V2 has the concat cache, V3 a static
     cache of :data:`STATIC_CAPACITY` rows (too few for 64 decode steps after the 7-token prompt)."""
     root, made = tmp_path_factory.mktemp("quantized-exports"), {}
 
-    def get(version: int, weights: str) -> Path:
-        if (version, weights) not in made:
+    def get(version: int, weights: str, quant_format: str = "matmulnbits") -> Path:
+        key = version, weights, quant_format
+        if key not in made:
             from quantized_helpers import export_checkpoint
 
             cache = {"cache_mode": "static", "max_cache_length": STATIC_CAPACITY} if version == 3 else {}
-            made[version, weights] = export_checkpoint(trained_checkpoints(version), root / f"v{version}-{weights}",
-                                                       weights, **cache)
-        return made[version, weights]
+            made[key] = export_checkpoint(trained_checkpoints(version), root / f"v{version}-{weights}-{quant_format}",
+                                          weights, quant_format=quant_format, **cache)
+        return made[key]
 
     return get
 

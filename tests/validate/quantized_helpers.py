@@ -41,17 +41,43 @@ def initializers(model) -> dict:
     return {init.name: init for init in model.graph.initializer}
 
 
+def _matmulnbits(model) -> dict:
+    """``{scale initializer name: (N, blocks)}`` of every ``MatMulNBits`` node."""
+    out = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            out[node.input[2]] = (attrs["N"], -(-attrs["K"] // attrs["block_size"]))
+    return out
+
+
 def double_one_scale(name: str, block: int = 0, column: int = 0):
-    """An edit: the scale of one block (``block`` of output feature ``column``) of the weight ``name`` times 2."""
+    """An edit: the scale of one block (``block`` of output feature ``column``) of the weight ``name`` times 2
+    (``qdq``: ``scale [blocks, N]``; ``matmulnbits``: ``scale [N * blocks]``)."""
     def edit(model) -> None:
         from onnx import numpy_helper
 
         init = initializers(model)[f"{name}.scale"]
         scale = numpy_helper.to_array(init).copy()
-        scale[block, column] *= 2
+        if scale.ndim == 1:
+            scale[column * _matmulnbits(model)[init.name][1] + block] *= 2
+        else:
+            scale[block, column] *= 2
         init.CopyFrom(numpy_helper.from_array(scale, init.name))
 
     return edit
+
+
+def scales_along_n(model) -> None:
+    """An edit: every ``MatMulNBits``' scales ``[N * blocks]`` read as if laid out ``[blocks, N]``, i.e. along the
+    output features: a valid graph with each block's scale taken from the wrong place."""
+    from onnx import numpy_helper
+
+    inits = initializers(model)
+    for name, (n, blocks) in _matmulnbits(model).items():
+        init = inits[name]
+        scale = numpy_helper.to_array(init).reshape(n, blocks)
+        init.CopyFrom(numpy_helper.from_array(scale.T.reshape(-1).copy(), name))
 
 
 def blocks_along_n(model) -> None:

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 from cli_run import cli, ok
-from quantized_helpers import blocks_along_n, double_one_scale, edit_graph
+from quantized_helpers import blocks_along_n, double_one_scale, edit_graph, scales_along_n
 
 from mla_deploy.errors import AccuracyError, CacheCapacityError, ConfigError
 from mla_deploy.recipe import DEFAULT_QUANTIZATION_THRESHOLDS, QuantizationThreshold, ValidateSettings
@@ -125,8 +125,9 @@ def _short(artifact) -> None:
     path.write_text(json.dumps(manifest))
 
 
-def test_a_wrong_block_scale_fails_the_graph_comparison(quantized_artifacts, tmp_path):
-    artifact = _copy(quantized_artifacts(2, "int8"), tmp_path)
+@pytest.mark.parametrize("quant_format", ["matmulnbits", "qdq"])
+def test_a_wrong_block_scale_fails_the_graph_comparison(quantized_artifacts, quant_format, tmp_path):
+    artifact = _copy(quantized_artifacts(2, "int8", quant_format), tmp_path)
     _short(artifact)
     edit_graph(artifact, double_one_scale("model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight.T"))
     result = validate_artifact(artifact, write_reports=False)
@@ -141,14 +142,17 @@ def test_a_wrong_block_scale_fails_the_graph_comparison(quantized_artifacts, tmp
         result.raise_for_failure()
 
 
-def test_scales_along_the_wrong_axis_fail_the_graph_comparison(quantized_artifacts, tmp_path):
-    artifact = _copy(quantized_artifacts(2, "int8"), tmp_path)
+@pytest.mark.parametrize("quant_format", ["matmulnbits", "qdq"])
+def test_scales_along_the_wrong_axis_fail_the_graph_comparison(quantized_artifacts, quant_format, tmp_path):
+    artifact = _copy(quantized_artifacts(2, "int8", quant_format), tmp_path)
     _short(artifact)
-    edit_graph(artifact, blocks_along_n)
+    edit_graph(artifact, blocks_along_n if quant_format == "qdq" else scales_along_n)
     result = validate_artifact(artifact, write_reports=False)
-    assert not result.graph_passed and result.quantization["passed"]
+    assert not result.graph_passed
+    # re-quantizing along N is a small change that (b) cannot see; scrambled MatMulNBits scales are a large one
+    assert result.quantization["passed"] == (quant_format == "qdq")
     assert result.report["summary"]["failed"] > 0 and result.worst["runner"] == EXACT
-    assert result.failures() == [result.summary()] and result.summary().startswith("validation failed: worst output")
+    assert result.failures()[0] == result.summary() and result.summary().startswith("validation failed: worst output")
 
 
 def test_thresholds_from_the_recipe_fail_the_quantization_alone(quantized_validations, tmp_path):
