@@ -106,18 +106,6 @@ class GraphEntry:
         return [t.name for t in self.outputs]
 
     @property
-    def weight_quantization(self):
-        """The :class:`~mla_deploy.quant.WeightQuantization` of the weights; None when they are not quantized."""
-        from ..quant import WeightQuantization
-
-        return None if self.quantization is None else WeightQuantization.from_dict(self.quantization)
-
-    @property
-    def quantized_keys(self) -> frozenset:
-        """The checkpoint tensors the graphs hold quantized (empty when none)."""
-        return frozenset((self.quantization or {}).get("keys", ()))
-
-    @property
     def uses_plugin(self) -> bool:
         """The graph holds the TensorRT ``MlaDecode`` plugin node (ONNX Runtime cannot run it)."""
         return self.attention == "plugin"
