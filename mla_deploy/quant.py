@@ -61,9 +61,11 @@ class WeightQuantization:
         """Scales per output feature for ``k`` input features."""
         return -(-k // self.block_size)
 
-    def nbytes(self, k: int, n: int, scale_itemsize: int) -> int:
-        """Bytes of a quantized ``[K, N]`` weight: packed integers plus scales."""
-        return -(-k * n * self.bits // 8) + self.blocks(k) * n * scale_itemsize
+    def nbytes(self, k: int, n: int, scale_itemsize: int, whole_blocks: bool = False) -> int:
+        """Bytes of a quantized ``[K, N]`` weight: packed integers plus scales; ``whole_blocks``: the integers
+        stored in whole blocks (``MatMulNBits``' layout pads ``K`` to a multiple of the block size)."""
+        stored_k = self.blocks(k) * self.block_size if whole_blocks else k
+        return -(-stored_k * n * self.bits // 8) + self.blocks(k) * n * scale_itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "block_size": self.block_size}

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mla_deploy.errors import ConfigError
-from mla_deploy.quant import WeightQuantization, dequantize, fake_quantize, pack_int4, parse_weights, quantize
+from mla_deploy.quant import (WeightQuantization, dequantize, fake_quantize, matmulnbits_layout, pack_int4, parse_weights,
+                              quantize)
 
 
 @pytest.mark.parametrize("weights,block", [("int8", 32), ("int4", 32), ("int4", 128), ("int8", 64)])
@@ -53,3 +54,21 @@ def test_pack_int4_is_onnx_packing():
 def test_bad_schemes_are_refused(weights, block, message):
     with pytest.raises(ConfigError, match=message):
         parse_weights(weights, block)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_matmulnbits_layout_and_its_bytes(weights):
+    """MatMulNBits' layout holds each output row's blocks whole (the zero point pads a short last block), with the
+    values offset by 2^(bits-1); nbytes(whole_blocks=True) counts exactly what it stores."""
+    scheme = WeightQuantization(weights, 32)
+    k, n = 200, 5
+    q, scale = quantize(torch.randn(k, n, generator=torch.Generator().manual_seed(2)), scheme)
+    packed, scales = matmulnbits_layout(q, scale, scheme)
+    assert packed.dtype == torch.uint8 and packed.shape == (n, 7, 32 * scheme.bits // 8) and scales.shape == (n * 7,)
+    assert packed.numel() + scales.numel() * 4 == scheme.nbytes(k, n, 4, whole_blocks=True)
+    assert scheme.nbytes(k, n, 4) < scheme.nbytes(k, n, 4, whole_blocks=True)
+    zero = 1 << (scheme.bits - 1)
+    values = packed.to(torch.int16) if scheme.bits == 8 else torch.stack([packed & 15, packed >> 4], -1).to(torch.int16)
+    values = values.reshape(n, -1) - zero  # [N, 7 * 32], the pad included
+    assert torch.equal(values[:, :k], q.T.to(torch.int16)) and not values[:, k:].any()
+    torch.testing.assert_close(scales.reshape(n, 7), scale.T)

@@ -101,7 +101,7 @@ class WeightGroups:
 
 
 def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQuantization | None" = None,
-                  quantized_keys: frozenset = frozenset()) -> WeightGroups:
+                  quantized_keys: frozenset = frozenset(), whole_blocks: bool = False) -> WeightGroups:
     """Sort ``config``'s parameters (the absorbed model's, on the meta device) into :class:`WeightGroups`.
 
     Args:
@@ -109,6 +109,7 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
         quantization: the scheme of ``quantized_keys`` (None: every weight is float).
         quantized_keys: state-dict keys (``Linear [out, in]`` or stacked experts ``[E, out, in]``) held quantized,
             as the manifest records them (:func:`manifest_weight_groups`).
+        whole_blocks: the quantized integers are stored in whole blocks (the ``matmulnbits`` format).
     """
     import torch
 
@@ -125,7 +126,7 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
         if quantization is None or name not in quantized_keys:
             return tensor.numel() * itemsize
         *lead, n, k = tensor.shape  # [..., out, in]: quantized per output row in blocks of input features
-        return math.prod(lead) * quantization.nbytes(k, n, itemsize)
+        return math.prod(lead) * quantization.nbytes(k, n, itemsize, whole_blocks)
 
     always_bytes = matrices = expert = expert_bytes = lm_head = lm_head_bytes = total = total_bytes = quantized = 0
     moe_layers = set()
@@ -163,7 +164,7 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
 def manifest_weight_groups(manifest) -> WeightGroups:
     """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized."""
     return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.weight_quantization,
-                         manifest.quantized_keys)
+                         manifest.quantized_keys, (manifest.quantization or {}).get("format") == "matmulnbits")
 
 
 def precision_itemsize(precision: str) -> int:
