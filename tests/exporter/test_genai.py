@@ -238,7 +238,7 @@ def test_genai_overwrite_keeps_the_users_files(tmp_path):
 
 
 def test_genai_quantized_export_runs_like_the_artifact(tmp_path_factory, tmp_path):
-    """``--weights int8`` reaches the genai graph too: its DequantizeLinear nodes are the artifact's, and genai's
+    """``--weights int8`` reaches the genai graph too: its MatMulNBits nodes are the artifact's, and genai's
     greedy tokens equal `mla-deploy run` on the artifact quantized the same way (V2's checkpoint)."""
     import onnx
 
@@ -248,7 +248,7 @@ def test_genai_quantized_export_runs_like_the_artifact(tmp_path_factory, tmp_pat
            CONTEXT, "--weights", "int8"))
     ok(cli("export", "--hf", checkpoint, "--out", tmp_path / "artifact", "--weights", "int8"))
     graphs = [onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False).graph for d in ("genai", "artifact")]
-    counts = [sum(n.op_type == "DequantizeLinear" for n in g.node) for g in graphs]
+    counts = [sum(n.op_type == "MatMulNBits" for n in g.node) for g in graphs]  # the default format
     assert counts[0] == counts[1] > 0
     prompts = [tok(p).input_ids for p in TEXT_PROMPTS]
     record = json.loads(ok(cli("run", tmp_path / "artifact", "--prompt-ids", ",".join(map(str, prompts[1])),
