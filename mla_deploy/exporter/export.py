@@ -280,15 +280,13 @@ def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSourc
                 cached = (spec.key, _source_tensor(source, spec.key, config))
             if spec.quant is None:
                 tensor = spec.apply(cached[1], config).to(_torch_dtype(value.dtype)).contiguous()
-            else:  # q and scale of one view are adjacent in ``names``: the view is quantized once
-                view = dataclasses.replace(spec, quant=None)
+            else:  # q and scale of one view are adjacent in ``names``: the view is quantized and laid out once
+                view, part = dataclasses.replace(spec, quant=None), spec.quant[2]
                 if quantized[0] != view:
                     scheme = WeightQuantization(spec.quant[0], spec.quant[1])
-                    quantized = (view, quantize(view.apply(cached[1], config), scheme))
+                    q, scale = quantize(view.apply(cached[1], config), scheme)
+                    quantized = (view, matmulnbits_layout(q, scale, scheme) if part.startswith("nbits") else (q, scale))
                 q, scale = quantized[1]
-                part = spec.quant[2]
-                if part.startswith("nbits"):
-                    q, scale = matmulnbits_layout(q, scale, WeightQuantization(spec.quant[0], spec.quant[1]))
                 tensor = q if part in ("q", "nbits") else scale.to(_torch_dtype(value.dtype))
             # NaN and Inf survive the cast, and make their block's scale NaN or Inf: one check of what is written
             if not _all_finite(tensor):
