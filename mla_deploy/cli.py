@@ -21,6 +21,7 @@ import click
 from . import __version__
 from .bench.options import Int, IntList, PathList, Positive
 from .errors import MLADeployError
+from .quant import BLOCK_SIZE_CHOICES, FORMATS, WEIGHTS, parse_block_size, require_quantized
 
 
 #: exit status of an internal error (a bug): BSD's EX_SOFTWARE
@@ -183,9 +184,7 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
     changes = {k: v for k, v in (("precision", precision), ("cache_mode", cache_mode),
                                  ("max_cache_length", max_cache_length), ("weights", weights),
                                  ("block_size", block_size), ("quant_format", quant_format)) if v is not None}
-    for flag, given in (("--block-size", block_size), ("--quant-format", quant_format)):
-        if given is not None and (weights or result.export.weights) == "float":
-            raise ConfigError(f"{flag} needs --weights int8 or int4")
+    require_quantized(weights or result.export.weights, {"--block-size": block_size, "--quant-format": quant_format})
     if changes:
         result = result.replace(export=dataclasses.replace(result.export, **changes))
     if layers is not None:
@@ -205,12 +204,12 @@ def _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_leng
 @click.option("--cache-mode", type=click.Choice(["concat", "static"]), help="Override [export] cache_mode.")
 @click.option("--max-cache-length", type=Int(), help="Override [export] max_cache_length (static capacity).")
 @click.option("--layers", type=Int(), help="Keep only the first N decoder layers (presets only).")
-@click.option("--weights", type=click.Choice(["float", "int8", "int4"]),
+@click.option("--weights", type=click.Choice(WEIGHTS),
               help="Override [export] weights: int8/int4 quantize the projections, MLPs, experts and lm_head "
                    "(weight-only, a symmetric scale per block of input features); float (default) quantizes nothing.")
-@click.option("--block-size", type=click.Choice(["32", "64", "128"]),
+@click.option("--block-size", type=click.Choice(BLOCK_SIZE_CHOICES),
               help="Input features per scale of --weights int8/int4 (default 32).")
-@click.option("--quant-format", type=click.Choice(["matmulnbits", "qdq"]),
+@click.option("--quant-format", type=click.Choice(list(FORMATS)),
               help="How --weights int8/int4 are written: matmulnbits (default; ONNX Runtime's MatMulNBits, loads in "
                    "1.4x the weights' bytes) or qdq (standard DequantizeLinear -> MatMul, for TensorRT).")
 @click.option("--overwrite", is_flag=True, help="Replace --out even if it holds a different model.")
@@ -234,7 +233,7 @@ def export(preset, recipe, hf, out, precision, cache_mode, max_cache_length, lay
     from .errors import ConfigError
 
     resolved = _recipe_for_export(preset, recipe, hf, precision, cache_mode, max_cache_length, layers, weights,
-                                  None if block_size is None else int(block_size), quant_format)
+                                  parse_block_size(block_size), quant_format)
     if dump_recipe:
         click.echo(json.dumps(resolved.to_dict(), indent=2))
         return
@@ -640,7 +639,7 @@ def _command_line(ctx: click.Context) -> str:
               help="--whole-model (--hf, --preset, --recipe): comma list of float, int8, int4; each is exported "
                    "(OUT/artifact, OUT/artifact-int8, ...) and timed, quantized rows beside the float one "
                    "[default: float].")
-@click.option("--block-size", type=click.Choice(["32", "64", "128"]),
+@click.option("--block-size", type=click.Choice(BLOCK_SIZE_CHOICES),
               help="--whole-model: input features per scale of the int8/int4 exports [default: 32].")
 @click.option("--probe-mib", type=Int(), default=512, show_default=True, hidden=True, help="Read-bandwidth probe buffer.")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
@@ -674,7 +673,7 @@ def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, pro
         from .bench.whole_spec import WholeModelSpec
 
         chosen = {"contexts": context, "prompt_length": prompt_length, "repeat": repeat, "weights": weights,
-                  "block_size": None if block_size is None else int(block_size)}
+                  "block_size": parse_block_size(block_size)}
         spec = WholeModelSpec(source=given[0], location=sources[given[0]], layers=layers, batches=batch,
                               threads=threads, warmup=warmup, seed=seed, transformers=not no_transformers,
                               probe_mib=probe_mib, **{k: v for k, v in chosen.items() if v is not None})

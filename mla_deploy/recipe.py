@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import MLAConfig
 from .errors import ConfigError
+from .quant import DEFAULT_BLOCK_SIZE, DEFAULT_FORMAT, FLOAT, Quantization, plan
 
 if TYPE_CHECKING:
     from .cache_layout import CacheLayout
@@ -55,11 +56,12 @@ class ExportSettings:
             ``mla_deploy::MlaDecode`` node for the TensorRT plugin of ``plugins/mla_decode`` (static cache only;
             ONNX Runtime cannot run such a graph).
         weights: ``float`` (the weights in ``precision``), or ``int8``/``int4``: weight-only quantization with a
-            symmetric scale per block of input features (:mod:`mla_deploy.quant`, :mod:`mla_deploy.exporter.quantize`).
+            symmetric scale per block of input features (:mod:`mla_deploy.quant`).
         block_size: input features per scale of quantized weights (32, 64 or 128).
         quant_format: how quantized weights are written: ``matmulnbits`` (ONNX Runtime's ``com.microsoft``
             ``MatMulNBits``: loads in 1.4x the weights' bytes) or ``qdq`` (standard ``DequantizeLinear -> MatMul``,
-            which TensorRT reads; ONNX Runtime fuses it at load in 2.2-2.8x). See :mod:`mla_deploy.exporter.quantize`.
+            which TensorRT reads; ONNX Runtime fuses it at load in 2.2-2.8x). See :mod:`mla_deploy.quant.formats`.
+        These three are read through :attr:`quantization`.
     """
 
     precision: str = "fp32"
@@ -72,9 +74,9 @@ class ExportSettings:
     seed: int = 0
     init_std: float = 0.02
     decode_attention: str = "standard"
-    weights: str = "float"
-    block_size: int = 32
-    quant_format: str = "matmulnbits"
+    weights: str = FLOAT.weights
+    block_size: int = DEFAULT_BLOCK_SIZE
+    quant_format: str = DEFAULT_FORMAT.name
 
     def __post_init__(self) -> None:
         from .cache_layout import CACHE_MODES, get_layout
@@ -102,23 +104,18 @@ class ExportSettings:
             able = " or ".join(f'"{m}"' for m in CACHE_MODES if get_layout(m).supports_plugin)
             raise ConfigError(f"[export] decode_attention = \"plugin\" needs cache_mode = {able} "
                               f"(the plugin reads per-sequence valid lengths, not a padding mask)")
-
-        if self.quant_format not in ("matmulnbits", "qdq"):
-            raise ConfigError(f"[export] quant_format must be matmulnbits or qdq, got {self.quant_format!r}")
-        if self.weights != "float":
-            self.quantization  # noqa: B018  (raises ConfigError for an unknown scheme or block size)
-        elif self.block_size != 32:
-            raise ConfigError("[export] block_size needs quantized weights (weights = \"int8\" or \"int4\")")
+        self.quantization  # noqa: B018  (raises ConfigError for an unknown scheme, block size or format)
 
     @property
-    def quantization(self):
-        """The :class:`~mla_deploy.quant.WeightQuantization` of :attr:`weights`; None for ``float``."""
-        from .quant import WeightQuantization
+    def quantization(self) -> Quantization:
+        """What the export does to the weights (:mod:`mla_deploy.quant`): :data:`~mla_deploy.quant.FLOAT` for
+        ``weights = "float"``, else the scheme in :attr:`quant_format`.
 
-        if self.weights == "float":
-            return None
+        Raises:
+            ConfigError: an unknown scheme or format, a block size not 32, 64 or 128 or given for float weights.
+        """
         try:
-            return WeightQuantization(self.weights, self.block_size)
+            return plan(self.weights, self.block_size, self.quant_format)
         except ConfigError as exc:
             raise ConfigError(f"[export] {exc}") from None
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mla_deploy.errors import ConfigError
-from mla_deploy.quant import (WeightQuantization, dequantize, fake_quantize, matmulnbits_layout, pack_int4, parse_weights,
+from mla_deploy.quant import (WeightQuantization, dequantize, fake_quantize, matmulnbits_layout, pack_int4, plan,
                               quantize)
 
 
@@ -53,7 +53,7 @@ def test_pack_int4_is_onnx_packing():
                                                    ("float", 64, "needs quantized weights")])
 def test_bad_schemes_are_refused(weights, block, message):
     with pytest.raises(ConfigError, match=message):
-        parse_weights(weights, block)
+        plan(weights, block)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

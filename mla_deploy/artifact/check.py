@@ -4,7 +4,11 @@
 present, sizes): every graph's sha256 equals the manifest's, the manifest's inputs and outputs are those the
 I/O contract (:meth:`mla_deploy.cache_layout.CacheLayout.io`) gives for its model config, cache layout and
 precision, and each ONNX file's own graph inputs and outputs (names, element types, shapes) equal the
-manifest's. Any mismatch is an :class:`~mla_deploy.errors.ArtifactError` with a one-line message.
+manifest's. The manifest's records of what the graphs were exported with are compared with what they hold: the
+quantization record (:class:`mla_deploy.quant.Quantization`) with the quantized weights the graph files' nodes and
+initializers hold (:func:`mla_deploy.quant.observe_graphs`, read without the weights), and the static cache's
+capacity with the recorded recipe's. Any mismatch is an :class:`~mla_deploy.errors.ArtifactError` with a
+one-line message.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError
 from ..io_spec import ROLES
+from ..quant import observe_graphs
 from .files import sha256_file
 from .manifest import MANIFEST, GraphEntry, Manifest, load_manifest
 
@@ -25,17 +30,19 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
         artifact_dir: the export directory (holding ``manifest.json``).
         verify_hashes: compare each graph file's and tokenizer file's sha256 with the manifest's (reads every byte
             of the graphs).
-        check_graphs: parse each ONNX file (without external weights) and compare its I/O with the manifest's.
+        check_graphs: parse each ONNX file (without external weights) and compare its I/O and its quantized
+            weights with the manifest's.
         verify_weights: also hash the shared weights file (reads all of it: minutes for a full-size model; its
             size is always checked).
     Returns:
         the :class:`~mla_deploy.artifact.manifest.Manifest`.
     Raises:
         ArtifactError: a missing, truncated or replaced file; a manifest that does not describe the graphs or
-            its own model config; a file that is not ONNX.
+            its own model config (a quantization record or a cache capacity edited included); a file that is not ONNX.
     """
     root = Path(artifact_dir)
     manifest = load_manifest(root)
+    _check_capacity(manifest, root / MANIFEST)
     config, layout, precision = manifest.config, manifest.layout, manifest.precision
     inputs, outputs = layout.io(config, precision)
     layers = manifest.cache.get("layers")
@@ -53,8 +60,8 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
         path = root / graph.file
         if verify_hashes and graph.sha256 and sha256_file(path) != graph.sha256:
             raise ArtifactError(f"{role} graph {path} does not match the sha256 in {MANIFEST} (modified or replaced)")
-        if check_graphs:
-            _check_onnx_io(path, role, graph)
+    if check_graphs:
+        _check_graph_files(root, manifest)
     if manifest.tokenizer is not None and verify_hashes:
         manifest.tokenizer.check(root, verify_hashes=True)
     data = manifest.weights_data
@@ -80,8 +87,30 @@ def _same_io(label: str, actual, expected: list[dict], against: str) -> None:
                                 f"{against} gives {spec['dtype']} {spec['shape']}")
 
 
-def _check_onnx_io(path: Path, role: str, graph: GraphEntry) -> None:
-    """The ONNX file's graph inputs/outputs (name, element type, shape) must equal the manifest's."""
+def _check_capacity(manifest: Manifest, path: Path) -> None:
+    """A static cache's capacity must be the one its graphs were exported with (the recorded recipe's
+    ``[export] max_cache_length``; nothing to compare when the recipe is not recorded)."""
+    recorded = (manifest.recipe.get("export") or {}).get("max_cache_length")
+    if manifest.capacity is not None and recorded is not None and recorded != manifest.capacity:
+        raise ArtifactError(f"{path}: max_cache_length {manifest.capacity} is not the {recorded} its graphs were "
+                            f"exported with (recipe.export.max_cache_length; edited?); export again with "
+                            f"--max-cache-length {manifest.capacity}")
+
+
+def _check_graph_files(root: Path, manifest: Manifest) -> None:
+    """Each graph file's own I/O equals the manifest's, and the quantized weights they hold its record's."""
+    models = {}
+    for role, graph in manifest.graphs.items():
+        if graph.file not in models:  # prefill and decode may be one file
+            models[graph.file] = _check_onnx_io(root / graph.file, role, graph)
+    disagreement = manifest.quantization.disagreement(observe_graphs(models.values()))
+    if disagreement:
+        raise ArtifactError(f"{root / MANIFEST} does not describe its graphs: {disagreement} (edited?); export again")
+
+
+def _check_onnx_io(path: Path, role: str, graph: GraphEntry):
+    """The ONNX file's graph inputs/outputs (name, element type, shape) must equal the manifest's; returns the
+    ``ModelProto`` (its external weights not loaded)."""
     import onnx
 
     try:
@@ -91,6 +120,7 @@ def _check_onnx_io(path: Path, role: str, graph: GraphEntry) -> None:
     for kind, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
         actual = [_value_dict(v) for v in values]
         _same_io(f"{path.name} graph {kind}", actual, [t.to_dict() for t in getattr(graph, kind)], MANIFEST)
+    return model
 
 
 def _value_dict(value) -> dict:

@@ -21,6 +21,7 @@ from ..cache_layout import CacheLayout, get_layout
 from ..config import MLAConfig
 from ..errors import ArtifactError, ConfigError, MLADeployError
 from ..io_spec import PRECISIONS, ROLES, TensorSpec
+from ..quant import FLOAT, Quantization, from_manifest
 from .files import atomic_write_text
 from .tokenizer_files import TokenizerFiles
 
@@ -150,9 +151,10 @@ class Manifest:
             inside the graph files (small models).
         tokenizer: the tokenizer files copied from the checkpoint (:class:`TokenizerFiles`); None: ids only.
             Optional in format version 1: a manifest without it loads, and one with it loads in older readers.
-        quantization: quantized weights (:mod:`mla_deploy.quant`): ``{"weights", "block_size", "symmetric",
-            "axis", "format", "tensors", "bytes", "keys"}``, ``keys`` the checkpoint tensors quantized; None: the
-            weights are in ``precision``. Optional: older readers run such graphs (standard ONNX) unaware.
+        quantization: what the export did to the weights (:class:`mla_deploy.quant.Quantization`, parsed once from
+            the JSON record by :func:`mla_deploy.quant.from_manifest`): :data:`~mla_deploy.quant.FLOAT` (no record:
+            the weights are in ``precision``), or the scheme, format and checkpoint keys quantized. Optional: older
+            readers run such graphs unaware.
     """
 
     name: str
@@ -170,7 +172,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     weights_data: dict | None = None
     tokenizer: TokenizerFiles | None = None
-    quantization: dict | None = None
+    quantization: Quantization = FLOAT
 
     # derived ------------------------------------------------------------------------------------
     @property
@@ -199,18 +201,6 @@ class Manifest:
             return self.graphs[role]
         except KeyError:
             raise ArtifactError(f"the artifact has no {role} graph; it has {', '.join(self.graphs) or 'none'}") from None
-
-    @property
-    def weight_quantization(self):
-        """The :class:`~mla_deploy.quant.WeightQuantization` of the weights; None when they are not quantized."""
-        from ..quant import WeightQuantization
-
-        return None if self.quantization is None else WeightQuantization.from_dict(self.quantization)
-
-    @property
-    def quantized_keys(self) -> frozenset:
-        """The checkpoint tensors the graphs hold quantized (empty when none)."""
-        return frozenset((self.quantization or {}).get("keys", ()))
 
     @property
     def uses_plugin(self) -> bool:
@@ -247,7 +237,7 @@ class Manifest:
             "recipe": self.recipe, "versions": self.versions, "created": self.created,
             **({"weights_data": self.weights_data} if self.weights_data is not None else {}),
             **({"tokenizer": self.tokenizer.to_dict()} if self.tokenizer is not None else {}),
-            **({"quantization": self.quantization} if self.quantization is not None else {}),
+            **self.quantization.to_manifest(),
         }
 
     @classmethod
@@ -303,26 +293,11 @@ class Manifest:
             recipe=dict(data.get("recipe") or {}), versions=dict(data.get("versions") or {}),
             created=str(data.get("created", "")), format_version=version, weights_data=_weights_data(data, source),
             tokenizer=None if data.get("tokenizer") is None else TokenizerFiles.from_dict(data["tokenizer"], source),
-            quantization=_quantization(data, source))
+            quantization=from_manifest(data.get("quantization"), source))
 
     def save(self, folder: str | Path) -> Path:
         """Write ``folder/manifest.json`` atomically; returns its path."""
         return atomic_write_text(Path(folder) / MANIFEST, json.dumps(self.to_dict(), indent=2) + "\n")
-
-
-def _quantization(data: dict, source: str) -> dict | None:
-    from ..quant import WeightQuantization
-
-    record = data.get("quantization")
-    if record is None:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("keys"), list):
-        raise ArtifactError(f"{source}: quantization must be a table with the quantized keys")
-    try:
-        WeightQuantization.from_dict(record)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise ArtifactError(f"{source}: quantization: {exc}") from None
-    return dict(record)
 
 
 def _weights_data(data: dict, source: str) -> dict | None:

@@ -10,10 +10,9 @@ the absorbed ``A_CC`` form, built on the meta device, so nothing is allocated):
 * the lm_head: read whole;
 * everything else (attention, norms, dense MLPs, shared experts, routers): read whole every step.
 
-Each tensor counts its bytes as the artifact stores it: a tensor the artifact holds quantized (the manifest's
-``quantization.keys``, :attr:`~mla_deploy.artifact.Manifest.quantized_keys`) its packed integers plus one scale
-per block (:meth:`~mla_deploy.quant.WeightQuantization.nbytes`, per expert for stacked experts), every other
-tensor ``numel * itemsize``.
+Each tensor counts its bytes as the artifact stores it, as the manifest's quantization record says
+(:meth:`mla_deploy.quant.Quantization.stored_nbytes`): a tensor held quantized its integers and scales in its
+format's layout (per expert for stacked experts), every other tensor ``numel * itemsize``.
 
 A step of ``n`` tokens per sequence over ``B`` sequences, each holding ``P`` cached rows:
 
@@ -32,13 +31,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ..config import MLAConfig
+from ..quant import FLOAT, Quantization
 from .roofline import PROCESS_OVERHEAD, attention_flops
-
-if TYPE_CHECKING:
-    from ..quant import WeightQuantization
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 #: the context is filled with prefill steps whose attention scores and logits stay below this many bytes
@@ -54,7 +51,6 @@ class WeightGroups:
 
     Attributes:
         itemsize: bytes per float weight (and per scale of a quantized one).
-        weights: ``float``, or the quantization (``int8``, ``int4``) of :attr:`quantized_keys`.
         always_bytes: weights every step reads whole.
         always_matrix_params: the matrix (>= 2-D) parameters among them: 2 FLOPs per parameter per token.
         expert_params: parameters of one routed expert (gate, up, down).
@@ -64,8 +60,8 @@ class WeightGroups:
         embedding_row_bytes: one embedding row (0 when the lm_head shares the matrix: it is read whole).
         lm_head_params, lm_head_bytes: the lm_head.
         total_params, total_bytes: every parameter of the model.
+        quantization: the weights' quantization (:data:`~mla_deploy.quant.FLOAT`: none), the keys it holds.
         quantized_bytes: bytes of the quantized tensors (integers and scales; 0 for float weights).
-        quantized_keys: the state-dict keys held quantized.
     """
 
     itemsize: int
@@ -81,9 +77,13 @@ class WeightGroups:
     lm_head_bytes: int
     total_params: int
     total_bytes: int
-    weights: str = "float"
+    quantization: Quantization = FLOAT
     quantized_bytes: int = 0
-    quantized_keys: frozenset = frozenset()
+
+    @property
+    def weights(self) -> str:
+        """``float``, ``int8`` or ``int4``."""
+        return self.quantization.weights
 
     def active_params_per_token(self) -> int:
         """Matrix parameters one token multiplies with (its k routed experts per MoE layer, the lm_head)."""
@@ -96,20 +96,17 @@ class WeightGroups:
                 "all_experts_bytes": self.expert_bytes * self.n_experts * len(self.moe_layers),
                 "embedding_row_bytes": self.embedding_row_bytes, "lm_head_bytes": self.lm_head_bytes,
                 "total_params": self.total_params, "total_bytes": self.total_bytes,
-                "quantized_bytes": self.quantized_bytes, "quantized_tensors": len(self.quantized_keys),
+                "quantized_bytes": self.quantized_bytes, "quantized_tensors": len(self.quantization.keys),
                 "active_params_per_token": self.active_params_per_token()}
 
 
-def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQuantization | None" = None,
-                  quantized_keys: frozenset = frozenset(), whole_blocks: bool = False) -> WeightGroups:
+def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: Quantization = FLOAT) -> WeightGroups:
     """Sort ``config``'s parameters (the absorbed model's, on the meta device) into :class:`WeightGroups`.
 
     Args:
         itemsize: bytes per float weight (and per scale).
-        quantization: the scheme of ``quantized_keys`` (None: every weight is float).
-        quantized_keys: state-dict keys (``Linear [out, in]`` or stacked experts ``[E, out, in]``) held quantized,
-            as the manifest records them (:func:`manifest_weight_groups`).
-        whole_blocks: the quantized integers are stored in whole blocks (the ``matmulnbits`` format).
+        quantization: the manifest's record (:func:`manifest_weight_groups`): its keys (``Linear [out, in]`` or
+            stacked experts ``[E, out, in]``) count as its format stores them.
     """
     import torch
 
@@ -118,23 +115,14 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
     with torch.device("meta"):
         model = MLAForCausalLM(config, "A_CC")
     state = model.state_dict()
-    unknown = sorted(set(quantized_keys) - set(state)) if quantization is not None else []
+    unknown = quantization.unknown_keys(state)
     if unknown:
         raise ValueError(f"quantized key {unknown[0]} is no parameter of the model")
-
-    def nbytes(name: str, tensor) -> int:
-        if quantization is None or name not in quantized_keys:
-            return tensor.numel() * itemsize
-        *lead, n, k = tensor.shape  # [..., out, in]: quantized per output row in blocks of input features
-        return math.prod(lead) * quantization.nbytes(k, n, itemsize, whole_blocks)
-
-    always_bytes = matrices = expert = expert_bytes = lm_head = lm_head_bytes = total = total_bytes = quantized = 0
+    always_bytes = matrices = expert = expert_bytes = lm_head = lm_head_bytes = total = total_bytes = 0
     moe_layers = set()
     tied = config.tie_word_embeddings
     for name, tensor in state.items():
-        n, size = tensor.numel(), nbytes(name, tensor)
-        if quantization is not None and name in quantized_keys:
-            quantized += size
+        n, size = tensor.numel(), quantization.stored_nbytes(name, tensor.shape, itemsize)
         if not (tied and name == "lm_head.weight"):
             total, total_bytes = total + n, total_bytes + size
         match = _EXPERT.match(name)
@@ -156,15 +144,13 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
                         n_experts=config.n_routed_experts or 0, top_k=config.num_experts_per_tok if layers else 0,
                         embedding_row_bytes=0 if tied else config.hidden_size * itemsize, lm_head_params=lm_head,
                         lm_head_bytes=lm_head_bytes, total_params=total, total_bytes=total_bytes,
-                        weights=quantization.weights if quantization is not None else "float",
-                        quantized_bytes=quantized,
-                        quantized_keys=frozenset(quantized_keys) if quantization is not None else frozenset())
+                        quantization=quantization, quantized_bytes=quantization.quantized_nbytes(
+                            {k: v.shape for k, v in state.items()}, itemsize))
 
 
 def manifest_weight_groups(manifest) -> WeightGroups:
     """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized."""
-    return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.weight_quantization,
-                         manifest.quantized_keys, (manifest.quantization or {}).get("format") == "matmulnbits")
+    return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.quantization)
 
 
 def precision_itemsize(precision: str) -> int:

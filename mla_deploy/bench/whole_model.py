@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ExportError, InputError
+from ..quant import FLOAT, plan
 from . import machine
 from .roofline import PROCESS_OVERHEAD
 from .whole_cost import manifest_weight_groups, weight_groups
-from .whole_spec import TRANSFORMERS, WholeModelSpec, ours_path, points
+from .whole_spec import TRANSFORMERS, WholeModelSpec, points
 
 #: marks ``OUT/checkpoint`` as written by the bench, with what it holds (a later run reuses it when equal)
 CHECKPOINT_RECORD = "checkpoint.json"
@@ -35,7 +36,7 @@ CHECKPOINT_RECORD = "checkpoint.json"
 
 @dataclass(frozen=True)
 class Variant:
-    """One artifact ``ours`` runs. Attributes: path: its name in the report (:func:`~.whole_spec.ours_path`);
+    """One artifact ``ours`` runs. Attributes: path: its name in the report (``ours``, ``ours-int8``: :meth:`mla_deploy.quant.Quantization.variant`);
     artifact: the folder; manifest: its manifest."""
 
     path: str
@@ -180,8 +181,7 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
         check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (whole_worker)
         weights = manifest.weights
         checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
-        scheme = manifest.weight_quantization
-        variant = Variant(ours_path(scheme.weights if scheme else "float"), Path(spec.location), manifest)
+        variant = Variant(manifest.quantization.variant("ours"), Path(spec.location), manifest)
         return Prepared([variant], checkpoint, [f"benched the artifact {spec.location} as given"])
     notes, seconds = [], {}
     if spec.source == "hf":
@@ -203,15 +203,15 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
     # point's cache itself
     settings = dataclasses.replace(base.export, precision="fp32", cache_mode=STATIC.mode, decode_attention="standard",
                                    max_cache_length=max(spec.capacity, base.export.max_cache_length),
-                                   weights="float", block_size=32)
+                                   **FLOAT.settings())
     variants = []
     for weights in spec.weights:
-        scheme = settings if weights == "float" else dataclasses.replace(
-            settings, weights=weights, block_size=spec.block_size or settings.block_size)
-        folder = out / ("artifact" if weights == "float" else f"artifact-{weights}")
-        manifest, seconds[f"export {weights}"], note = _export(base.replace(export=scheme), checkpoint, folder, echo)
+        quantization = plan(weights, spec.block_size, base.export.quant_format)
+        export = dataclasses.replace(settings, **quantization.settings())
+        folder = out / quantization.variant("artifact")
+        manifest, seconds[f"export {weights}"], note = _export(base.replace(export=export), checkpoint, folder, echo)
         notes.append(note)
-        variants.append(Variant(ours_path(weights), folder, manifest))
+        variants.append(Variant(quantization.variant("ours"), folder, manifest))
     return Prepared(variants, checkpoint, notes, seconds)
 
 

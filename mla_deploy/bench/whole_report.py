@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from .. import __version__
+from ..quant import plan
 from .machine import summarize
 from .output import format_bytes, format_ms, machine_line
 from .whole_cost import CHUNK_BYTES, bound, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
@@ -174,6 +175,17 @@ def _compare(rows: list[dict], records: dict, routed: dict, primary: str) -> Non
             theirs["tokens_compared_with"] = primary
 
 
+def _weights_protocol(variants) -> str:
+    """The protocol's weights: fp32, or what the quantized artifacts hold and how they run."""
+    quantized = [v.manifest.quantization for v in variants if v.manifest.quantization.quantized]
+    if not quantized:
+        return "fp32"
+    return (f"ours: fp32 weights; ours-int8, ours-int4: symmetric int8/int4 MatMul weights in blocks of "
+            f"{quantized[0].block_size} input features, one fp32 scale each (export --weights/--block-size; the "
+            f"embedding, norms, kv_b_proj and routers stay fp32), run by ONNX Runtime's MatMulNBits with "
+            f"int8 activations (OrtEngine's default); x float = the ours row's median time / this row's")
+
+
 def _path_info(path: str, status: dict, result: dict | None, groups, artifact: str | None) -> dict:
     info = {"label": path_label(path), **status, "artifact": artifact, "weights": groups.to_dict()}
     if result is None:
@@ -216,7 +228,6 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
         failed = [f"{path}: {r['failure']}" for path, r in routed.items() if r.get("failure")]
         routing["note"] = ("some points fell back to the uniform expectation (their reference run failed"
                            + (f"; {'; '.join(failed)}" if failed else "") + ")")
-    scheme = next((v.manifest.weight_quantization for v in prepared.variants if v.manifest.weight_quantization), None)
     return {
         "format": FORMAT, "format_version": 1, "command": command,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -237,11 +248,7 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
         "preparation": {"notes": prepared.notes, "seconds": prepared.seconds},
         "protocol": {
             "threads": spec.threads, "warmup": spec.warmup, "repeat": spec.repeat, "dtype": "float32",
-            "weights": ("fp32" if scheme is None else
-                        f"ours: fp32 weights; ours-int8, ours-int4: symmetric int8/int4 MatMul weights in blocks of "
-                        f"{scheme.block_size} input features, one fp32 scale each (export --weights/--block-size; the "
-                        f"embedding, norms, kv_b_proj and routers stay fp32), run by ONNX Runtime's MatMulNBits with "
-                        f"int8 activations (OrtEngine's default); x float = the ours row's median time / this row's"),
+            "weights": _weights_protocol(prepared.variants),
             "llama_bench": ("batch-1 points as llama.cpp's llama-bench reports them (-p L -n n -d T -b 1 -t threads): "
                             "pp{L} = prompt tokens/s, tg{n} @ d{T} = generated tokens/s after a context of T; mean "
                             "+- standard deviation of the per-call rates (llama-bench: of its repetitions)"),
@@ -355,7 +362,7 @@ def llama_bench_rows(report: dict) -> list[tuple]:
         backend = "torch CPU" if r["path"] == TRANSFORMERS else "ORT CPU"
         lb = r["llama_bench"]
         params = weights["total_params"]
-        out.append((r["path"], "fp32" if r["weights"] == "float" else r["weights"],
+        out.append((r["path"], plan(r["weights"]).stored_type("fp32"),
                     format_bytes(weights["total_bytes"]),
                     f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M", backend, threads,
                     lb["test"], f"{lb['tokens_per_s_mean']:.2f} ± {lb['tokens_per_s_std']:.2f}"))

@@ -18,13 +18,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import ConfigError
+from ..quant import FLOAT, plan, weights_list
 from .spec import parse_int, parse_int_list
 
 #: where the model comes from: an exported artifact (benched as is), a checkpoint folder (exported first), a
 #: preset or recipe file (a random checkpoint of its model written first, then exported)
 SOURCES = ("artifact", "hf", "preset", "recipe")
-#: ``--weights``: the float export, and the weight-only quantizations (:data:`mla_deploy.quant.SCHEMES`)
-WEIGHTS = ("float", "int8", "int4")
 TRANSFORMERS = "transformers"
 TRANSFORMERS_LABEL = ("transformers: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=float32).generate "
                       "(greedy, its own cache)")
@@ -32,7 +31,7 @@ TRANSFORMERS_LABEL = ("transformers: AutoModelForCausalLM.from_pretrained(checkp
 
 def ours_path(weights: str) -> str:
     """The name of this project's path on an artifact of ``weights``: ``ours`` (float), ``ours-int8``, ``ours-int4``."""
-    return "ours" if weights == "float" else f"ours-{weights}"
+    return plan(weights).variant("ours")
 
 
 def path_label(path: str) -> str:
@@ -61,8 +60,8 @@ class WholeModelSpec:
         repeat: timed prefills per batch size, timed decode steps per point.
         warmup: untimed calls before them.
         seed: seed of the prompts and of a preset's random checkpoint.
-        weights: the artifacts ``ours`` runs, one per entry of :data:`WEIGHTS` (``--hf``, presets and recipes:
-            each exported into ``OUT/artifact`` (float) or ``OUT/artifact-int8`` ...; an ``--artifact`` is benched
+        weights: the artifacts ``ours`` runs, one per entry of :data:`mla_deploy.quant.WEIGHTS` (``--hf``, presets
+            and recipes: each exported into ``OUT/artifact`` (float) or ``OUT/artifact-int8`` ...; an ``--artifact`` is benched
             as exported).
         block_size: input features per scale of the quantized ones (None: the exporter's default, 32).
         transformers: also time transformers' own model (when it can run).
@@ -81,7 +80,7 @@ class WholeModelSpec:
     repeat: int = 10
     warmup: int = 3
     seed: int = 0
-    weights: tuple[str, ...] = ("float",)
+    weights: tuple[str, ...] = (FLOAT.weights,)
     block_size: int | None = None
     transformers: bool = True
     probe_mib: int = 512
@@ -105,22 +104,12 @@ class WholeModelSpec:
             raise ConfigError("memory_fraction must be in (0, 1]")
 
     def _check_weights(self) -> None:
-        from ..quant import parse_weights
-
-        given = self.weights.split(",") if isinstance(self.weights, str) else list(self.weights)
-        weights = tuple(dict.fromkeys(w.strip() for w in given))
-        if not weights or any(w not in WEIGHTS for w in weights):
-            raise ConfigError(f"--weights takes a comma list of {', '.join(WEIGHTS)}; got {','.join(given)!r}")
-        object.__setattr__(self, "weights", weights)
-        quantized = [w for w in weights if w != "float"]
-        if self.source == "artifact" and (weights != ("float",) or self.block_size is not None):
+        weights, block_size = weights_list(self.weights, self.block_size)
+        if self.source == "artifact" and (weights != (FLOAT.weights,) or block_size is not None):
             raise ConfigError("--weights and --block-size apply to --hf, --preset and --recipe; an --artifact is "
                               "benched with the weights it was exported with")
-        if self.block_size is not None:
-            if not quantized:
-                raise ConfigError("--block-size needs quantized --weights (int8 or int4)")
-            parse_weights(quantized[0], parse_int(self.block_size, "--block-size"))  # one of the exporter's sizes
-            object.__setattr__(self, "block_size", int(self.block_size))
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "block_size", block_size)
 
     @property
     def decode_points(self) -> list[tuple[int, int]]:

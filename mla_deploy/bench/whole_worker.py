@@ -72,10 +72,8 @@ class OursPath:
         self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"])
         self.spec, self.config = spec, self.engine.config
         self.itemsize = np.dtype(self.engine.dtype).itemsize
-        scheme = self.engine.manifest.weight_quantization
         self.info = {"provider": self.engine.provider, "precision": self.engine.precision,
-                     "weights": scheme.to_dict() if scheme else "float",
-                     "quantized_compute": "int8 (OrtEngine's default)" if scheme else None,
+                     **self.engine.manifest.quantization.run_info(),
                      "cache_mode": self.engine.cache_mode, "intra_op_threads": spec.threads,
                      "capacity": "the rows each point needs" if self.engine.layout.has_capacity else None}
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact import load_manifest
+from ..artifact import check_artifact
 from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
 from ..io_spec import PRECISIONS, past_name, present_name
+from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from .base import Engine
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -49,22 +50,13 @@ def check_precision(precision: str, provider: str) -> None:
                                   "fp16 or fp32 to run on the CPU")
 
 
-#: ``quantized_compute``: the arithmetic of a quantized weight's product (ONNX Runtime's ``MatMulNBits``
-#: accuracy level, which its CPU provider gives each ``DequantizeLinear -> MatMul`` it fuses)
-QUANTIZED_COMPUTE = {"int8": "4", "fp32": "1"}
-
-
-def session_options(threads: int | None = None, log_severity: int = 4, quantized_compute: str = "int8"):
+def session_options(threads: int | None = None, log_severity: int = 4):
     """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's
     default), no spinning (a waiting thread sleeps instead of burning a core), and no CPU memory arena: the
     arena keeps the largest step's activations and grows by powers of two, so a batch-8 prefill of a 4-layer
     V2-Lite left the process at 13.5 GiB for 8.4 GiB of weights, against 10.9 GiB without it, at the same
-    decode speed (measured here, 2 threads).
-
-    ``quantized_compute`` (quantized weights only): ``int8`` quantizes the activations to int8 per block inside
-    each fused ``MatMulNBits`` (its fast path on CPU, as llama.cpp's ``Q8_0``/``Q4_0`` products do; about 0.5%
-    relative error per product), ``fp32`` multiplies in float32 with the dequantized weights (exact to float32
-    rounding; several times slower, int8 weights about 30x): what validation compares with PyTorch."""
+    decode speed (measured here, 2 threads). How quantized weights are computed is the artifact's quantization's
+    to say (:meth:`mla_deploy.quant.Quantization.session`, applied by :func:`open_session`)."""
     import onnxruntime as ort
 
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
@@ -75,31 +67,18 @@ def session_options(threads: int | None = None, log_severity: int = 4, quantized
         options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.enable_cpu_mem_arena = False
-    if quantized_compute not in QUANTIZED_COMPUTE:
-        raise InputError(f"quantized_compute must be one of {', '.join(QUANTIZED_COMPUTE)}, got {quantized_compute!r}")
-    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", QUANTIZED_COMPUTE[quantized_compute])
     return options
 
 
-def _exact_matmulnbits(path: Path) -> bytes | None:
-    """The graph at ``path`` with every ``MatMulNBits`` set to ``accuracy_level`` 1 (float32 arithmetic), without
-    its external weights (the session reads them from ``path``'s folder); None when it holds no such node."""
-    import onnx
-
-    from ..exporter.quantize import EXACT_ACCURACY
-
-    model = onnx.load(str(path), load_external_data=False)
-    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-    for node in nodes:
-        for attr in node.attribute:
-            if attr.name == "accuracy_level":
-                attr.i = EXACT_ACCURACY
-    return model.SerializeToString() if nodes else None
-
-
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
-                 quantized_compute: str = "int8"):
+                 quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
+
+    ``quantization``: the graph's (its artifact's :attr:`~mla_deploy.artifact.Manifest.quantization`), whose
+    quantized products the session computes in ``quantized_compute``: ``int8`` quantizes the activations to int8
+    per block inside each ``MatMulNBits`` (its fast path on CPU, as llama.cpp's ``Q8_0``/``Q4_0`` products do; about
+    0.5% relative error per product), ``fp32`` multiplies in float32 with the dequantized weights (exact to float32
+    rounding; several times slower, int8 weights about 30x): what validation compares with PyTorch.
 
     Raises:
         RuntimeMissingError: onnxruntime missing, or the provider did not load. ArtifactError: the graph does not load.
@@ -113,14 +92,10 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     wanted = PROVIDERS[provider]
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
-    options = session_options(threads, log_severity, quantized_compute)
-    model: str | bytes = str(path)
-    if quantized_compute == "fp32":  # MatMulNBits nodes written with the fast accuracy level: made exact here
-        exact = _exact_matmulnbits(Path(path))
-        if exact is not None:
-            model = exact
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                             str(Path(path).parent))
+    options = session_options(threads, log_severity)
+    model, entries = quantization.session(path, quantized_compute)
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
     try:
         session = ort.InferenceSession(model, options, providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -142,18 +117,21 @@ class OrtEngine(Engine):
         log_severity: ONNX Runtime's log level (0 verbose .. 4 fatal; default 4: its errors come back as
             exceptions, reported as one line).
         quantized_compute: quantized weights: ``int8`` (activations quantized per block, the fast path) or
-            ``fp32`` (exact); see :func:`session_options`.
+            ``fp32`` (exact); see :func:`open_session`.
+
+    The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
+    describes its graphs, their I/O and the weights they hold quantized).
     """
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
-                 capacity: int | None = None, log_severity: int = 4, quantized_compute: str = "int8"):
+                 capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE):
         try:
             import onnxruntime as ort
         except ImportError as exc:
             raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
-        manifest = load_manifest(artifact)
+        manifest = check_artifact(artifact, verify_hashes=False)
         check_precision(manifest.precision, provider)
         super().__init__(artifact, manifest, capacity)
         self.ort = ort
@@ -170,7 +148,8 @@ class OrtEngine(Engine):
             # one session per graph file: a graph serving prefill and decode holds its weights once
             session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
             if session is None:
-                session = open_session(self.root / graph.file, provider, threads, log_severity, quantized_compute)
+                session = open_session(self.root / graph.file, provider, threads, log_severity, quantized_compute,
+                                       manifest.quantization)
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "

@@ -22,7 +22,7 @@ directory replaces only the artifact's own files (manifest, graphs, weights); an
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 import json
 import platform
@@ -39,11 +39,10 @@ from ..artifact.files import remove_stale
 from ..artifact.target import check_export_target
 from ..errors import ExportError
 from ..model import MLAForCausalLM
-from ..quant import WeightQuantization, matmulnbits_layout, pack_int4, quantize
+from ..quant import pack_int4
 from ..recipe import Recipe
 from .graphs import CausalLMGraph, example_decoder_inputs
 from .moe_onnx import all_expert_tensors
-from .quantize import QUANT_OPS, quantize_graph_weights
 from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight_views, per_head_kv_tensors,
                           save_graph, trace_graph)
 from .weights import WEIGHTS_FILE, ModuleTensors, Progress, RandomTensors, TensorSource, WeightsFile, WeightSpec
@@ -54,9 +53,8 @@ Log = Callable[[str], None]
 
 def fingerprint(recipe: Recipe, weights: WeightsSource) -> str:
     """Identity of the model an artifact holds: its dimensions and where its weights came from (16 hex digits)."""
-    identity = {"model": recipe.model.to_dict(), "weights": weights.to_dict()}
-    if recipe.export.quantization is not None:  # a quantized model is another model (float ones keep their identity)
-        identity["quantization"] = recipe.export.quantization.to_dict()
+    identity = {"model": recipe.model.to_dict(), "weights": weights.to_dict(),
+                **recipe.export.quantization.fingerprint()}  # a quantized model is another model (float ones: none)
     blob = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -199,11 +197,8 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
             start = time.perf_counter()
             traced[file] = _trace(recipe, file, form, attention)
             log(f"traced {file} in {time.perf_counter() - start:.1f} s")
-    scheme = settings.quantization
-    quantized = (quantize_graph_weights([(g.model, g.placeholders, g.specs) for g in traced.values()], scheme,
-                                        settings.quant_format) if scheme is not None else [])
-    if scheme is not None:
-        log(f"{scheme.weights} weights in blocks of {scheme.block_size}: {len(quantized)} checkpoint tensors")
+    quantization = settings.quantization
+    quantized = quantization.quantize_graphs([(g.model, g.placeholders, g.specs) for g in traced.values()], log)
     specs: dict[str, WeightSpec] = {}
     for graph in traced.values():
         for name, spec in graph.specs.items():
@@ -215,12 +210,7 @@ def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
     log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
     tensors, data = make_weights(specs, values, source, config, tmp if external else None, total, progress)
-    quantization = None
-    if scheme is not None:
-        quantization = {**scheme.to_dict(), "symmetric": True, "axis": "input features",
-                        "format": settings.quant_format, "ops": QUANT_OPS[settings.quant_format],
-                        "tensors": sum(1 for s in specs.values() if s.quant and s.quant[2] in ("q", "nbits")),
-                        "bytes": sum(nbytes(values[n]) for n, s in specs.items() if s.quant), "keys": quantized}
+    quantization = quantization.recorded(quantized, ((s.quant, nbytes(values[n])) for n, s in specs.items()))
     inputs, outputs = layout.io(config, settings.precision)
     entries: dict[str, tuple[Any, Any]] = {}
     for file, graph in traced.items():
@@ -272,22 +262,15 @@ def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSourc
     order = {key: i for i, key in enumerate(source.keys())}
     names = sorted(specs, key=lambda n: (order.get(specs[n].key, len(order)), n))  # a source tensor's views together
     file = WeightsFile(folder / WEIGHTS_FILE, total, progress) if folder is not None else None
-    tensors, cached, quantized = {}, (None, None), (None, None)
+    tensors, cached, memo = {}, (None, None), {}
     try:
         for name in names:
             spec, value = specs[name], values[name]
             if cached[0] != spec.key:
                 cached = (spec.key, _source_tensor(source, spec.key, config))
-            if spec.quant is None:
-                tensor = spec.apply(cached[1], config).to(_torch_dtype(value.dtype)).contiguous()
-            else:  # q and scale of one view are adjacent in ``names``: the view is quantized and laid out once
-                view, part = dataclasses.replace(spec, quant=None), spec.quant[2]
-                if quantized[0] != view:
-                    scheme = WeightQuantization(spec.quant[0], spec.quant[1])
-                    q, scale = quantize(view.apply(cached[1], config), scheme)
-                    quantized = (view, matmulnbits_layout(q, scale, scheme) if part.startswith("nbits") else (q, scale))
-                q, scale = quantized[1]
-                tensor = q if part in ("q", "nbits") else scale.to(_torch_dtype(value.dtype))
+            # the parts of one quantized view are adjacent in ``names``: it is quantized and laid out once
+            tensor = spec.quant.make(spec.view, functools.partial(spec.view.apply, cached[1], config), memo,
+                                     _torch_dtype(value.dtype))
             # NaN and Inf survive the cast, and make their block's scale NaN or Inf: one check of what is written
             if not _all_finite(tensor):
                 verb = "holds" if not _all_finite(cached[1]) else f"overflows {value.dtype.name.lower()} with"
@@ -339,11 +322,12 @@ def _source_tensor(source: TensorSource, key: str, config) -> torch.Tensor:
 
 
 def _torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype a tensor of the ONNX ``dtype`` is made in (``INT4``: int8 values, packed when written)."""
     import onnx_ir as ir
 
     table = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16,
              ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.INT64: torch.int64, ir.DataType.INT8: torch.int8,
-             ir.DataType.UINT8: torch.uint8}
+             ir.DataType.UINT8: torch.uint8, ir.DataType.INT4: torch.int8}
     return table[dtype]
 
 

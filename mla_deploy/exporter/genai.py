@@ -165,7 +165,6 @@ def export_genai(recipe: Recipe, out: str | Path, source, checkpoint: str | Path
     """
     from .export import TORCH_DTYPES, make_weights, nbytes, trace_meta_graph
     from .onnx_export import bind_initializers, per_head_kv_tensors, save_graph
-    from .quantize import quantize_graph_weights
     from .weights import WEIGHTS_FILE
 
     out = Path(out)
@@ -187,8 +186,7 @@ def export_genai(recipe: Recipe, out: str | Path, source, checkpoint: str | Path
             GenaiGraph(decoder).eval(), _example_inputs(config, settings.max_cache_length, dtype), inputs, outputs,
             _dynamic_shapes(config.num_hidden_layers), opset, GRAPH_FILE)
         log(f"traced {GRAPH_FILE} in {time.perf_counter() - start:.1f} s")
-        if settings.quantization is not None:  # genai's sessions fuse these into MatMulNBits like ours
-            quantize_graph_weights([(model, placeholders, specs)], settings.quantization, settings.quant_format)
+        settings.quantization.quantize_graphs([(model, placeholders, specs)], log)
         total = sum(nbytes(v) for v in placeholders.values())
         external = total > settings.external_data_threshold
         with atomic_dir(out, keep=keep) as tmp:

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import MLAConfig
+from ..quant import WHOLE, WeightPart
 
 #: offsets of the tensors in weights.data: page-aligned so that runtimes can map them (64 KiB covers every OS)
 ALIGNMENT = 1 << 16
@@ -91,14 +92,15 @@ class WeightSpec:
         part: ``w_uk`` or ``w_uv`` to take that half of ``kv_b_proj`` per head; None for the whole tensor.
         ops: views applied in order after ``part``: ``("index", i)`` selects ``tensor[i]`` (one expert of a stacked
             tensor), ``("perm", p)`` transposes.
-        quant: ``(weights, block_size, "q" | "scale")``: the initializer is that part of the view's quantization
-            (:func:`mla_deploy.quant.quantize` of the ``[K, N]`` view); None: the view itself.
+        quant: what the initializer is of the view (:class:`mla_deploy.quant.WeightPart`): the view itself
+            (:data:`~mla_deploy.quant.WHOLE`), or one stored tensor of its quantization (the integers or the scales
+            of :func:`mla_deploy.quant.quantize` of the ``[K, N]`` view, in its format's layout).
     """
 
     key: str
     part: str | None = None
     ops: tuple = ()
-    quant: tuple | None = None
+    quant: WeightPart = WHOLE
 
     @classmethod
     def for_parameter(cls, name: str) -> "WeightSpec":
@@ -112,9 +114,15 @@ class WeightSpec:
         """This spec followed by the view ``op`` (``("index", i)`` or ``("perm", p)``)."""
         return WeightSpec(self.key, self.part, (*self.ops, op), self.quant)
 
+    @property
+    def view(self) -> "WeightSpec":
+        """The view this initializer is made from (this spec without its :attr:`quant` part)."""
+        return WeightSpec(self.key, self.part, self.ops)
+
     def apply(self, tensor: torch.Tensor, config: MLAConfig) -> torch.Tensor:
         """The view made from the source's tensor ``key`` (same dtype; a view where possible); ``quant`` is
-        applied by the writer (:func:`~mla_deploy.exporter.export.make_weights`)."""
+        applied by the writer (:func:`~mla_deploy.exporter.export.make_weights`, through
+        :meth:`mla_deploy.quant.WeightPart.make`)."""
         if self.part is not None:
             from ..model.absorb import split_kv_b
 

@@ -191,11 +191,10 @@ def check_buildable(manifest: Manifest, root: Path) -> None:
     """Refuse an artifact TensorRT could never parse, before TensorRT is looked for.
 
     Raises:
-        ArtifactError: its quantized weights are ONNX Runtime's ``MatMulNBits`` (``--quant-format matmulnbits``).
+        ArtifactError: its quantized weights are in a format TensorRT cannot parse (ONNX Runtime's ``MatMulNBits``:
+            :attr:`mla_deploy.quant.WeightFormat.tensorrt`).
     """
-    if (manifest.quantization or {}).get("format") == "matmulnbits":
-        raise ArtifactError(f"{root}'s quantized weights are ONNX Runtime MatMulNBits nodes, which TensorRT cannot "
-                            f"parse; export with --quant-format qdq for TensorRT")
+    manifest.quantization.require_tensorrt(str(root))
 
 
 def build_engines(artifact: str | Path, build: BuildSettings | None = None, strongly_typed: bool | None = None,

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from ..artifact import Manifest, check_artifact
 from ..errors import AccuracyError, InputError, OutputError
 from ..recipe import Tolerance, ValidateSettings
-from .quantization import DEPLOYED, EXACT, ORIGINAL, quantization_report, trajectory_steps
+from .quantization import cost_check
 from .report import INPUTS_FILE, REPORT_JSON, build_report, environment
 from .report import write_reports as write_files
 
@@ -61,11 +61,15 @@ class ValidationResult:
         """The quantization's cost against the unquantized original (None for float weights)."""
         return self.report.get("quantization")
 
+    def _sections(self) -> list[dict[str, Any]]:
+        """The report's sections beside the graphs' comparison: the quantization's cost (quantized weights)."""
+        return [self.quantization] if self.quantization is not None else []
+
     def lines(self) -> list[str]:
         """:meth:`summary`, then for quantized weights the quantization's line."""
         from .quantization import summary_line
 
-        return [self.summary()] + ([summary_line(self.quantization)] if self.quantization is not None else [])
+        return [self.summary()] + [summary_line(section) for section in self._sections()]
 
     def summary(self) -> str:
         """One line: the graphs' verdict, the worst output, its step and error, and where the report is."""
@@ -89,7 +93,7 @@ class ValidationResult:
 
     def failures(self) -> list[str]:
         """The lines of :meth:`lines` that fail."""
-        verdicts = [self.graph_passed] + ([self.quantization["passed"]] if self.quantization is not None else [])
+        verdicts = [self.graph_passed] + [section["passed"] for section in self._sections()]
         return [line for line, ok in zip(self.lines(), verdicts) if not ok]
 
     def raise_for_failure(self) -> None:
@@ -160,11 +164,11 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
                                                          threads, prompt_lengths, quiet, log or (lambda line: None))
     runners = compat.runner_names(run_results)
     reference = "torch" if "torch" in runners else runners[0]
-    cost = (DEPLOYED, ORIGINAL) if manifest.weight_quantization is not None else ()
-    if cost and not set(cost) <= set(runners):
-        raise InputError(f"the run results lack the runners {' and '.join(cost)} that measure a quantized "
+    cost = cost_check(manifest)
+    if not set(cost.runners) <= set(runners):
+        raise InputError(f"the run results lack the runners {' and '.join(cost.runners)} that measure a quantized "
                          f"artifact's cost (runners: {', '.join(runners)})")
-    others = [name for name in runners if name != reference and name not in cost]
+    others = [name for name in runners if name != reference and name not in cost.runners]
     if not others:
         raise InputError(f"the run results hold only the runner {reference!r}: nothing to compare")
     comparisons = [(runners.index(name), runners.index(reference)) for name in others]
@@ -175,9 +179,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     report = build_report(root, manifest, run_results, accuracy, reference, others, names, feeds, tolerances,
                           check_error_stat, environment(providers), trajectory,
                           source=str(load_results) if load_results is not None else "run")
-    if cost:
-        section = quantization_report(run_results, feeds, manifest, settings, report["trajectory"])
-        report = {**report, "passed": bool(report["passed"]) and section["passed"], "quantization": section}
+    report = cost.judged(report, run_results, feeds, manifest, settings)
     result = ValidationResult(bool(report["passed"]), report)
     if write_reports:
         result.out_dir = out
@@ -229,11 +231,10 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown or not runtimes:
         raise InputError(f"runtimes must be among {', '.join(RUNTIMES)}, got {list(runtimes)}")
-    decode_steps = settings.decode_steps if steps is None else int(steps)
-    quantized, clamped = manifest.weight_quantization is not None, False
-    if quantized and decode_steps >= 0:
-        longest = max(prompt_lengths) if prompt_lengths else settings.prompt_length
-        decode_steps, clamped = trajectory_steps(decode_steps, settings.quantization_steps, longest, manifest.capacity)
+    cost = cost_check(manifest)
+    longest = max(prompt_lengths) if prompt_lengths else settings.prompt_length
+    decode_steps, clamped = cost.decode_steps(settings.decode_steps if steps is None else int(steps), settings,
+                                              longest, manifest.capacity)
     trajectory = make_trajectory(manifest.config.vocab_size, settings.batch, settings.prompt_length, decode_steps,
                                  settings.seed, prompt_lengths, manifest.capacity)
     # the engines first: one their runtime cannot run (bf16 on ONNX Runtime's CPU provider, no TensorRT) is refused
@@ -241,26 +242,19 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     log(f"loading {', '.join(runtimes)} ...")
     engines = []
     if "onnxrt" in runtimes:  # quantized weights: exact float32 products, the graph's own error only
-        exact = {"name": EXACT, "quantized_compute": "fp32"} if quantized else {}
-        engines.append(OrtRunner(root, provider=provider, threads=threads, **exact))
+        engines.append(OrtRunner(root, provider=provider, threads=threads, **cost.exact))
     if "tensorrt" in runtimes:
         engines.append(trt_runner(root))
-    if quantized:  # the quantization's cost: as deployed vs the unquantized original
-        engines.append(OrtRunner(root, provider=provider, threads=threads, name=DEPLOYED, quantized_compute="int8"))
     log("loading the PyTorch reference ...")
-    runners = [TorchRunner.from_artifact(root, manifest), *engines]
-    if quantized:
-        runners.append(TorchRunner.from_artifact(root, manifest, ORIGINAL, quantized=False))
+    # quantized weights add their cost: as deployed against the unquantized original
+    runners = [TorchRunner.from_artifact(root, manifest), *engines, *cost.runners_for(root, manifest, provider, threads)]
     loader = TrajectoryLoader(trajectory)
     log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(quiet):
         run_results = compat.run_comparator(runners, loader)
     log("comparing ...")
     providers = {r.name: getattr(r, "provider", None) or "torch-cpu" for r in runners}
-    record = trajectory.to_dict()
-    if quantized:
-        record["quantization_steps_clamped"] = clamped
-    return run_results, list(loader), providers, record
+    return run_results, list(loader), providers, cost.record(trajectory.to_dict(), clamped)
 
 
 def _load(path: Path, names: list[str]):

@@ -10,7 +10,8 @@ Validating an artifact with quantized weights is two comparisons over one trajec
     ``[validate.quantization.<scheme>]`` thresholds (:class:`~mla_deploy.recipe.QuantizationThreshold`).
 
 The trajectory of a quantized artifact has at least ``[validate] quantization_steps`` decode steps
-(:func:`trajectory_steps`).
+(:func:`trajectory_steps`). :func:`cost_check` gives what (b) adds to a validation: nothing for float weights
+(:class:`NoCost`), the runners, steps and report section of :class:`QuantizationCost` for quantized ones.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CacheCapacityError
+from ..quant import EXACT_COMPUTE, FAST_COMPUTE
 
 #: runner names: (a)'s ONNX Runtime runner, and (b)'s pair
 EXACT, DEPLOYED, ORIGINAL = "onnxrt-fp32", "onnxrt-int8", "torch-unquantized"
@@ -137,13 +139,13 @@ def quantization_report(run_results, feeds: Sequence[dict] | None, manifest, set
     from . import compat
     from .metrics import step_masks
 
-    scheme = manifest.weight_quantization
-    threshold = settings.quantization[scheme.weights]
+    quantization = manifest.quantization
+    threshold = settings.quantization[quantization.weights]
     out, ref = compat.iteration_outputs(run_results, DEPLOYED), compat.iteration_outputs(run_results, ORIGINAL)
     masks = step_masks(feeds if feeds is not None and len(feeds) == len(ref) else None, len(ref))
     figures = quantization_figures(out, ref, [token for token, _ in masks])
     failures = judge(figures, threshold)
-    return {"weights": scheme.weights, "block_size": scheme.block_size, "tensors": len(manifest.quantized_keys),
+    return {"weights": quantization.weights, "block_size": quantization.block_size, "tensors": len(quantization.keys),
             "runner": DEPLOYED, "reference": ORIGINAL, "compute": "int8 activations (ONNX Runtime MatMulNBits)",
             "decode_steps": len(figures["steps"]) - 1, "minimum_steps": settings.quantization_steps,
             "clamped": bool(trajectory.get("quantization_steps_clamped", False)),
@@ -161,3 +163,62 @@ def summary_line(section: dict[str, Any]) -> str:
             f"{s['top1'] * 100:.1f}% (min {s['thresholds']['min_top1'] * 100:.1f}%), logits cosine mean "
             f"{s['mean_cosine']:.5f} (min {s['thresholds']['min_mean_cosine']}), worst {s['min_cosine']:.5f}, "
             f"max abs error {s['max_abs']:.3e} ({s['max_abs_relative'] * 100:.2f}% of max |logit| {s['max_abs_reference']:.3g})")
+
+
+class NoCost:
+    """What (b) adds to the validation of float weights: nothing (the graphs against PyTorch, as any artifact).
+
+    Attributes:
+        runners: the runners (b) compares (``(DEPLOYED, ORIGINAL)``; none here).
+        exact: keyword arguments of the ONNX Runtime runner of (a) (:class:`~mla_deploy.validate.runners.OrtRunner`).
+    """
+
+    runners: tuple[str, ...] = ()
+    exact: dict[str, str] = {}
+
+    def decode_steps(self, requested: int, settings, longest_prompt: int, capacity: int | None) -> tuple[int, bool]:
+        """The trajectory's decode steps (see :func:`trajectory_steps`) and whether a static cache clamped them."""
+        return requested, False
+
+    def runners_for(self, root, manifest, provider: str, threads: int | None) -> list:
+        """The runners (b) adds: ONNX Runtime as deployed, the unquantized PyTorch original."""
+        return []
+
+    def record(self, trajectory: dict, clamped: bool) -> dict:
+        """The report's trajectory record."""
+        return trajectory
+
+    def judged(self, report: dict, run_results, feeds, manifest, settings) -> dict:
+        """``report`` with (b)'s section (:func:`quantization_report`) and verdict."""
+        return report
+
+
+class QuantizationCost(NoCost):
+    """(b) for quantized weights: :data:`DEPLOYED` against :data:`ORIGINAL` over at least ``[validate]
+    quantization_steps`` decode steps; (a) runs ONNX Runtime in exact fp32 products (:data:`EXACT`)."""
+
+    runners = (DEPLOYED, ORIGINAL)
+    exact = {"name": EXACT, "quantized_compute": EXACT_COMPUTE}
+
+    def decode_steps(self, requested, settings, longest_prompt, capacity):
+        if requested < 0:  # refused by the trajectory, as for any artifact
+            return requested, False
+        return trajectory_steps(requested, settings.quantization_steps, longest_prompt, capacity)
+
+    def runners_for(self, root, manifest, provider, threads):
+        from .runners import OrtRunner, TorchRunner
+
+        return [OrtRunner(root, provider=provider, threads=threads, name=DEPLOYED, quantized_compute=FAST_COMPUTE),
+                TorchRunner.from_artifact(root, manifest, ORIGINAL, quantized=False)]
+
+    def record(self, trajectory, clamped):
+        return {**trajectory, "quantization_steps_clamped": clamped}
+
+    def judged(self, report, run_results, feeds, manifest, settings):
+        section = quantization_report(run_results, feeds, manifest, settings, report["trajectory"])
+        return {**report, "passed": bool(report["passed"]) and section["passed"], "quantization": section}
+
+
+def cost_check(manifest) -> NoCost:
+    """What (b) adds to the validation of the artifact of ``manifest``."""
+    return QuantizationCost() if manifest.quantization.quantized else NoCost()

@@ -19,8 +19,8 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized
     """The fp32 ``CC``-form :class:`~mla_deploy.model.decoder.MLAForCausalLM` an artifact was exported from.
 
     ``quantized`` (artifacts with quantized weights): the tensors the artifact holds quantized are replaced by
-    their quantized-then-dequantized values (:func:`~mla_deploy.quant.fake_quantize`), the weights the graphs
-    compute with; False: the unquantized original.
+    their quantized-then-dequantized values (:meth:`mla_deploy.quant.Quantization.dequantize_state`), the weights
+    the graphs compute with; False: the unquantized original.
 
     Raises:
         ArtifactError: no reference weights (an in-memory export), a missing or mismatched weights file,
@@ -84,17 +84,10 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized
         raise ArtifactError(f"manifest.json records weights of kind {kind!r} and no reference file: "
                             f"there is nothing to validate against")
     model = model.float().eval()
-    scheme = manifest.weight_quantization
-    if quantized and scheme is not None:
-        import torch
-
-        from ..quant import fake_quantize
-
-        state = model.state_dict()
-        missing = sorted(manifest.quantized_keys - set(state))
-        if missing:
-            raise ArtifactError(f"manifest.json quantizes {missing[0]}, which the model does not have")
-        with torch.no_grad():
-            for key in sorted(manifest.quantized_keys):
-                state[key].copy_(fake_quantize(state[key], scheme))
+    state = model.state_dict()
+    missing = manifest.quantization.unknown_keys(state)
+    if missing:
+        raise ArtifactError(f"manifest.json quantizes {missing[0]}, which the model does not have")
+    if quantized:
+        manifest.quantization.dequantize_state(state)  # float weights: nothing to do
     return model

@@ -31,6 +31,7 @@ from ..artifact import Manifest
 from ..cache_layout import CONCAT, CacheLayout, CacheState
 from ..errors import InputError
 from ..io_spec import present_name
+from ..quant import FAST_COMPUTE
 from .trajectory import canonical_logits, canonical_rows, input_metadata, step_role
 
 
@@ -184,11 +185,11 @@ class OrtRunner(EngineRunner):
         threads: intra-op threads (None: ONNX Runtime's default).
         name: runner name (default ``onnxrt``).
         quantized_compute: quantized weights' arithmetic, ``int8`` or ``fp32`` (exact; see
-            :func:`~mla_deploy.engines.ort_engine.session_options`).
+            :func:`~mla_deploy.engines.ort_engine.open_session`).
     """
 
     def __init__(self, artifact_dir: str | Path, provider: str = "cpu", threads: int | None = None,
-                 name: str = "onnxrt", quantized_compute: str = "int8"):
+                 name: str = "onnxrt", quantized_compute: str = FAST_COMPUTE):
         from ..engines.ort_engine import OrtEngine
 
         engine = OrtEngine(artifact_dir, provider=provider, threads=threads, quantized_compute=quantized_compute)

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from mla_deploy.cli import main
+from mla_deploy.quant import FLOAT
 
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
@@ -155,20 +156,20 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     assert all(r["status"] == "ok" and r["bound"]["bound_ms"] > 0 for r in rows.values()), rows
     # the quantized artifact and its rows
     manifest = load_manifest(tmp_path / "artifact-int4")
-    assert manifest.quantization["weights"] == "int4" and manifest.quantization["block_size"] == 64
-    assert load_manifest(tmp_path / "artifact").quantization is None
-    assert report["paths"]["ours-int4"]["weights"]["quantized_bytes"] == manifest.quantization["bytes"]
+    assert manifest.quantization.weights == "int4" and manifest.quantization.block_size == 64
+    assert load_manifest(tmp_path / "artifact").quantization is FLOAT
+    assert report["paths"]["ours-int4"]["weights"]["quantized_bytes"] == manifest.quantization.bytes
     decode = rows[("ours-int4", "decode")]
     assert decode["weights"] == "int4" and decode["speedup_vs_float"] > 0 and decode["speedup_vs_transformers"] > 0
     assert decode["llama_bench"]["test"] == "tg1 @ d2" and decode["llama_bench"]["tokens_per_s_mean"] > 0
     source = CheckpointTensors(tmp_path / "checkpoint")
     sizes = {k: source.get(k).numel() * 4 for k in source.keys() if k != "model.embed_tokens.weight"}
     source.close()
-    floats = sum(n for k, n in sizes.items() if k not in manifest.quantized_keys)
+    floats = sum(n for k, n in sizes.items() if k not in manifest.quantization.keys)
     config = manifest.config
     cache = decode["cache_rows_timed"][0] * config.latent_dim * 4 * config.num_hidden_layers
     assert decode["bound"]["cache_bytes"] == cache
-    assert decode["bound"]["bytes"] == manifest.quantization["bytes"] + floats + config.hidden_size * 4 + cache
+    assert decode["bound"]["bytes"] == manifest.quantization.bytes + floats + config.hidden_size * 4 + cache
     assert rows[("ours", "decode")]["bound"]["weight_bytes"] == sum(sizes.values()) + config.hidden_size * 4
     md = (tmp_path / "bench.md").read_text()
     assert "| ours-int4 |" in md and "## llama-bench" in md and "tg1 @ d2" in md and "1 thread(s)" in md
@@ -231,10 +232,10 @@ def test_weight_groups_of_v2_lite():
     assert g.always_bytes + all_experts + g.lm_head_bytes + 102400 * 2048 * 4 == g.total_bytes
     assert g.total_params == 15_706_484_224
     # int4 in blocks of 32 (one fp32 scale each) for the experts and the lm_head, as a manifest would list them
-    from mla_deploy.quant import WeightQuantization
+    from mla_deploy.quant import QDQ, Quantized, WeightQuantization
 
-    keys = frozenset(f"model.layers.{i}.mlp.experts.{p}" for i in range(1, 27) for p in ("gate_up_proj", "down_proj"))
-    q = weight_groups(c, 4, WeightQuantization("int4", 32), keys | {"lm_head.weight"})
+    keys = tuple(f"model.layers.{i}.mlp.experts.{p}" for i in range(1, 27) for p in ("gate_up_proj", "down_proj"))
+    q = weight_groups(c, 4, Quantized(WeightQuantization("int4", 32), QDQ, keys=(*keys, "lm_head.weight")))
     assert q.expert_bytes == 3 * (2048 * 1408 // 2 + 2048 * 1408 // 32 * 4)  # gate, up: K = 2048; down: K = 1408
     assert q.lm_head_bytes == 102400 * 2048 // 2 + 102400 * 2048 // 32 * 4 and q.always_bytes == g.always_bytes
     assert q.quantized_bytes == 26 * 64 * q.expert_bytes + q.lm_head_bytes

@@ -62,7 +62,7 @@ def test_quantized_export_peak_memory_does_not_grow_with_layers(tmp_path):
         peaks[layers] = _export_peak(tmp_path / f"ckpt{layers}", tmp_path / f"out{layers}", "--weights", "int4")
         source[layers] = sum(f.stat().st_size for f in (tmp_path / f"ckpt{layers}").glob("*.safetensors"))
         manifest = load_manifest(tmp_path / f"out{layers}")
-        assert manifest.quantization["weights"] == "int4"
+        assert manifest.quantization.weights == "int4"
         written[layers] = sum(f.stat().st_size for f in (tmp_path / f"out{layers}").iterdir())
     extra_source = source[6] - source[1]
     assert extra_source > 200e6

@@ -5,6 +5,7 @@ Runtime into MatMulNBits: the optimized graph holds no DequantizeLinear) or as O
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import onnx
@@ -17,6 +18,7 @@ from cli_run import cli
 from mla_deploy.artifact import load_manifest
 from mla_deploy.engines.ort_engine import OrtEngine, session_options
 from mla_deploy.exporter import export_recipe
+from mla_deploy.quant import QDQ
 from mla_deploy.validate.reference import load_reference_model
 
 
@@ -46,12 +48,14 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
     manifest = load_manifest(out)
     model = onnx.load(str(out / "model.onnx"))
     record = manifest.quantization
-    assert (record["weights"], record["block_size"], record["symmetric"]) == (weights, block, True)
+    assert (record.weights, record.block_size) == (weights, block)
+    written = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert (written["weights"], written["block_size"], written["symmetric"]) == (weights, block, True)
     assert (manifest.weights_data is not None) == in_file  # weights.data, or inline in the graph
     inits = {i.name: i for i in model.graph.initializer}
-    if record["format"] == "qdq":
+    if record.format is QDQ:
         dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-        assert len(dq) == record["tensors"] and not [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert len(dq) == record.tensors and not [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         for node in dq:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attrs == {"axis": 0, "block_size": block}
@@ -60,7 +64,7 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
             assert scale.data_type == onnx.TensorProto.FLOAT and scale.dims[0] == -(-q.dims[0] // block)
     else:
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        assert len(nbits) == record["tensors"] and not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        assert len(nbits) == record.tensors and not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
         for node in nbits:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (int(weights[3:]), block, 4)
@@ -68,7 +72,7 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
             blocks = -(-attrs["K"] // block)
             assert q.data_type == onnx.TensorProto.UINT8 and list(q.dims) == [attrs["N"], blocks, block * attrs["bits"] // 8]
             assert list(scale.dims) == [attrs["N"] * blocks]
-    keys = set(record["keys"])
+    keys = set(record.keys)
     layer1 = "model.layers.1."
     assert {"lm_head.weight", layer1 + "mlp.experts.gate_up_proj", layer1 + "mlp.experts.down_proj",
             layer1 + "self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= keys
@@ -80,15 +84,19 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
 @pytest.mark.parametrize("compute", ["int8", "fp32"])
 def test_onnx_runtime_fuses_every_dequantize_into_matmulnbits(quantized, compute, tmp_path):
     out = quantized[0]
-    if load_manifest(out).quantization["format"] != "qdq":
+    record = load_manifest(out).quantization
+    if record.format is not QDQ:
         pytest.skip("the matmulnbits format holds MatMulNBits already")
-    options = session_options(1, quantized_compute=compute)
+    options = session_options(1)
+    model, entries = record.session(out / "model.onnx", compute)  # the session option of the exact compute
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     optimized = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False)
     ops = collections.Counter(n.op_type for n in optimized.graph.node)
     assert ops["DequantizeLinear"] == 0
-    assert ops["MatMulNBits"] == load_manifest(out).quantization["tensors"]
+    assert ops["MatMulNBits"] == record.tensors
 
 
 def test_exact_compute_equals_pytorch_with_the_dequantized_weights(quantized):
@@ -122,7 +130,7 @@ def test_block_size_without_quantized_weights_is_one_line(tmp_path):
 def test_tensorrt_build_refuses_matmulnbits_in_one_line(quantized):
     """Before TensorRT is looked for: such an artifact could never be parsed by it."""
     out = quantized[0]
-    if load_manifest(out).quantization["format"] != "matmulnbits":
+    if load_manifest(out).quantization.format.tensorrt:
         pytest.skip("qdq artifacts are TensorRT's format")
     result = cli("build", str(out))
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0

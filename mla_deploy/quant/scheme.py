@@ -1,4 +1,4 @@
-"""Weight-only quantization: symmetric int8 / int4 with one scale per block of input features.
+"""The quantization scheme: symmetric int8 / int4 weights with one scale per block of input features.
 
 A quantized weight ``W [N, K]`` (a Linear's ``[out, in]``; a stacked expert tensor ``[E, out, in]`` likewise,
 expert by expert) is cut along its input axis ``K`` into blocks of ``block_size`` (32, 64 or 128; a last block
@@ -8,9 +8,9 @@ may be shorter). Each block ``b`` of each output row ``n`` has one scale ``s = m
 computes with blocked scales (opset >= 21), what ONNX Runtime's ``MatMulNBits`` and TensorRT's weight-only
 quantization read, and the scheme of llama.cpp's ``Q8_0``/``Q4_0`` (block 32).
 
-The exporter lays a quantized weight out as the graph uses it, ``q [K, N]`` and ``scale [ceil(K/B), N]``
-(blocks on axis 0); :func:`fake_quantize` gives the same numbers in the checkpoint's layout, for the PyTorch
-reference that validation compares the graph with.
+:func:`quantize` gives a weight as the graph multiplies with it, ``q [K, N]`` and ``scale [ceil(K/B), N]`` (blocks
+on axis 0), which each format (:mod:`.formats`) lays out its own way; :func:`fake_quantize` gives the same
+numbers in the checkpoint's layout, for the PyTorch reference that validation compares the graph with.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-#: ``--weights`` values: bits per weight of each scheme (``float``: nothing is quantized)
+#: bits per weight of each scheme (``--weights``; ``float``, nothing quantized, is :data:`~.plan.FLOAT`)
 SCHEMES = {"int8": 8, "int4": 4}
 BLOCK_SIZES = (32, 64, 128)
+DEFAULT_BLOCK_SIZE = 32
 #: columns quantized at a time: the float copy a quantization makes stays near 64 MiB whatever the tensor
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -40,7 +41,7 @@ class WeightQuantization:
     """
 
     weights: str
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         if self.weights not in SCHEMES:
@@ -72,7 +73,7 @@ class WeightQuantization:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "WeightQuantization":
-        return cls(str(data.get("weights")), int(data.get("block_size", 32)))
+        return cls(str(data.get("weights")), int(data.get("block_size", DEFAULT_BLOCK_SIZE)))
 
 
 def parse_weights(weights: str | None, block_size: int | None = None) -> WeightQuantization | None:
@@ -85,7 +86,7 @@ def parse_weights(weights: str | None, block_size: int | None = None) -> WeightQ
         if block_size is not None:
             raise ConfigError("a block size needs quantized weights (weights = int8 or int4)")
         return None
-    return WeightQuantization(weights, 32 if block_size is None else block_size)
+    return WeightQuantization(weights, DEFAULT_BLOCK_SIZE if block_size is None else block_size)
 
 
 def quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -146,20 +147,3 @@ def pack_int4(q: "torch.Tensor") -> "torch.Tensor":
     if flat.numel() % 2:
         flat = torch.cat([flat, flat.new_zeros(1)])
     return flat[0::2] | (flat[1::2] << 4)
-
-
-def matmulnbits_layout(q: "torch.Tensor", scale: "torch.Tensor",
-                       scheme: WeightQuantization) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """ONNX Runtime's ``MatMulNBits`` layout of :func:`quantize`'s ``q [K, N]`` and ``scale [ceil(K/B), N]``:
-    ``uint8 [N, ceil(K/B), B*bits/8]`` (values plus ``2^(bits-1)``, the kernel's default zero point; int4 two per
-    byte, low nibble first; a short last block padded with the zero point) and ``scale [N * ceil(K/B)]``."""
-    import torch
-
-    k, n = q.shape
-    blocks, b, zero = scheme.blocks(k), scheme.block_size, 1 << (scheme.bits - 1)
-    u = torch.full((n, blocks * b), zero, dtype=torch.uint8)
-    u[:, :k] = (q.T.to(torch.int16) + zero).to(torch.uint8)
-    u = u.view(n, blocks, b)
-    if scheme.bits == 4:
-        u = u[..., 0::2] | (u[..., 1::2] << 4)
-    return u.contiguous(), scale.T.reshape(-1)

@@ -1,0 +1,148 @@
+"""Quantized weights in the traced graphs: which weights, and what the graphs of an artifact hold.
+
+Which weights: every 2-D weight whose only use is the second input of a ``MatMul`` (the attention projections
+``q_proj``/``q_a_proj``/``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj``, the dense and shared MLPs, each routed
+expert and ``lm_head``), decided per checkpoint tensor: a tensor is quantized only where every graph uses it that
+way, so the artifact computes with one set of weights. What stays in the float type, and why:
+
+* ``embed_tokens``: a ``Gather`` reads one row per token, so its size costs memory, not decode time;
+* the norms and biases: vectors, a rounding error in a norm's gain scales a whole hidden state;
+* ``kv_b_proj`` in the absorbed forms: its per-head halves ``w_uk``/``w_uv`` are batched 3-D products against
+  the latent, 2-4% of a layer's weights, which ``MatMulNBits`` does not cover;
+* the MoE router (``mlp.gate``): expert choice is a discontinuous function of its logits.
+
+Each weight is then written in its format (:meth:`~mla_deploy.quant.formats.WeightFormat.insert`).
+:func:`observe_graphs` reads the other way: what an artifact's graph files hold, so the artifact check can compare
+it with the manifest's record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..errors import ExportError
+from .formats import FORMATS, ONNX_DOMAINS, WeightFormat
+from .scheme import WeightQuantization
+
+#: the MoE router's weight: kept in the float type (expert choice is discontinuous in its logits)
+ROUTER_SUFFIX = "mlp.gate.weight"
+#: the oldest opset with blocked ``DequantizeLinear``
+MIN_OPSET = 21
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """What a graph initializer is of its weight (:attr:`mla_deploy.exporter.weights.WeightSpec.quant`): the
+    weight itself (:data:`WHOLE`), or one stored tensor of its quantization.
+
+    Attributes:
+        scheme: the quantization; None for the weight itself.
+        format: the format laying it out; None for the weight itself.
+        index: which of the format's :attr:`~mla_deploy.quant.formats.WeightFormat.parts` (0: integers, 1: scales).
+    """
+
+    scheme: WeightQuantization | None = None
+    format: WeightFormat | None = None
+    index: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not None
+
+    def make(self, view: Any, compute, memo: dict, dtype) -> "Any":
+        """This initializer's tensor.
+
+        Args:
+            view: what identifies the weight's view (its spec without the part): the parts of one view are adjacent,
+                so it is quantized and laid out once (kept in ``memo``).
+            compute: ``() -> torch.Tensor``, the view ``[K, N]`` in the source's dtype.
+            memo: one view's layout, kept between calls.
+            dtype: the ``torch.dtype`` of the initializer (the graph's float type; integers: their own type, int8
+                for ``INT4``, packed when written).
+        """
+        if self.format is None:
+            return compute().to(dtype).contiguous()
+        from .scheme import quantize
+
+        if memo.get("view") != view:
+            memo["view"], memo["parts"] = view, self.format.layout(*quantize(compute(), self.scheme), self.scheme)
+        return memo["parts"][self.index].to(dtype)
+
+
+#: the weight itself, in the graph's float type
+WHOLE = WeightPart()
+
+
+def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQuantization,
+                           quant_format: WeightFormat) -> list[str]:
+    """Quantize every quantizable weight of ``graphs`` (see the module docstring) in ``quant_format``.
+
+    Args:
+        graphs: ``(onnx_ir model, {initializer: placeholder value}, {initializer: WeightSpec})`` per graph, as
+            traced (:func:`~mla_deploy.exporter.export.trace_meta_graph`); updated in place: each quantized
+            ``W`` is replaced by the format's placeholders, whose specs carry ``quant`` (a :class:`WeightPart`).
+        scheme: the quantization.
+        quant_format: the format.
+    Returns:
+        the checkpoint keys quantized, sorted.
+    Raises:
+        ExportError: a graph's opset is older than 21 (blocked ``DequantizeLinear``).
+    """
+    verdict: dict[str, bool] = {}
+    for model, placeholders, specs in graphs:
+        opset = model.opset_imports.get("", 0)
+        if opset < MIN_OPSET:
+            raise ExportError(f"quantized weights need opset >= {MIN_OPSET} (blocked DequantizeLinear); the recipe "
+                              f"exports opset {opset}")
+        for name, value in placeholders.items():
+            key = specs[name].key
+            verdict[key] = verdict.get(key, True) and _quantizable(value, specs[name])
+    keys = sorted(k for k, ok in verdict.items() if ok)
+    chosen = set(keys)
+    for model, placeholders, specs in graphs:
+        for name in [n for n in placeholders if specs[n].key in chosen]:
+            value, spec = placeholders.pop(name), specs.pop(name)
+            for index, new in enumerate(quant_format.insert(model, value, scheme)):
+                model.graph.initializers.add(new)  # placeholders: their data is bound after the weights are written
+                placeholders[new.name] = new
+                specs[new.name] = dataclasses.replace(spec, quant=WeightPart(scheme, quant_format, index))
+            del model.graph.initializers[name]
+    return keys
+
+
+def _quantizable(value, spec) -> bool:
+    """A 2-D weight used only as ``MatMul``'s second input, not the router's."""
+    uses = list(value.uses())
+    return (len(value.shape) == 2 and not spec.key.endswith(ROUTER_SUFFIX) and bool(uses)
+            and all(u.node.op_type == "MatMul" and u.node.domain in ONNX_DOMAINS and u.idx == 1 for u in uses))
+
+
+@dataclass(frozen=True)
+class GraphQuantization:
+    """What an artifact's graphs hold quantized, read from their nodes and initializers (:func:`observe_graphs`).
+
+    Attributes:
+        held: ``{(format name, bits, block_size): number of quantized weights}`` (empty: every weight is float).
+    """
+
+    held: dict
+
+    def describe(self) -> str:
+        """``2 x int8 weights in blocks of 32 (matmulnbits)``, or ``no quantized weights``."""
+        return "; ".join(f"{n} x int{bits} weights in blocks of {block} ({name})"
+                         for (name, bits, block), n in sorted(self.held.items())) or "no quantized weights"
+
+
+def observe_graphs(models: Iterable) -> GraphQuantization:
+    """What ONNX ``ModelProto`` s (loaded without their external weights) hold in each format; a weight shared
+    by several graphs (prefill and decode) counts once."""
+    seen: dict[str, tuple] = {}
+    for model in models:
+        for fmt in FORMATS.values():
+            seen.update({name: (fmt.name, *held) for name, held in fmt.observe(model).items()})
+    held: dict[tuple, int] = {}
+    for kind in seen.values():
+        held[kind] = held.get(kind, 0) + 1
+    return GraphQuantization(held)

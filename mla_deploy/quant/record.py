@@ -1,0 +1,322 @@
+"""What an export does to its weights, and the manifest's record of what it did: one object either way.
+
+:data:`FLOAT` (nothing quantized) and a :class:`Quantized` scheme in a format answer the same questions, so no
+caller asks "quantized or not?":
+
+========================================== ==================================== ====================================
+question                                   :data:`FLOAT`                        :class:`Quantized`
+========================================== ==================================== ====================================
+the export (:meth:`~Quantization.quantize_graphs`) nothing                        the weights in the format's nodes
+the manifest (:meth:`~Quantization.to_manifest`)   no ``quantization`` record           the record (see below)
+a tensor's bytes (:meth:`~Quantization.stored_nbytes`) ``numel * itemsize``           integers plus scales, as stored
+the reference (:meth:`~Quantization.dequantize_state`) unchanged                     the keys quantized-then-dequantized
+a session (:meth:`~Quantization.session`)  the graph file                        the format's (exact compute)
+TensorRT (:meth:`~Quantization.require_tensorrt`) builds                           the format's verdict
+the graphs (:meth:`~Quantization.disagreement`) hold no quantized weight          hold the record's scheme and format
+========================================== ==================================== ====================================
+
+The manifest's record (``manifest.json`` ``quantization``, unchanged since the first quantized release, so older
+artifacts load): ``{"weights", "block_size", "symmetric": true, "axis": "input features", "format", "ops",
+"tensors", "bytes", "keys"}``, ``keys`` the checkpoint tensors quantized; a record without ``format`` was written
+before there were two (``qdq``). A float artifact has no record.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+from ..errors import ArtifactError, ConfigError
+from .formats import DEFAULT_FORMAT, FAST_COMPUTE, FORMATS, QDQ, WeightFormat, accuracy_level
+from .graph import GraphQuantization, WeightPart, quantize_graph_weights
+from .scheme import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, fake_quantize
+
+if TYPE_CHECKING:
+    import torch
+
+FLOAT_WEIGHTS = "float"
+#: ``--weights`` / ``[export] weights``: float, then the schemes
+WEIGHTS = (FLOAT_WEIGHTS, *SCHEMES)
+#: the fields of a record; ``format`` may be absent (records written before there were two formats)
+_RECORD_FIELDS = {"weights", "block_size", "symmetric", "axis", "format", "ops", "tensors", "bytes", "keys"}
+
+
+class Quantization:
+    """What an export does to its weights: :data:`FLOAT`, nothing (this class); or a :class:`Quantized` scheme.
+
+    In an artifact's manifest it also records what the export did (:attr:`keys`, :attr:`tensors`, :attr:`bytes`).
+
+    Attributes:
+        quantized: any weight is quantized.
+        weights: ``float``, ``int8`` or ``int4``.
+        block_size: input features per scale (None: float).
+        keys: the checkpoint tensors held quantized, sorted (an artifact's record; empty otherwise).
+        tensors: the quantized weights in the graphs (each expert of a stacked tensor counts).
+        bytes: their bytes as stored (integers and scales).
+    """
+
+    quantized = False
+    weights = FLOAT_WEIGHTS
+    block_size: int | None = None
+    keys: tuple[str, ...] = ()
+    tensors = 0
+    bytes = 0
+
+    def __repr__(self) -> str:
+        return "<Quantization float>"
+
+    def describe(self) -> str:
+        """``no quantization (float weights)``, ``int4 weights in blocks of 32 (matmulnbits)``."""
+        return "no quantization (float weights)"
+
+    def settings(self) -> dict[str, Any]:
+        """The ``[export]`` fields that make this quantization (``weights``, ``block_size``, and ``quant_format``
+        where it matters)."""
+        return {"weights": FLOAT_WEIGHTS, "block_size": DEFAULT_BLOCK_SIZE}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What it adds to an artifact's identity (float: nothing, so float artifacts keep theirs)."""
+        return {}
+
+    def variant(self, name: str) -> str:
+        """``name`` for float weights, ``name-int8`` ...: the name of a thing made with these weights."""
+        return name
+
+    def stored_type(self, precision: str) -> str:
+        """The weights' type as stored: ``precision`` for float weights, else the scheme."""
+        return precision
+
+    def run_info(self) -> dict[str, Any]:
+        """What a run reports of the weights: ``{"weights", "quantized_compute"}`` (an engine's default compute)."""
+        return {"weights": FLOAT_WEIGHTS, "quantized_compute": None}
+
+    # the export -----------------------------------------------------------------------------------------------------
+    def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None]) -> list[str]:
+        """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`);
+        returns the checkpoint keys quantized (none for float)."""
+        return []
+
+    def recorded(self, keys: Sequence[str], parts: Iterable[tuple[WeightPart, int]]) -> "Quantization":
+        """The record of an export that quantized ``keys``, its initializers being ``parts`` (``(WeightPart,
+        bytes)`` of every initializer)."""
+        return self
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The manifest's entry: ``{"quantization": record}``, nothing for float weights."""
+        return {}
+
+    # reading an artifact ---------------------------------------------------------------------------------------------
+    def stored_nbytes(self, key: str, shape: Sequence[int], itemsize: int) -> int:
+        """Bytes the checkpoint tensor ``key`` (``[..., out, in]``) takes in the artifact: ``numel * itemsize``
+        for a float one, integers plus scales (per expert of a stacked tensor) for a quantized one."""
+        return math.prod(shape) * itemsize
+
+    def quantized_nbytes(self, shapes: Mapping[str, Sequence[int]], itemsize: int) -> int:
+        """Bytes of the quantized tensors among ``shapes`` (``{key: shape}``), as stored."""
+        return sum(self.stored_nbytes(key, shapes[key], itemsize) for key in self.keys)
+
+    def unknown_keys(self, available: Iterable[str]) -> list[str]:
+        """The recorded keys that are not among ``available`` (a model's state-dict keys), sorted."""
+        return sorted(set(self.keys) - set(available))
+
+    def dequantize_state(self, state: Mapping[str, "torch.Tensor"]) -> None:
+        """Replace, in place, each quantized tensor of ``state`` (a ``CC``-form state dict) by its
+        quantized-then-dequantized value: the weights the graphs compute with."""
+
+    def session(self, path: str | Path, compute: str) -> tuple[str | bytes, dict[str, str]]:
+        """What ONNX Runtime is given to run the graph at ``path`` with quantized products in ``compute`` (``int8``
+        or ``fp32``): the model (its path or bytes) and session config entries.
+
+        Raises:
+            InputError: an unknown ``compute``.
+        """
+        accuracy_level(compute)
+        return str(path), {}
+
+    def require_tensorrt(self, where: str) -> None:
+        """Refuse, naming ``where``, weights TensorRT cannot build. Raises: ArtifactError."""
+
+    def expected_graphs(self) -> GraphQuantization:
+        """What the graphs of an artifact with this record hold (:func:`~mla_deploy.quant.observe_graphs`)."""
+        return GraphQuantization({})
+
+    def disagreement(self, graphs: GraphQuantization) -> str | None:
+        """Why this record does not describe what the ``graphs`` hold, or None when it does."""
+        expected = self.expected_graphs()
+        if graphs == expected:
+            return None
+        return f"its quantization record says {expected.describe()}, the graphs hold {graphs.describe()}"
+
+
+@dataclass(frozen=True, repr=False)
+class Quantized(Quantization):
+    """Weight-only quantization: a scheme (int8/int4, block size) written in a format.
+
+    Attributes:
+        scheme: the :class:`~mla_deploy.quant.WeightQuantization`.
+        format: the :class:`~mla_deploy.quant.formats.WeightFormat`.
+        keys, tensors, bytes: see :class:`Quantization` (an artifact's record).
+    """
+
+    scheme: WeightQuantization
+    format: WeightFormat = DEFAULT_FORMAT
+    keys: tuple[str, ...] = ()
+    tensors: int = 0
+    bytes: int = 0
+    quantized = True
+
+    def __repr__(self) -> str:
+        return f"<Quantization {self.describe()}>"
+
+    @property
+    def weights(self) -> str:  # type: ignore[override]
+        return self.scheme.weights
+
+    @property
+    def block_size(self) -> int:  # type: ignore[override]
+        return self.scheme.block_size
+
+    def describe(self) -> str:
+        return f"{self.weights} weights in blocks of {self.block_size} ({self.format.name})"
+
+    def settings(self) -> dict[str, Any]:
+        return {"weights": self.weights, "block_size": self.block_size, "quant_format": self.format.name}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"quantization": self.scheme.to_dict()}
+
+    def variant(self, name: str) -> str:
+        return f"{name}-{self.weights}"
+
+    def stored_type(self, precision: str) -> str:
+        return self.weights
+
+    def run_info(self) -> dict[str, Any]:
+        return {"weights": self.scheme.to_dict(), "quantized_compute": f"{FAST_COMPUTE} (the engine's default)"}
+
+    def quantize_graphs(self, graphs, log):
+        keys = quantize_graph_weights(graphs, self.scheme, self.format)
+        log(f"{self.weights} weights in blocks of {self.block_size}: {len(keys)} checkpoint tensors")
+        return keys
+
+    def recorded(self, keys, parts):
+        stored = [(part, n) for part, n in parts if part.quantized]
+        return Quantized(self.scheme, self.format, tuple(sorted(keys)), sum(1 for p, _ in stored if p.index == 0),
+                         sum(n for _, n in stored))
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {"quantization": {**self.scheme.to_dict(), "symmetric": True, "axis": "input features",
+                                 "format": self.format.name, "ops": self.format.ops, "tensors": self.tensors,
+                                 "bytes": self.bytes, "keys": list(self.keys)}}
+
+    def stored_nbytes(self, key, shape, itemsize):
+        if key not in self.keys:
+            return math.prod(shape) * itemsize
+        *lead, n, k = shape  # [..., out, in]: quantized per output row in blocks of input features
+        return math.prod(lead) * self.format.nbytes(k, n, self.scheme, itemsize)
+
+    def dequantize_state(self, state):
+        import torch
+
+        with torch.no_grad():
+            for key in self.keys:
+                state[key].copy_(fake_quantize(state[key], self.scheme))
+
+    def session(self, path, compute):
+        return self.format.session(Path(path), compute)
+
+    def require_tensorrt(self, where):
+        self.format.require_tensorrt(where)
+
+    def expected_graphs(self):
+        return GraphQuantization({(self.format.name, self.scheme.bits, self.block_size): self.tensors})
+
+
+#: nothing quantized: the weights in the artifact's precision
+FLOAT = Quantization()
+
+
+def plan(weights: str | None = None, block_size: int | None = None, quant_format: str | None = None) -> Quantization:
+    """``--weights`` / ``[export] weights`` (None: float), ``block_size`` (None: 32) and ``quant_format`` (None: the
+    default) as a :class:`Quantization`.
+
+    Raises:
+        ConfigError: an unknown scheme or format, a block size not in :data:`BLOCK_SIZES`, or a block size other
+            than the default for float weights.
+    """
+    fmt = FORMATS.get(DEFAULT_FORMAT.name if quant_format is None else quant_format)
+    if fmt is None:
+        raise ConfigError(f"quant_format must be {' or '.join(FORMATS)}, got {quant_format!r}")
+    if weights in (None, FLOAT_WEIGHTS):
+        if block_size not in (None, DEFAULT_BLOCK_SIZE):
+            raise ConfigError(f"a block size needs quantized weights (weights = {' or '.join(SCHEMES)})")
+        return FLOAT
+    return Quantized(WeightQuantization(weights, DEFAULT_BLOCK_SIZE if block_size is None else block_size), fmt)
+
+
+def from_manifest(record: Any, source: str) -> Quantization:
+    """The manifest's ``quantization`` record (None: float weights) as a :class:`Quantization`.
+
+    Raises:
+        ArtifactError: a record that is no table, lacks its keys, has an unknown field, scheme, block size or
+            format, or counts that are no integers; one line naming ``source``.
+    """
+    if record is None:
+        return FLOAT
+    if not isinstance(record, dict) or not isinstance(record.get("keys"), list):
+        raise ArtifactError(f"{source}: quantization must be a table with the quantized keys")
+    unknown = sorted(set(record) - _RECORD_FIELDS)
+    counts = [record.get(k, 0) for k in ("tensors", "bytes")]
+    if unknown or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise ArtifactError(f"{source}: quantization: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
+                                                            f"tensors and bytes must be counts, got {counts}"))
+    try:
+        scheme = WeightQuantization(str(record.get("weights")), int(record.get("block_size", DEFAULT_BLOCK_SIZE)))
+        fmt = FORMATS.get(record.get("format", QDQ.name))
+        if fmt is None:
+            raise ConfigError(f"format must be {' or '.join(FORMATS)}, got {record.get('format')!r}")
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{source}: quantization: {exc}") from None
+    return Quantized(scheme, fmt, tuple(str(k) for k in record["keys"]), *counts)
+
+
+def require_quantized(weights: str | None, flags: Mapping[str, Any]) -> None:
+    """Refuse a flag among ``flags`` (``{"--block-size": value or None, ...}``) given for float ``weights``.
+
+    Raises:
+        ConfigError: ``--block-size needs --weights int8 or int4``.
+    """
+    given = [flag for flag, value in flags.items() if value is not None]
+    if given and weights in (None, FLOAT_WEIGHTS):
+        raise ConfigError(f"{given[0]} needs --weights {' or '.join(SCHEMES)}")
+
+
+def parse_block_size(value: str | int | None) -> int | None:
+    """A ``--block-size`` choice as an integer (None: not given)."""
+    return None if value is None else int(value)
+
+
+def weights_list(value: str | Sequence[str], block_size: str | int | None) -> tuple[tuple[str, ...], int | None]:
+    """The bench's ``--weights LIST`` (a comma list of :data:`WEIGHTS`, duplicates dropped) and its
+    ``--block-size``.
+
+    Raises:
+        ConfigError: an unknown entry, an empty list, a block size without a quantized entry or not in
+            :data:`BLOCK_SIZES`.
+    """
+    given = value.split(",") if isinstance(value, str) else list(value)
+    chosen = tuple(dict.fromkeys(w.strip() for w in given))
+    if not chosen or any(w not in WEIGHTS for w in chosen):
+        raise ConfigError(f"--weights takes a comma list of {', '.join(WEIGHTS)}; got {','.join(given)!r}")
+    if block_size is None:
+        return chosen, None
+    try:
+        size = int(str(block_size).strip())
+    except ValueError:
+        raise ConfigError(f"--block-size takes an integer, got {block_size!r}") from None
+    require_quantized(next((w for w in chosen if w != FLOAT_WEIGHTS), None), {"--block-size": size})
+    if size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {size}")
+    return chosen, size
