@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ExportError, InputError
-from ..quant import FLOAT, plan
+from .. import quant
 from . import machine
 from .roofline import PROCESS_OVERHEAD
 from .whole_cost import manifest_weight_groups, weight_groups
@@ -203,13 +203,13 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
     # point's cache itself
     settings = dataclasses.replace(base.export, precision="fp32", cache_mode=STATIC.mode, decode_attention="standard",
                                    max_cache_length=max(spec.capacity, base.export.max_cache_length),
-                                   **FLOAT.settings())
+                                   **quant.FLOAT.settings())
     variants = []
-    for weights in spec.weights:
-        quantization = plan(weights, spec.block_size, base.export.quant_format)
+    for quantization in quant.plans(spec.weights, spec.block_size, base.export.quant_format):
         export = dataclasses.replace(settings, **quantization.settings())
         folder = out / quantization.variant("artifact")
-        manifest, seconds[f"export {weights}"], note = _export(base.replace(export=export), checkpoint, folder, echo)
+        manifest, seconds[f"export {quantization.weights}"], note = _export(base.replace(export=export), checkpoint,
+                                                                             folder, echo)
         notes.append(note)
         variants.append(Variant(quantization.variant("ours"), folder, manifest))
     return Prepared(variants, checkpoint, notes, seconds)

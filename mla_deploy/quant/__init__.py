@@ -18,7 +18,7 @@ when a weight is quantized or a graph read), so the CLI takes its choices from h
 from .formats import (COMPUTE, DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, MATMULNBITS, QDQ, WeightFormat,
                       accuracy_level, matmulnbits_layout)
 from .graph import GraphQuantization, WeightPart, WHOLE, observe_graphs, quantize_graph_weights
-from .record import (FLOAT, WEIGHTS, Quantization, Quantized, from_manifest, parse_block_size, plan,
+from .record import (FLOAT, WEIGHTS, Quantization, Quantized, from_manifest, parse_block_size, plan, plans,
                      require_quantized, weights_list)
 from .scheme import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, dequantize, fake_quantize,
                      pack_int4, quantize)
@@ -30,4 +30,4 @@ __all__ = ["BLOCK_SIZES", "BLOCK_SIZE_CHOICES", "COMPUTE", "DEFAULT_BLOCK_SIZE",
            "FAST_COMPUTE", "FLOAT", "FORMATS", "GraphQuantization", "MATMULNBITS", "QDQ", "Quantization", "Quantized",
            "SCHEMES", "WEIGHTS", "WHOLE", "WeightFormat", "WeightPart", "WeightQuantization", "accuracy_level",
            "dequantize", "fake_quantize", "from_manifest", "matmulnbits_layout", "observe_graphs", "pack_int4",
-           "parse_block_size", "plan", "quantize", "quantize_graph_weights", "require_quantized", "weights_list"]
+           "parse_block_size", "plan", "plans", "quantize", "quantize_graph_weights", "require_quantized", "weights_list"]

@@ -256,6 +256,13 @@ def plan(weights: str | None = None, block_size: int | None = None, quant_format
     return Quantized(WeightQuantization(weights, DEFAULT_BLOCK_SIZE if block_size is None else block_size), fmt)
 
 
+def plans(weights: Sequence[str], block_size: int | None = None, quant_format: str | None = None
+          ) -> list[Quantization]:
+    """:func:`plan` of each of ``weights`` (e.g. the bench's ``--weights float,int4``), ``block_size`` applying to the
+    quantized ones."""
+    return [plan(w, None if w == FLOAT_WEIGHTS else block_size, quant_format) for w in weights]
+
+
 def from_manifest(record: Any, source: str) -> Quantization:
     """The manifest's ``quantization`` record (None: float weights) as a :class:`Quantization`.
 
