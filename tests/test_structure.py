@@ -1,5 +1,6 @@
-"""The package's structure, checked from its source: no import cycle, one owner for the cache mode, the
-TensorRT engine independent of the ONNX Runtime one, bench on public names only.
+"""The package's structure, checked from its source: no import cycle, one owner for the cache mode and one for
+quantization, the TensorRT engine independent of the ONNX Runtime one, the engines independent of the exporter,
+bench on public names only.
 
 Every check reads the real source files with ``ast`` (imports inside functions included) and is shown to fail
 on a planted violation first, so none of them passes vacuously.
@@ -8,6 +9,7 @@ on a planted violation first, so none of them passes vacuously.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -139,9 +141,10 @@ def test_the_cache_mode_is_branched_on_only_by_the_layouts():
     assert not hits, f"branches on the cache mode outside cache_layout.py: {hits}"
 
 
-def imports_from(path: Path, package: str) -> list[str]:
-    """``module:name`` of every import in ``path`` (relative imports resolved) that reaches into ``package``."""
-    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def imports_from(path: Path, package: str, root: Path = PACKAGE) -> list[str]:
+    """``module:name`` of every import in ``path`` (a module of the package at ``root``; relative imports resolved)
+    that reaches into ``package``."""
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
@@ -179,3 +182,116 @@ def test_bench_uses_only_public_names(package, root_only):
                     or (root_only and module != package and not f"{module}.{name}" == package)):
                 private.append(f"{path.name}: {item}")
     assert not private, f"bench imports private names of {package}: {private}"
+
+
+def test_the_engines_import_nothing_from_the_exporter():
+    found = [f"{path.name}: {i}" for path in sorted((PACKAGE / "engines").rglob("*.py"))
+             for i in imports_from(path, "mla_deploy.exporter")]
+    assert not found, f"engines/ imports from exporter/: {found}"
+
+
+def test_the_engine_import_check_finds_a_planted_import(tmp_path):
+    pkg = tmp_path / "mla_deploy"
+    (pkg / "engines").mkdir(parents=True)
+    planted = pkg / "engines" / "x.py"
+    planted.write_text("def f():\n    from ..exporter.quantize import EXACT_ACCURACY\n    import mla_deploy.exporter\n")
+    assert imports_from(planted, "mla_deploy.exporter", pkg) == ["mla_deploy.exporter.quantize:EXACT_ACCURACY",
+                                                                  "mla_deploy.exporter:"]
+
+
+# --- quantization has one owner: mla_deploy/quant/ -------------------------------------------------------------------
+#: the owner: every other module asks its objects (mla_deploy.quant.Quantization, WeightFormat) instead of branching
+QUANT_OWNER = PACKAGE / "quant"
+#: a condition site outside the owner is one if it holds a name (variable, attribute) of these ...
+QUANT_NAMES = re.compile(r"quant|scheme|block_size", re.IGNORECASE)
+#: ... or one of the owner's constants ...
+QUANT_IDS = {"FLOAT", "WEIGHTS", "FORMATS", "SCHEMES", "BLOCK_SIZES", "QDQ", "MATMULNBITS", "DEFAULT_FORMAT"}
+#: ... or a string constant naming a scheme or a format. The bare name ``weights`` is a WeightsSource, MoE routing
+#: weights or a byte count as often as a scheme: it counts beside one of these constants (``weights == "float"``)
+QUANT_CONSTANTS = {"float", "int8", "int4", "matmulnbits", "qdq"}
+FORMAT_NAMES = {"matmulnbits", "qdq"}
+#: the issue's bound (main at 2c7fb74 had 56 such sites in 15 files by this count)
+MAX_QUANT_CONDITIONS = 12
+
+
+def _quant_related(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and (QUANT_NAMES.search(sub.id) or sub.id in QUANT_IDS):
+            return True
+        if isinstance(sub, ast.Attribute) and (QUANT_NAMES.search(sub.attr) or sub.attr in QUANT_IDS):
+            return True
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.lower() in QUANT_CONSTANTS:
+            return True
+    return False
+
+
+def _conditions(tree: ast.AST) -> list[ast.AST]:
+    """Every condition of ``tree``: the tests of ``if``/``elif``, ternaries, ``while``, ``assert``, comprehension
+    ``if`` s and ``match`` subjects, then every boolean expression used as a value (``and``/``or``, ``not``, a
+    comparison) outside those tests."""
+    tests = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            tests.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            tests.extend(node.ifs)
+        elif isinstance(node, ast.Match):
+            tests.append(node.subject)
+    inside = {id(sub) for test in tests for sub in ast.walk(test)}
+    for node in ast.walk(tree):
+        boolean = isinstance(node, (ast.BoolOp, ast.Compare)) or (isinstance(node, ast.UnaryOp)
+                                                                   and isinstance(node.op, ast.Not))
+        if boolean and id(node) not in inside:
+            tests.append(node)
+            inside |= {id(sub) for sub in ast.walk(node)}
+    return tests
+
+
+def quant_conditions(path: Path) -> list[str]:
+    """``file:line: source`` of each condition on quantization in ``path`` (one per line)."""
+    lines = path.read_text().splitlines()
+    found = sorted({test.lineno for test in _conditions(ast.parse(path.read_text())) if _quant_related(test)})
+    name = path.relative_to(PACKAGE.parent) if PACKAGE in path.parents else path.name
+    return [f"{name}:{n}: {lines[n - 1].strip()}" for n in found]
+
+
+def format_literals(path: Path) -> list[str]:
+    """``file:line`` of each string constant that is a weight format's name (any case) in ``path``."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in FORMAT_NAMES]
+
+
+def _outside_the_owner() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if QUANT_OWNER not in p.parents]
+
+
+def test_quant_condition_detector_finds_planted_conditions(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text(
+        "def f(weights, scheme, manifest, source, keys, fmt, block_size):\n"
+        "    if weights == 'float':\n"  # 1
+        "        return 1\n"
+        "    elif manifest.quantization.quantized:\n"  # 2
+        "        pass\n"
+        "    x = 2 if scheme else 3\n"  # 3
+        "    y = [k for k in keys if manifest.quantization is not FLOAT]\n"  # 4
+        "    while block_size > 1:\n"  # 5
+        "        block_size //= 2\n"
+        "    assert fmt != 'qdq'\n"  # 6
+        "    whole = fmt == 'MatMulNBits'\n"  # 7: a boolean value, not in an if
+        "    if source.kind == 'hf' and weights.path:\n"  # not counted: a WeightsSource
+        "        pass\n"
+        "    return [w for w in weights if w.dtype != 'int64']\n")  # not counted
+    assert [hit.split(":")[1] for hit in quant_conditions(planted)] == ["2", "4", "6", "7", "8", "10", "11"]
+    assert format_literals(planted) == ["x.py:10", "x.py:11"]
+
+
+def test_quantization_is_branched_on_only_by_its_owner():
+    sites = [hit for path in _outside_the_owner() for hit in quant_conditions(path)]
+    print(f"{len(sites)} condition sites on quantization outside mla_deploy/quant/:", *sites, sep="\n  ")
+    assert len(sites) <= MAX_QUANT_CONDITIONS, "\n".join(sites)
+
+
+def test_format_names_are_spelled_only_by_their_owner():
+    found = [hit for path in _outside_the_owner() for hit in format_literals(path)]
+    assert not found, f"weight format names spelled outside mla_deploy/quant/: {found}"
