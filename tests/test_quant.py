@@ -72,3 +72,69 @@ def test_matmulnbits_layout_and_its_bytes(weights):
     values = values.reshape(n, -1) - zero  # [N, 7 * 32], the pad included
     assert torch.equal(values[:, :k], q.T.to(torch.int16)) and not values[:, k:].any()
     torch.testing.assert_close(scales.reshape(n, 7), scale.T)
+
+
+# --- the formats and the manifest's record (mla_deploy.quant.formats, .record) -------------------------------------
+from mla_deploy.errors import ArtifactError, InputError  # noqa: E402
+from mla_deploy.quant import (FLOAT, FORMATS, MATMULNBITS, QDQ, Quantized, from_manifest,  # noqa: E402
+                              weights_list)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_format_counts_the_bytes_its_layout_stores(fmt, weights):
+    """What a format says a weight takes (the bench's bound reads it) is the bytes of the tensors it lays out:
+    qdq's int4 packed two per byte, matmulnbits' whole blocks."""
+    scheme = WeightQuantization(weights, 32)
+    k, n = 200, 5  # no multiple of the block
+    q, scale = quantize(torch.randn(k, n, generator=torch.Generator().manual_seed(3)), scheme)
+    parts = fmt.layout(q, scale, scheme)
+    stored = [pack_int4(t) if fmt is QDQ and scheme.bits == 4 and t.dtype == torch.int8 else t for t in parts]
+    assert sum(t.numel() * t.element_size() for t in stored) == fmt.nbytes(k, n, scheme, 4)
+
+
+def test_the_record_keeps_the_manifest_format():
+    """manifest.json's record is unchanged: an artifact written before the record was typed loads, and is written
+    back as it was; a record without a format is the one format there was (qdq)."""
+    written = {"weights": "int4", "block_size": 64, "symmetric": True, "axis": "input features",
+               "format": "matmulnbits", "ops": MATMULNBITS.ops, "tensors": 3, "bytes": 120, "keys": ["a.weight"]}
+    record = from_manifest(written, "m.json")
+    assert (record.weights, record.block_size, record.format, record.keys) == ("int4", 64, MATMULNBITS, ("a.weight",))
+    assert record.to_manifest() == {"quantization": written}
+    first = {**{k: v for k, v in written.items() if k != "ops"}, "format": "DequantizeLinear(axis=0, block_size) -> MatMul"}
+    assert from_manifest(first, "m.json").format is QDQ  # the first release wrote the ops as the format
+    assert from_manifest({k: v for k, v in first.items() if k != "format"}, "m.json").format is QDQ
+    assert from_manifest(None, "m.json") is FLOAT and FLOAT.to_manifest() == {}
+
+
+@pytest.mark.parametrize("record,message", [
+    ([], "must be a table"), ({"weights": "int8"}, "must be a table"),
+    ({"weights": "int3", "keys": []}, "weights must be"), ({"weights": "int8", "block_size": 48, "keys": []}, "block"),
+    ({"weights": "int8", "format": "nf4", "keys": []}, "format must be"),
+    ({"weights": "int8", "tensors": "15", "keys": []}, "must be counts"),
+    ({"weights": "int8", "colour": "red", "keys": []}, "unknown field(s) colour")])
+def test_a_malformed_record_is_refused_naming_the_manifest(record, message):
+    with pytest.raises(ArtifactError, match="^m.json: quantization") as info:
+        from_manifest(record, "m.json")
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_float_is_a_quantization_that_changes_nothing(tmp_path):
+    assert not FLOAT.quantized and FLOAT.weights == "float" and FLOAT.keys == ()
+    assert FLOAT.stored_nbytes("x", (3, 5), 2) == 30 and FLOAT.quantized_nbytes({"x": (3, 5)}, 2) == 0
+    assert FLOAT.session(tmp_path / "g.onnx", "fp32") == (str(tmp_path / "g.onnx"), {})
+    assert FLOAT.variant("ours") == "ours" and FLOAT.fingerprint() == {}
+    with pytest.raises(InputError, match="quantized_compute"):
+        FLOAT.session(tmp_path / "g.onnx", "fp16")
+    int4 = Quantized(WeightQuantization("int4", 32), QDQ, keys=("x",))
+    assert int4.stored_nbytes("x", (2, 5, 64), 4) == 2 * QDQ.nbytes(64, 5, int4.scheme, 4)  # per expert
+    assert int4.stored_nbytes("y", (5, 64), 4) == 5 * 64 * 4 and int4.variant("ours") == "ours-int4"
+
+
+def test_the_bench_weights_list():
+    assert weights_list("float,int4,float", None) == (("float", "int4"), None)
+    assert weights_list(("int8",), "64") == (("int8",), 64)
+    for value, block, message in [("float,fp8", None, "comma list"), ("float", 64, "--block-size needs --weights"),
+                                  ("int8", 48, "--block-size must be one of")]:
+        with pytest.raises(ConfigError, match=message):
+            weights_list(value, block)

@@ -17,8 +17,9 @@ the graphs (:meth:`~Quantization.disagreement`) hold no quantized weight        
 
 The manifest's record (``manifest.json`` ``quantization``, unchanged since the first quantized release, so older
 artifacts load): ``{"weights", "block_size", "symmetric": true, "axis": "input features", "format", "ops",
-"tensors", "bytes", "keys"}``, ``keys`` the checkpoint tensors quantized; a record without ``format`` was written
-before there were two (``qdq``). A float artifact has no record.
+"tensors", "bytes", "keys"}``, ``keys`` the checkpoint tensors quantized. The first quantized release wrote no
+``ops`` and the ops as ``format``, and a record may lack ``format``: both mean ``qdq``, then the only format. A float
+artifact has no record.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 FLOAT_WEIGHTS = "float"
 #: ``--weights`` / ``[export] weights``: float, then the schemes
 WEIGHTS = (FLOAT_WEIGHTS, *SCHEMES)
+#: a record's ``format``: a format's name, or (the first quantized release, when ``qdq`` was the only format and
+#: there was no ``ops``) its ops
+_FORMAT_OF_RECORD = {**{f.ops: f for f in FORMATS.values()}, **FORMATS}
 #: the fields of a record; ``format`` may be absent (records written before there were two formats)
 _RECORD_FIELDS = {"weights", "block_size", "symmetric", "axis", "format", "ops", "tensors", "bytes", "keys"}
 
@@ -281,7 +285,7 @@ def from_manifest(record: Any, source: str) -> Quantization:
                                                             f"tensors and bytes must be counts, got {counts}"))
     try:
         scheme = WeightQuantization(str(record.get("weights")), int(record.get("block_size", DEFAULT_BLOCK_SIZE)))
-        fmt = FORMATS.get(record.get("format", QDQ.name))
+        fmt = _FORMAT_OF_RECORD.get(record.get("format", QDQ.name))
         if fmt is None:
             raise ConfigError(f"format must be {' or '.join(FORMATS)}, got {record.get('format')!r}")
     except (ConfigError, TypeError, ValueError) as exc:

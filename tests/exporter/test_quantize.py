@@ -141,3 +141,20 @@ def test_quant_format_without_quantized_weights_is_one_line(tmp_path):
     result = cli("export", "--preset", "tiny", "--out", str(tmp_path / "a"), "--quant-format", "qdq")
     assert result.returncode == 1 and "--quant-format needs --weights int8 or int4" in result.stderr
     assert not (tmp_path / "a").exists()
+
+
+def test_the_record_describes_the_graphs_and_their_bytes(quantized):
+    """The graphs hold what the record says (read from their nodes and initializers, as the artifact check does),
+    and the bytes the record counts are what the format says each quantized key stores (the bench's bound)."""
+    from mla_deploy.model import MLAForCausalLM
+    from mla_deploy.quant import observe_graphs
+
+    out = quantized[0]
+    manifest = load_manifest(out)
+    record = manifest.quantization
+    graphs = observe_graphs(onnx.load(str(out / g.file), load_external_data=False) for g in manifest.graphs.values())
+    assert record.disagreement(graphs) is None
+    assert graphs.held == {(record.format.name, int(record.weights[3:]), record.block_size): record.tensors}
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in MLAForCausalLM(manifest.config, "CC").state_dict().items()}
+    assert record.quantized_nbytes(shapes, 4) == record.bytes
