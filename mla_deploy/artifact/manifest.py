@@ -247,15 +247,7 @@ class Manifest:
         Raises:
             ArtifactError: not an mla-deploy manifest, an unsupported version, a missing or malformed field.
         """
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ArtifactError(f"{source} is not an mla-deploy manifest")
-        version = data.get("format_version")
-        if isinstance(version, int) and 0 < version < min(SUPPORTED_FORMAT_VERSIONS):
-            raise ArtifactError(f"{source}: format_version {version} was written by an older mla-deploy, whose graphs "
-                                f"this one cannot run; export the model again")
-        if version not in SUPPORTED_FORMAT_VERSIONS:
-            raise ArtifactError(f"{source}: format_version {version!r} is not supported "
-                                f"(this mla-deploy reads {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))})")
+        version = _format_version(data, source)
         for key in ("model", "graphs", "precision", "cache"):
             if key not in data:
                 raise ArtifactError(f"{source} lacks the field {key!r}")
@@ -298,6 +290,20 @@ class Manifest:
     def save(self, folder: str | Path) -> Path:
         """Write ``folder/manifest.json`` atomically; returns its path."""
         return atomic_write_text(Path(folder) / MANIFEST, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _format_version(data: Any, source: str) -> int:
+    """The manifest's ``format_version``. Raises: ArtifactError: no mla-deploy manifest, or a version not read here."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ArtifactError(f"{source} is not an mla-deploy manifest")
+    version = data.get("format_version")
+    if isinstance(version, int) and 0 < version < min(SUPPORTED_FORMAT_VERSIONS):
+        raise ArtifactError(f"{source}: format_version {version} was written by an older mla-deploy, whose graphs "
+                            f"this one cannot run; export the model again")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise ArtifactError(f"{source}: format_version {version!r} is not supported "
+                            f"(this mla-deploy reads {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))})")
+    return version
 
 
 def _weights_data(data: dict, source: str) -> dict | None:

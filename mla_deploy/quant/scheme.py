@@ -76,19 +76,6 @@ class WeightQuantization:
         return cls(str(data.get("weights")), int(data.get("block_size", DEFAULT_BLOCK_SIZE)))
 
 
-def parse_weights(weights: str | None, block_size: int | None = None) -> WeightQuantization | None:
-    """``--weights`` / ``[export] weights`` as a scheme: None for ``float`` (or None).
-
-    Raises:
-        ConfigError: an unknown scheme, a block size not in :data:`BLOCK_SIZES`, or a block size without a scheme.
-    """
-    if weights in (None, "float"):
-        if block_size is not None:
-            raise ConfigError("a block size needs quantized weights (weights = int8 or int4)")
-        return None
-    return WeightQuantization(weights, DEFAULT_BLOCK_SIZE if block_size is None else block_size)
-
-
 def quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Quantize ``weight [K, N]`` (any float dtype, any strides) in blocks along ``K`` (axis 0).
 

@@ -162,16 +162,8 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     else:
         run_results, feeds, providers, trajectory = _run(root, manifest, settings, steps, runtimes, provider,
                                                          threads, prompt_lengths, quiet, log or (lambda line: None))
-    runners = compat.runner_names(run_results)
-    reference = "torch" if "torch" in runners else runners[0]
     cost = cost_check(manifest)
-    if not set(cost.runners) <= set(runners):
-        raise InputError(f"the run results lack the runners {' and '.join(cost.runners)} that measure a quantized "
-                         f"artifact's cost (runners: {', '.join(runners)})")
-    others = [name for name in runners if name != reference and name not in cost.runners]
-    if not others:
-        raise InputError(f"the run results hold only the runner {reference!r}: nothing to compare")
-    comparisons = [(runners.index(name), runners.index(reference)) for name in others]
+    reference, others, comparisons = _comparisons(compat.runner_names(run_results), cost.runners)
     compare_func = compat.simple_compare_func({k: t.atol for k, t in tolerances.items()},
                                               {k: t.rtol for k, t in tolerances.items()}, check_error_stat)
     with compat.quiet(quiet):
@@ -191,6 +183,23 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     if raise_on_failure:
         result.raise_for_failure()
     return result
+
+
+def _comparisons(runners: list[str], cost: Sequence[str]) -> tuple[str, list[str], list[tuple[int, int]]]:
+    """The reference runner, the runners compared with it (all but the reference and ``cost``'s, which the
+    quantization's cost compares: :func:`~.quantization.cost_check`), and Polygraphy's comparison index pairs.
+
+    Raises:
+        InputError: run results without ``cost``'s runners, or with nothing to compare.
+    """
+    reference = "torch" if "torch" in runners else runners[0]
+    if not set(cost) <= set(runners):
+        raise InputError(f"the run results lack the runners {' and '.join(cost)} that measure a quantized "
+                         f"artifact's cost (runners: {', '.join(runners)})")
+    others = [name for name in runners if name != reference and name not in cost]
+    if not others:
+        raise InputError(f"the run results hold only the runner {reference!r}: nothing to compare")
+    return reference, others, [(runners.index(name), runners.index(reference)) for name in others]
 
 
 def check_writable_dir(out: Path) -> None:

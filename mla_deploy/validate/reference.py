@@ -26,62 +26,19 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized
         ArtifactError: no reference weights (an in-memory export), a missing or mismatched weights file,
             a checkpoint whose config differs from the manifest's.
     """
-    import torch
-
-    from ..model.decoder import MLAForCausalLM
-
-    root = Path(artifact_dir)
-    config, weights = manifest.config, manifest.weights
-    kind = weights.kind
+    weights = manifest.weights
     if weights.file:
-        path = root / weights.file
-        if not path.is_file():
-            raise ArtifactError(f"the reference weights {path} named by manifest.json are missing")
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise ArtifactError(f"{path} is not a readable safetensors file ({exc})") from None
-        model = MLAForCausalLM(config, "CC")
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise ArtifactError(f"{path} does not hold the weights of the manifest's model: {first}") from None
-    elif kind == "random":
+        model = _from_file(Path(artifact_dir) / weights.file, manifest)
+    elif weights.kind == "random":
         from ..model import build_model
 
         if weights.seed is None or weights.std is None:
             raise ArtifactError("manifest.json records random weights without their seed and std")
-        model = build_model(config, "CC", std=weights.std, seed=weights.seed)  # the export's own draw
-    elif kind == "hf":
-        path = Path(str(weights.path or ""))
-        if not weights.path or not path.exists():
-            raise ArtifactError(f"the checkpoint {weights.path!r} named by manifest.json is not there; "
-                                f"the PyTorch reference needs it")
-        from ..checkpoint import CheckpointTensors, load_checkpoint
-
-        if weights.files is not None:
-            try:
-                now = CheckpointTensors(path).identity()
-            except CheckpointError as exc:
-                raise ArtifactError(f"the reference checkpoint cannot be read: {exc}") from None
-            if [dict(f) for f in weights.files] != now:
-                raise ArtifactError(f"the checkpoint at {path} changed since the export (its files differ from those "
-                                    f"manifest.json records); re-export it or validate against the original")
-        try:
-            model = load_checkpoint(path, form="CC", dtype=torch.float32)
-        except CheckpointError as exc:
-            raise ArtifactError(f"the reference checkpoint cannot be loaded: {exc}") from None
-        ours = {k: v for k, v in config.to_dict().items() if k != "name"}
-        theirs = {k: v for k, v in model.config.to_dict().items() if k != "name"}
-        if ours != theirs:
-            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-            raise ArtifactError(f"the checkpoint at {path} does not match manifest.json's model ({', '.join(diff)})")
+        model = build_model(manifest.config, "CC", std=weights.std, seed=weights.seed)  # the export's own draw
+    elif weights.kind == "hf":
+        model = _from_checkpoint(manifest)
     else:
-        raise ArtifactError(f"manifest.json records weights of kind {kind!r} and no reference file: "
+        raise ArtifactError(f"manifest.json records weights of kind {weights.kind!r} and no reference file: "
                             f"there is nothing to validate against")
     model = model.float().eval()
     state = model.state_dict()
@@ -90,4 +47,57 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized
         raise ArtifactError(f"manifest.json quantizes {missing[0]}, which the model does not have")
     if quantized:
         manifest.quantization.dequantize_state(state)  # float weights: nothing to do
+    return model
+
+
+def _from_file(path: Path, manifest: Manifest):
+    """The model of the reference weights file ``path`` (artifacts of earlier versions)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from ..model.decoder import MLAForCausalLM
+
+    if not path.is_file():
+        raise ArtifactError(f"the reference weights {path} named by manifest.json are missing")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"{path} is not a readable safetensors file ({exc})") from None
+    model = MLAForCausalLM(manifest.config, "CC")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ArtifactError(f"{path} does not hold the weights of the manifest's model: {first}") from None
+    return model
+
+
+def _from_checkpoint(manifest: Manifest):
+    """The Hugging Face checkpoint the manifest names, refused if it changed since the export."""
+    import torch
+
+    from ..checkpoint import CheckpointTensors, load_checkpoint
+
+    weights = manifest.weights
+    path = Path(str(weights.path or ""))
+    if not weights.path or not path.exists():
+        raise ArtifactError(f"the checkpoint {weights.path!r} named by manifest.json is not there; "
+                            f"the PyTorch reference needs it")
+    if weights.files is not None:
+        try:
+            now = CheckpointTensors(path).identity()
+        except CheckpointError as exc:
+            raise ArtifactError(f"the reference checkpoint cannot be read: {exc}") from None
+        if [dict(f) for f in weights.files] != now:
+            raise ArtifactError(f"the checkpoint at {path} changed since the export (its files differ from those "
+                                f"manifest.json records); re-export it or validate against the original")
+    try:
+        model = load_checkpoint(path, form="CC", dtype=torch.float32)
+    except CheckpointError as exc:
+        raise ArtifactError(f"the reference checkpoint cannot be loaded: {exc}") from None
+    ours = {k: v for k, v in manifest.config.to_dict().items() if k != "name"}
+    theirs = {k: v for k, v in model.config.to_dict().items() if k != "name"}
+    if ours != theirs:
+        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        raise ArtifactError(f"the checkpoint at {path} does not match manifest.json's model ({', '.join(diff)})")
     return model
