@@ -409,8 +409,8 @@ def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, tempe
     from .engines.base import check_positions
     from .engines.ort_engine import OrtEngine
     from .errors import InputError
-    from .sampling import SamplingConfig
-    from .tokenizer import load_tokenizer
+    from .generate.sampling import SamplingConfig
+    from .generate.tokenizer import load_tokenizer
 
     if bool(prompts) == bool(prompt_ids):  # a malformed command line: click's usage error (exit 2)
         raise click.UsageError("give --prompt (text) or --prompt-ids (token ids), not both" if prompts else
@@ -424,7 +424,7 @@ def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, tempe
                          f"one), so {'--prompt' if prompts else '--stop'} cannot be used; give --prompt-ids")
     ids = _parse_ids(prompt_ids) if prompt_ids else None
     if prompts:
-        from .text import encode_prompts
+        from .generate.text import encode_prompts
 
         ids = encode_prompts(tokenizer, prompts, chat, system)
     engine = OrtEngine(artifact, provider=provider, threads=threads)
@@ -434,7 +434,7 @@ def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, tempe
     if tokenizer is None:
         result, texts = engine.generate(ids, max_new_tokens, sampling), None
     else:
-        from .text import stream_text
+        from .generate.text import stream_text
 
         stream = stream_text(engine, tokenizer, ids, max_new_tokens, sampling, stop)
         live = bool(prompts) and len(ids) == 1 and not as_json

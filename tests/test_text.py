@@ -1,4 +1,4 @@
-"""Text generation over the engine's loop (mla_deploy.text): a scripted engine emits known ids, the real test
+"""Text generation over the engine's loop (mla_deploy.generate.text): a scripted engine emits known ids, the real test
 tokenizer decodes them; streamed pieces, stop strings held back and cut, end-of-sequence ids, chat prompts."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hf_oracle import hf_tokenizer  # noqa: E402
 from mla_deploy.cache_layout import CONCAT  # noqa: E402
 from mla_deploy.engines.base import Engine  # noqa: E402
 from mla_deploy.errors import InputError  # noqa: E402
-from mla_deploy.text import encode_prompts, generate_text, stream_text  # noqa: E402
-from mla_deploy.tokenizer import ArtifactTokenizer  # noqa: E402
+from mla_deploy.generate.text import encode_prompts, generate_text, stream_text  # noqa: E402
+from mla_deploy.generate.tokenizer import ArtifactTokenizer  # noqa: E402
 
 
 class ScriptedEngine(Engine):

@@ -28,7 +28,7 @@ from ..artifact import Manifest
 from ..cache_layout import CacheState
 from ..errors import InputError, ShapeError
 from ..io_spec import present_name
-from ..sampling import SamplingConfig, next_tokens
+from ..generate.sampling import SamplingConfig, next_tokens
 
 
 #: why a sequence stopped: an end-of-sequence id, a stop asked for by the caller (a stop string), max_new_tokens

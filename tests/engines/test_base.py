@@ -158,7 +158,7 @@ def test_stream_yields_each_step_and_stops_a_finished_sequence():
 
 
 def test_sampling_in_the_loop_is_seeded_and_top_k_1_is_greedy():
-    from mla_deploy.sampling import SamplingConfig
+    from mla_deploy.generate.sampling import SamplingConfig
 
     class Noisy(ToyEngine):  # logits with a clear maximum at (id + 1) % V and noise elsewhere
         def _run(self, role, ids, positions, logits_index, control, state):

@@ -25,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from .errors import InputError
+from ..errors import InputError
 from .sampling import SamplingConfig
 from .tokenizer import ArtifactTokenizer
 
 if TYPE_CHECKING:  # the engines import onnxruntime or tensorrt lazily; only their types are named here
-    from .engines.base import Engine, Generation
+    from ..engines.base import Engine, Generation
 
 
 def encode_prompts(tokenizer: ArtifactTokenizer, texts: Sequence[str], chat: bool = False,

@@ -5,7 +5,7 @@
 * :class:`ArtifactTokenizer`: :meth:`~ArtifactTokenizer.encode` gives the ids transformers 5's
   ``tokenizer(text)`` gives: ``tokenizer.json``'s own pipeline, its post-processor adding the BOS (and any
   other special tokens) it declares; :meth:`~ArtifactTokenizer.chat_ids` those of ``apply_chat_template(...,
-  add_generation_prompt=True)`` (the template rendered by :mod:`mla_deploy.chat_template`, then encoded without
+  add_generation_prompt=True)`` (the template rendered by :mod:`mla_deploy.generate.chat_template`, then encoded without
   special tokens); :attr:`~ArtifactTokenizer.eos_ids` the end-of-sequence ids ``generate`` stops at.
 * :class:`IncrementalDetokenizer`: text out as ids come in, never cutting a multi-byte character: the
   concatenation of its pieces equals ``decode(all ids, skip_special_tokens=True)``.
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import ArtifactError, InputError
+from ..errors import ArtifactError, InputError
 
 #: the named special tokens a chat template sees (transformers' ``SPECIAL_TOKENS_ATTRIBUTES``)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -34,7 +34,7 @@ def load_tokenizer(artifact: str | Path) -> "ArtifactTokenizer | None":
     Raises:
         ArtifactError: the manifest or a tokenizer file is missing or unreadable.
     """
-    from .artifact import load_manifest
+    from ..artifact import load_manifest
 
     manifest = load_manifest(artifact)
     if manifest.tokenizer is None:

@@ -1,0 +1,1 @@
+"""Generation: tokenizer, chat template, sampling, the generation loop and text streaming."""
