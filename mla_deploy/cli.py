@@ -406,7 +406,7 @@ def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, tempe
     greedy unless --temperature > 0."""
     import json
 
-    from .engines.base import check_positions
+    from .generate.request import check_positions
     from .engines.ort_engine import OrtEngine
     from .errors import InputError
     from .generate.sampling import SamplingConfig

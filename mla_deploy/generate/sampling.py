@@ -6,6 +6,7 @@ top-k and top-p, deterministic under a seed.
   tokens, then to the smallest set whose probability reaches ``top_p``, renormalised.
 * :func:`next_tokens` ``(logits [B, V], config, rng) -> [B]``; :func:`token_probabilities` ``[V] -> [V]`` is the
   distribution one draw follows (what the sampler draws from, exposed for tests and for inspection).
+* :class:`Sampler`: a config with the one random generator of a generation's draws.
 
 Sampling runs on the host in float64 on the ``[B, V]`` rows of the last position; the graphs are unchanged.
 """
@@ -103,3 +104,25 @@ def next_tokens(logits: np.ndarray, config: SamplingConfig, rng: np.random.Gener
         cumulative = np.cumsum(token_probabilities(row, config))
         out[b] = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(row) - 1)
     return out
+
+
+class Sampler:
+    """The token choice of one generation: its :class:`SamplingConfig` and one random generator for all its draws
+    (made once, so the same seed repeats the same draws).
+
+    Args:
+        config: how to choose (default: greedy).
+    """
+
+    def __init__(self, config: SamplingConfig | None = None):
+        self.config = config or SamplingConfig()
+        self.rng = None if self.config.greedy else self.config.generator()
+
+    @property
+    def greedy(self) -> bool:
+        """The argmax, no draw (an engine may take it where its logits are, e.g. on the GPU)."""
+        return self.config.greedy
+
+    def choose(self, logits: np.ndarray) -> np.ndarray:
+        """``[B]`` int64: the next token of each row of host ``logits [B, V]`` (:func:`next_tokens`)."""
+        return next_tokens(logits, self.config, self.rng)

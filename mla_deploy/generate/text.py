@@ -1,5 +1,5 @@
-"""Text in, text out: prompts encoded with the artifact's tokenizer, the engine's generation loop
-(:meth:`Engine.stream <mla_deploy.engines.base.Engine.stream>`), and the new text streamed as it is decoded.
+"""Text in, text out: prompts encoded with the artifact's tokenizer, the generation loop
+(:func:`~mla_deploy.generate.loop.stream_tokens`), and the new text streamed as it is decoded.
 
 * :func:`encode_prompts` ``(tokenizer, texts, chat, system) -> ids``: plain text, or a chat turn through the
   checkpoint's chat template.
@@ -23,14 +23,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ..errors import InputError
+from .engine import GenerationEngine
+from .loop import Generation, stream_tokens
 from .sampling import SamplingConfig
 from .tokenizer import ArtifactTokenizer
-
-if TYPE_CHECKING:  # the engines import onnxruntime or tensorrt lazily; only their types are named here
-    from ..engines.base import Engine, Generation
 
 
 def encode_prompts(tokenizer: ArtifactTokenizer, texts: Sequence[str], chat: bool = False,
@@ -62,7 +61,7 @@ class TextPiece:
 class TextGeneration:
     """The result of a :class:`TextStream`: ``generation`` (ids, finish reasons, timings) and each sequence's text."""
 
-    generation: "Generation"
+    generation: Generation
     texts: list[str]
 
 
@@ -92,7 +91,7 @@ class TextStream:
     """Text generation over an engine's generation stream (see the module docstring).
 
     Args:
-        engine: an :class:`~mla_deploy.engines.base.Engine`.
+        engine: a :class:`~mla_deploy.generate.engine.GenerationEngine` (any engine of :mod:`mla_deploy.engines`).
         tokenizer: the artifact's tokenizer.
         prompts: ``B`` lists of ids (:func:`encode_prompts`).
         max_new_tokens: most new tokens per sequence.
@@ -100,16 +99,18 @@ class TextStream:
         stop: strings that end a sequence's text.
         eos_ids: ids that end a sequence (default: the tokenizer's).
     Raises:
-        InputError: an empty stop string; as :meth:`Engine.stream`.
+        InputError: an empty stop string; as :class:`~mla_deploy.generate.loop.GenerationStream`.
+    Attributes:
+        texts: each sequence's text so far (also after an interrupted iteration).
     """
 
-    def __init__(self, engine: "Engine", tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]],
+    def __init__(self, engine: GenerationEngine, tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]],
                  max_new_tokens: int, sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                  eos_ids: Sequence[int] | None = None):
         if any(s == "" for s in stop):
             raise InputError("a stop string cannot be empty")
         eos = tokenizer.eos_ids if eos_ids is None else eos_ids
-        self.steps = engine.stream(prompts, max_new_tokens, sampling, eos)
+        self.steps = stream_tokens(engine, prompts, max_new_tokens, sampling, eos)
         self.detokenizers = [tokenizer.detokenizer() for _ in prompts]
         self.stops = [_StopText(stop) for _ in prompts]
         self.texts = ["" for _ in prompts]
@@ -143,15 +144,15 @@ class TextStream:
                     yield TextPiece(b, shown, finished)
 
 
-def stream_text(engine: "Engine", tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
+def stream_text(engine: GenerationEngine, tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]],
+                max_new_tokens: int, sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                 eos_ids: Sequence[int] | None = None) -> TextStream:
     """A :class:`TextStream` (arguments as its)."""
     return TextStream(engine, tokenizer, prompts, max_new_tokens, sampling, stop, eos_ids)
 
 
-def generate_text(engine: "Engine", tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
+def generate_text(engine: GenerationEngine, tokenizer: ArtifactTokenizer, prompts: Sequence[Sequence[int]],
+                  max_new_tokens: int, sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                   eos_ids: Sequence[int] | None = None) -> TextGeneration:
     """:func:`stream_text` run to the end."""
     stream = stream_text(engine, tokenizer, prompts, max_new_tokens, sampling, stop, eos_ids)
