@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 
 import click
 
 from ..bench.options import Int
+from .live import generate_and_show
 
 
 def _parse_ids(values) -> list[list[int]]:
@@ -74,32 +74,11 @@ def run(artifact, prompts, prompt_ids, chat, system, stop, max_new_tokens, tempe
     warning = check_positions(engine.config, max((len(p) for p in ids), default=0), max_new_tokens, allow_long)
     if warning:
         click.echo(f"mla-deploy: warning: {warning}", err=True)
-    if tokenizer is None:
-        result, texts = engine.generate(ids, max_new_tokens, sampling), None
-    else:
-        from ..generate.text import stream_text
-
-        stream = stream_text(engine, tokenizer, ids, max_new_tokens, sampling, stop)
-        live = bool(prompts) and len(ids) == 1 and not as_json
-        for piece in stream:
-            if live:
-                click.echo(piece.text, nl=False)
-                sys.stdout.flush()
-        done = stream.result()
-        result, texts = done.generation, done.texts
-        if live:
-            click.echo("")
+    result, texts = generate_and_show(engine, tokenizer, ids, max_new_tokens, sampling, stop, bool(prompts), as_json)
     info = engine.info()
     if as_json:
         click.echo(json.dumps(_run_record(result, info, ids, texts, sampling), indent=2, ensure_ascii=False))
         return
-    if prompts and len(ids) > 1:
-        for i, (text, tokens) in enumerate(zip(texts, result.tokens)):
-            click.echo(f"--- sequence {i} ({len(tokens)} tokens, {result.finish_reasons[i]}) ---")
-            click.echo(text)
-    elif not prompts:
-        for i, tokens in enumerate(result.tokens):
-            click.echo(f"sequence {i}: {','.join(map(str, tokens))}")
     per_sequence = ", ".join(f"{t:.1f}" for t in result.sequence_tokens_per_second)
     click.echo(f"provider {result.provider}; {info['precision']}, {info['cache_mode']} cache; batch "
                f"{len(result.tokens)}; time to first token {result.prefill_seconds * 1e3:.1f} ms; decode "
