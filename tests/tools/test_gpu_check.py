@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from gpu_check import plan as call_plan  # noqa: E402
 from gpu_check import report, steps, wheels  # noqa: E402
+from gpu_check import runner as runner_mod  # noqa: E402
 from gpu_check.layout import MiB, Work  # noqa: E402
 
 
@@ -90,6 +91,28 @@ def test_a_spent_budget_leaves_the_steps_pending(tmp_path):
     found = statuses(tmp_path / "out")
     assert found["export-tiny-fp16"] == "PENDING" and found["kernel-bench"] == "SKIPPED"
     assert "PASS" not in found.values()
+
+
+def test_a_step_the_budget_stops_runs_again_in_the_next_call_unless_it_had_a_whole_call(tmp_path):
+    """Started with part of the budget left, a stopped step is PENDING and the next call (same work folder, a
+    passed step kept) runs it again; stopped although it had the whole budget, it is a TIMEOUT (another call
+    would stop it again)."""
+    options = steps.Options(Work(tmp_path / "work"), dry_run=True)
+    sleep = lambda s: (sys.executable, "-c", f"import time; time.sleep({s})")  # noqa: E731
+    plan = [steps.Step("quick", "env", sleep(1.0), 60), steps.Step("slow", "env", sleep(30), 60)]
+
+    def call():
+        runner = runner_mod.Runner(options, budget=4.0)
+        runner.min_start = 0.2
+        return {r.name: r for r in runner.run(plan)}
+
+    first = call()
+    assert first["quick"].status == "PASS" and first["slow"].status == "PENDING"
+    assert "time budget" in first["slow"].note
+    second = call()
+    assert second["quick"].finished == first["quick"].finished  # kept, not run again
+    assert second["slow"].status == "TIMEOUT" and "more than one call's budget" in second["slow"].note
+    assert runner_mod.exit_status(list(second.values())) == 1
 
 
 def test_the_plan_of_steps_by_mode():

@@ -119,6 +119,9 @@ def cuda_load(env_file: Path) -> int:
     if env:
         print(f"the later steps run with LD_LIBRARY_PATH={library_path}")
     result({"ways": ways, "lib_dirs": dirs, "env": env})
+    loads = [way for way, found in ways.items() if found["ok"]]
+    print(f"the CUDA provider loads: {', '.join(loads)}" if loads else
+          f"the CUDA provider loads in none of the {len(ways)} ways ({plain['reason']})")
     return 0 if plain["ok"] or with_path["ok"] else 1
 
 
@@ -176,7 +179,9 @@ def static_check(artifact: Path, provider: str) -> int:
     print(log[0], end="")
     print(json.dumps(found, indent=2))
     result(found)
-    return 0 if found["same_address"] and found["only_new_rows"] and not found["copy_fallback_logged"] else 1
+    ok = found["same_address"] and found["only_new_rows"] and not found["copy_fallback_logged"]
+    print(f"the static cache is {'' if ok else 'NOT '}updated in place on {found['provider']}")
+    return 0 if ok else 1
 
 
 def _decode_point(artifact: Path, provider: str, prompts: list[list[int]], new_tokens: int) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -77,8 +78,11 @@ def ort_ready(options: Options) -> bool:
 class Runner:
     """Runs a plan's selected steps within an optional time budget (seconds), keeping finished records."""
 
+    #: a step is started only with at least this many seconds of the budget left
+    min_start = MIN_START
+
     def __init__(self, options: Options, selected: set[str] | None = None, budget: float | None = None):
-        self.options, self.selected = options, selected
+        self.options, self.selected, self.budget = options, selected, budget
         self.deadline = time.monotonic() + budget if budget else None
         self.records: dict[str, Record] = {}
         self._ort: bool | None = None
@@ -109,7 +113,7 @@ class Runner:
                 return hold("SKIPPED", f"{name} did not pass ({before.status})")
         if step.needs_ort and not self._ort_ready():
             return hold("PENDING", DEVICE_STEPS_NOTE)
-        if self.deadline is not None and self.deadline - time.monotonic() < MIN_START:
+        if self.deadline is not None and self.deadline - time.monotonic() < self.min_start:
             return hold("PENDING", "this call's time budget is spent: the next call runs it")
         return None
 
@@ -152,7 +156,11 @@ class Runner:
                 proc.wait()
                 rc = None
         seconds = round(time.monotonic() - start, 1)
-        status, note = outcome(step, rc, log, by_budget, seconds)
+        # stopped by the budget although it had (nearly) a whole call's: another call would stop it again
+        whole_call = by_budget and self.budget is not None and limit >= 0.9 * self.budget
+        status, note = outcome(step, rc, log, by_budget and not whole_call, seconds)
+        if whole_call and rc is None:
+            note = f"stopped after {seconds} s: it needs more than one call's budget ({self.budget:.0f} s)"
         print(f"[gpu-check] {step.name}: {status} in {seconds} s{': ' + note if note else ''}", flush=True)
         return Record(step.name, step.group, status, display(step.argv), seconds, rc, note,
                       str(log.relative_to(self.options.work.root)), step.kind)
@@ -169,6 +177,8 @@ def outcome(step: Step, rc: int | None, log: Path, by_budget: bool, seconds: flo
         return "PENDING", f"stopped after {seconds} s at this call's time budget: the next call runs it again"
     if rc is None:
         return "TIMEOUT", f"stopped at its {step.timeout} s limit"
+    if rc == 0 and step.fail_on_skip and re.search(r"\d+ skipped", last_line(log)):
+        return "FAIL", f"tests were skipped (on the GPU none should be): {last_line(log)}"
     if rc == 0:
         return ("XPASS", f"passed although {step.expect_fail}") if step.expect_fail else ("PASS", "")
     if step.expect_fail:
