@@ -669,9 +669,9 @@ def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, pro
             raise ConfigError(f"{misplaced[0]} applies to the attention bench, not to --whole-model")
         if len(given) != 1:
             raise ConfigError("--whole-model takes exactly one of --artifact, --hf, --preset, --recipe")
-        from .bench.whole_model import run_whole_model
-        from .bench.whole_report import format_table as whole_model_table
-        from .bench.whole_spec import WholeModelSpec
+        from .bench.whole_model.driver import run_whole_model
+        from .bench.whole_model.report import format_table as whole_model_table
+        from .bench.whole_model.spec import WholeModelSpec
 
         chosen = {"contexts": context, "prompt_length": prompt_length, "repeat": repeat, "weights": weights,
                   "block_size": None if block_size is None else int(block_size)}
@@ -687,9 +687,9 @@ def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, pro
                                 ("--block-size", block_size)) if v]
     if misplaced:
         raise ConfigError(f"{misplaced[0]} applies to --whole-model only")
-    from .bench.driver import run_bench
-    from .bench.output import format_table
-    from .bench.spec import BenchSpec
+    from .bench.attention.driver import run_bench
+    from .bench.attention.output import format_table
+    from .bench.attention.spec import BenchSpec
     from .recipe import load_recipe
 
     if bool(preset) == bool(recipe):

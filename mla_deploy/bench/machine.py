@@ -131,6 +131,15 @@ def describe() -> dict[str, object]:
             "loadavg_at_start": list(load) if load else None}
 
 
+def package_version(name: str) -> str | None:
+    """The version of the installed package ``name`` (``"?"`` when it has none), None when it does not import."""
+    try:
+        module = __import__(name)
+    except Exception:  # not installed, or its libraries do not load
+        return None
+    return getattr(module, "__version__", "?")
+
+
 def load_average() -> float | None:
     """The 1-minute load average (other processes competing for the cores show up here)."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None

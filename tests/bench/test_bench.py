@@ -116,8 +116,8 @@ def test_bad_source_is_one_line(tmp_path, args):
 
 def test_point_that_does_not_fit_is_reported_not_run():
     """A point whose estimated memory exceeds the allowance is reported as such before anything is allocated."""
-    from mla_deploy.bench.spec import BenchSpec
-    from mla_deploy.bench.worker import run_point
+    from mla_deploy.bench.attention.spec import BenchSpec
+    from mla_deploy.bench.attention.worker import run_point
     from mla_deploy.recipe import load_recipe
 
     class Untouchable:
@@ -135,7 +135,7 @@ def test_point_that_does_not_fit_is_reported_not_run():
 def test_cost_model_for_v2_lite():
     """V2-Lite attention: 55,050,240 weight bytes per layer (q_proj + kv_a + kv_b + o_proj, fp32), a 576-wide
     latent row (2304 B per token per layer) against 20480 B of per-head K/V; FLOPs and bytes grow with B*T."""
-    from mla_deploy.bench.roofline import cache_bytes_per_token, matrix_params, step_cost
+    from mla_deploy.bench.attention.roofline import cache_bytes_per_token, matrix_params, step_cost
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -151,9 +151,9 @@ def test_cost_model_for_v2_lite():
 def test_killed_worker_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     """A worker killed at a point (as the OOM killer would) leaves that point reported as out of memory;
     the driver restarts the variant on the points it had not reached and the run completes."""
-    from mla_deploy.bench.spec import BenchSpec
-    from mla_deploy.bench.worker import KILL_AT_ENV
-    from mla_deploy.bench.driver import run_bench
+    from mla_deploy.bench.attention.spec import BenchSpec
+    from mla_deploy.bench.harness import KILL_AT_ENV
+    from mla_deploy.bench.attention.driver import run_bench
     from mla_deploy.recipe import load_recipe
 
     monkeypatch.setenv(KILL_AT_ENV, "torch-absorbed:8:1")

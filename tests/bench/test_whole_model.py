@@ -101,9 +101,9 @@ def test_smoke_rows_have_every_number(smoke):
 def test_artifact_as_given_with_uniform_routing(smoke, tmp_path, monkeypatch):
     """--artifact benches an export as given (here without transformers); when the reference cannot run, the
     bound uses the expected distinct experts under uniform routing and the report says so."""
-    from mla_deploy.bench import whole_model
-    from mla_deploy.bench.whole_cost import expected_distinct_experts
-    from mla_deploy.bench.whole_spec import WholeModelSpec
+    from mla_deploy.bench.whole_model import driver as whole_model
+    from mla_deploy.bench.whole_model.cost import expected_distinct_experts
+    from mla_deploy.bench.whole_model.spec import WholeModelSpec
 
     real_plan = whole_model.plan
 
@@ -136,8 +136,8 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     step reads exactly the manifest's quantized bytes (integers and scales) plus every tensor of the checkpoint
     the export did not quantize, one embedding row and the latent cache."""
     from mla_deploy.artifact import load_manifest
-    from mla_deploy.bench.whole_model import prepare
-    from mla_deploy.bench.whole_spec import WholeModelSpec
+    from mla_deploy.bench.whole_model.driver import prepare
+    from mla_deploy.bench.whole_model.spec import WholeModelSpec
     from mla_deploy.checkpoint import CheckpointTensors
 
     args = ["bench", "--whole-model", "--preset", "tiny", "--layers", "1", "--context", "2", "--batch", "1",
@@ -219,7 +219,7 @@ def test_help_names_what_each_option_takes():
 def test_weight_groups_of_v2_lite():
     """DeepSeek-V2-Lite: 26 MoE layers of 64 experts (3 x 2048 x 1408 each), top-6; the lm_head and one embedding
     row; every other weight read by every step."""
-    from mla_deploy.bench.whole_cost import weight_groups
+    from mla_deploy.bench.whole_model.cost import weight_groups
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -243,8 +243,8 @@ def test_weight_groups_of_v2_lite():
 
 
 def test_step_cost_counts_routed_experts_and_cache():
-    from mla_deploy.bench.roofline import attention_flops
-    from mla_deploy.bench.whole_cost import expected_distinct_experts, step_cost, weight_groups
+    from mla_deploy.bench.bound import attention_flops
+    from mla_deploy.bench.whole_model.cost import expected_distinct_experts, step_cost, weight_groups
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -264,7 +264,7 @@ def test_step_cost_counts_routed_experts_and_cache():
 
 
 def test_fill_chunk_keeps_logits_and_scores_small():
-    from mla_deploy.bench.whole_cost import CHUNK_BYTES, MAX_CHUNK, fill_chunk
+    from mla_deploy.bench.whole_model.cost import CHUNK_BYTES, MAX_CHUNK, fill_chunk
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model

@@ -1,6 +1,7 @@
-"""One bench process: one variant (path), one pass, a list of points. Run by the driver as
-``python -m mla_deploy.bench.worker JOB.json``; writes ``JOB.json``'s ``result`` file after every point, so a
-process killed by the kernel (out of memory) leaves what it finished and names the point it was on.
+"""One attention-bench process: one variant (path), one pass, a list of ``[T, B]`` points. Run by the driver
+through the shared harness (:mod:`..harness`) as ``python -m mla_deploy.bench.attention.worker JOB.json``; the
+result file is rewritten after every point, so a process killed by the kernel (out of memory) leaves what it
+finished and names the point it was on.
 
 Per point: estimate the memory, skip the point when it does not fit; reset the peak-RSS mark; build the
 point's inputs (the same tensors in every process); set the path up; ``warmup`` untimed calls; up to
@@ -12,25 +13,12 @@ at the start and at the end of the process.
 from __future__ import annotations
 
 import gc
-import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 
+from ..harness import Results, failure, load_job, pin_torch_threads
 from .spec import GRAPH_LAYOUTS
-
-#: test hook: ``path:T:B`` makes the worker SIGKILL itself when it reaches that point
-KILL_AT_ENV = "MLA_DEPLOY_BENCH_KILL_AT"
-OOM_WORDS = ("out of memory", "cannot allocate", "bad_alloc", "not enough memory", "failed to allocate",
-             "defaultcpuallocator")
-
-
-def _write(path: Path, data: dict) -> None:
-    from ..artifact import atomic_write_text
-
-    atomic_write_text(path, json.dumps(data))
 
 
 def make_path(path: str, spec, job: dict):
@@ -55,24 +43,51 @@ def make_path(path: str, spec, job: dict):
     raise ValueError(f"unknown path {path!r}")
 
 
+def _too_big(spec, path: str, context: int, batch: int) -> dict:
+    """The point's memory estimate and what is available; with ``status`` "does not fit" when the estimate
+    exceeds the allowance (TensorRT's tensors live on the GPU: never refused here)."""
+    from .. import machine
+    from .roofline import memory_estimate
+
+    estimate = memory_estimate(spec.config, path, spec.layers, context, batch, context + spec.static_margin)
+    available = machine.available_bytes()
+    record = {"memory_estimate_bytes": estimate, "memory_available_bytes": available}
+    if path != "trt" and available is not None and estimate > spec.memory_fraction * available:
+        record.update(status="does not fit",
+                      detail=f"needs about {estimate / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available "
+                             f"(limit {spec.memory_fraction:.0%} of it)")
+    return record
+
+
+def _time(timed, spec) -> list[float]:
+    """``spec.warmup`` untimed calls (at most a third of ``max_seconds``), then up to ``spec.repeat`` timed ones
+    within ``max_seconds`` (at least 3): their times in seconds."""
+    begin = time.perf_counter()
+    for _ in range(spec.warmup):
+        timed.step()
+        if time.perf_counter() - begin > spec.max_seconds / 3:
+            break
+    times = []
+    timed_start = time.perf_counter()
+    for _ in range(spec.repeat):
+        start = time.perf_counter()
+        timed.step()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 3 and time.perf_counter() - timed_start > spec.max_seconds:
+            break
+    return times
+
+
 def run_point(timed, spec, path: str, context: int, batch: int, outputs_dir: str | None) -> dict:
     """Time one point of ``timed`` (:func:`make_path`'s object); returns its record (``status`` ok / does not
     fit / out of memory / error)."""
     import numpy as np
 
-    from . import machine
+    from .. import machine
     from .inputs import make_inputs
-    from .roofline import memory_estimate
 
-    record = {"context": context, "batch": batch}
-    capacity = context + spec.static_margin
-    estimate = memory_estimate(spec.config, path, spec.layers, context, batch, capacity)
-    available = machine.available_bytes()
-    record.update(memory_estimate_bytes=estimate, memory_available_bytes=available)
-    if path != "trt" and available is not None and estimate > spec.memory_fraction * available:
-        record.update(status="does not fit",
-                      detail=f"needs about {estimate / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available "
-                             f"(limit {spec.memory_fraction:.0%} of it)")
+    record = {"context": context, "batch": batch, **_too_big(spec, path, context, batch)}
+    if "status" in record:
         return record
     gc.collect()
     record["peak_is_per_point"] = machine.reset_peak()
@@ -81,26 +96,11 @@ def run_point(timed, spec, path: str, context: int, batch: int, outputs_dir: str
         timed.setup(inputs)
         del inputs
         gc.collect()
-        begin = time.perf_counter()
-        for i in range(spec.warmup):
-            timed.step()
-            if time.perf_counter() - begin > spec.max_seconds / 3:
-                break
-        times = []
-        timed_start = time.perf_counter()
-        for _ in range(spec.repeat):
-            start = time.perf_counter()
-            timed.step()
-            times.append(time.perf_counter() - start)
-            if len(times) >= 3 and time.perf_counter() - timed_start > spec.max_seconds:
-                break
-        record.update(status="ok", times_s=times, warmup_calls=spec.warmup, checks=timed.checks())
+        record.update(status="ok", times_s=_time(timed, spec), warmup_calls=spec.warmup, checks=timed.checks())
         if outputs_dir:
             np.save(Path(outputs_dir) / f"{path}_T{context}_B{batch}.npy", timed.output())
-    except (MemoryError, RuntimeError) as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        oom = isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in OOM_WORDS)
-        record.update(status="out of memory" if oom else "error", detail=f"{type(exc).__name__}: {text[:300]}")
+    except (MemoryError, RuntimeError) as exc:  # torch and ONNX Runtime report failures as RuntimeError
+        record.update(failure(exc))
     finally:
         timed.teardown()
         gc.collect()
@@ -108,42 +108,31 @@ def run_point(timed, spec, path: str, context: int, batch: int, outputs_dir: str
     return record
 
 
-def main(job_file: str) -> int:
-    from . import machine
+def _probe(spec, at: str) -> dict:
+    from .. import machine
 
-    machine.prefer_as_oom_victim()
-    job = json.loads(Path(job_file).read_text())
-    threads = job["spec"]["threads"]
+    return {"at": at, **machine.probe(spec.threads, spec.probe_mib), "loadavg_1min": machine.load_average()}
+
+
+def main(job_file: str) -> int:
+    job = load_job(job_file)
+    pin_torch_threads(job["spec"]["threads"])
     import torch
 
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(1)
     from .spec import BenchSpec
 
     spec = BenchSpec.from_dict(job["spec"])
-    result_path = Path(job["result"])
-    result = {"path": job["path"], "pass": job["pass"], "pid": os.getpid(), "probes": [], "points": [],
-              "current": None, "torch_threads": torch.get_num_threads()}
-    result["probes"].append({"at": "start", **machine.probe(threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
-    _write(result_path, result)
-    timed = make_path(job["path"], spec, job)
-    result["provider"] = getattr(timed, "provider", None)
-    kill_at = os.environ.get(KILL_AT_ENV)  # test hook: die like the kernel's OOM killer would, at this point
-    for context, batch in job["points"]:
-        result["current"] = [context, batch]
-        _write(result_path, result)
-        if kill_at == f"{job['path']}:{context}:{batch}":
-            os.kill(os.getpid(), signal.SIGKILL)
-        record = run_point(timed, spec, job["path"], context, batch, job.get("outputs_dir"))
-        result["points"].append(record)
-        result["current"] = None
-        _write(result_path, result)
+    path = job["path"]
+    result = Results(job, path=path, **{"pass": job["pass"]}, torch_threads=torch.get_num_threads())
+    result.data["probes"].append(_probe(spec, "start"))
+    result.write()
+    timed = make_path(path, spec, job)
+    result.data["provider"] = getattr(timed, "provider", None)
+    result.run(path, job["points"], lambda p: run_point(timed, spec, path, p[0], p[1], job.get("outputs_dir")))
     del timed
     gc.collect()
-    result["probes"].append({"at": "end", **machine.probe(threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
-    result["done"] = True
-    _write(result_path, result)
-    return 0
+    result.data["probes"].append(_probe(spec, "end"))
+    return result.finish()
 
 
 if __name__ == "__main__":  # pragma: no cover - run by the driver
