@@ -382,9 +382,9 @@ def test_internal_error_is_one_line_with_the_traceback_in_a_file():
     import click
     from click.testing import CliRunner
 
-    from mla_deploy.cli import EXIT_BUG, _Main
+    from mla_deploy.cli import EXIT_BUG, MainGroup
 
-    @click.group(cls=_Main)
+    @click.group(cls=MainGroup)
     def group():
         pass
 
