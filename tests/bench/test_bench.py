@@ -1,4 +1,4 @@
-"""`mla-deploy bench`: an end-to-end smoke run on the tiny preset (every path, one timed call; no timing
+"""`mla-deploy bench attention`: an end-to-end smoke run on the tiny preset (every path, one timed call; no timing
 assertion) whose bench.json has every field the issue asks for; user errors are one line; the cost model."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from mla_deploy.cli import main
 
-SMOKE = ["bench", "--preset", "tiny", "--context", "16", "--batch", "1,2", "--repeat", "1", "--warmup", "0",
+SMOKE = ["bench", "attention", "--preset", "tiny", "--context", "16", "--batch", "1,2", "--repeat", "1", "--warmup", "0",
          "--passes", "1", "--probe-mib", "16"]
 
 
@@ -41,6 +41,7 @@ def test_smoke_json_has_every_field(smoke):
     measured bandwidth and GEMM rate and the thread count; each path's availability."""
     _, _, report = smoke
     assert report["format"] == "mla-deploy-bench"
+    assert report["command"].startswith("mla-deploy bench attention --preset tiny --context 16 --batch 1,2 ")
     assert "attention sub-layer" in report["unit"]
     machine = report["machine"]
     assert machine["threads"] == 2
@@ -95,12 +96,17 @@ def test_smoke_json_has_every_field(smoke):
     pytest.param(["--max-seconds", "0"], "--max-seconds", id="max_seconds_zero"),
 ])
 def test_invalid_option_is_one_line(tmp_path, args, words):
-    """A bad value exits 1 with one `mla-deploy: error:` line naming the option, and writes nothing."""
-    result = CliRunner().invoke(main, ["bench", "--preset", "tiny", "--out", str(tmp_path / "o"), *args])
-    assert result.exit_code == 1
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mla-deploy: error: ") and words in lines[0], result.stderr
-    assert not (tmp_path / "o").exists()
+    """A bad value exits 1 with one `mla-deploy: error:` line naming the option, and writes nothing; the spelling
+    from before the subcommands (`bench --preset ...`) reaches the same command and says the same."""
+    said = []
+    for bench in (["bench", "attention"], ["bench"]):
+        result = CliRunner().invoke(main, [*bench, "--preset", "tiny", "--out", str(tmp_path / "o"), *args])
+        assert result.exit_code == 1
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mla-deploy: error: ") and words in lines[0], result.stderr
+        assert not (tmp_path / "o").exists()
+        said.append(lines[0])
+    assert said[0] == said[1]
 
 
 @pytest.mark.parametrize("args", [
@@ -109,7 +115,7 @@ def test_invalid_option_is_one_line(tmp_path, args, words):
     pytest.param(["--preset", "no-such-model"], id="unknown_preset"),
 ])
 def test_bad_source_is_one_line(tmp_path, args):
-    result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o"), *args])
+    result = CliRunner().invoke(main, ["bench", "attention", "--out", str(tmp_path / "o"), *args])
     assert result.exit_code == 1
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("mla-deploy: error: ")
 
