@@ -171,3 +171,24 @@ def test_killed_worker_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     assert rows[(16, 1)]["status"] == "ok"
     assert report["paths"]["torch-absorbed"]["worker_restarts"] == 1
     assert "out of memory" in (tmp_path / "bench.md").read_text()
+
+
+def test_bandwidth_probe_takes_the_fastest_read_kernel():
+    """The read bandwidth is the best of several kernels (one kernel alone underestimates the memory), and the
+    probe records which one it was and what each read."""
+    from mla_deploy.bench.machine import probe
+
+    result = probe(1, probe_mib=16, reps=3)
+    by_kernel = result["read_gbps_by_kernel"]
+    assert set(by_kernel) == set(result["read_kernels"]) and len(by_kernel) >= 4
+    assert {"torch.sum", "torch.mv", "numpy.sum", "torch.copy_"} <= set(by_kernel)
+    assert result["read_kernel"] == max(by_kernel, key=by_kernel.get)
+    assert result["read_gbps"] == pytest.approx(max(by_kernel.values()), abs=0.01)
+    assert result["gemm_gflops"] > 0 and result["read_mib"] == 16
+
+
+def test_report_names_the_read_kernels(smoke):
+    _, _, report = smoke
+    probe = report["machine"]["read_probe"]
+    assert probe.startswith("the fastest of torch.sum, torch.amax, torch.mv, numpy.sum, torch.copy_ over 16 MiB")
+    assert "at the start and the end of every worker process" in probe
