@@ -53,7 +53,7 @@ def format_table(report: dict) -> str:
 def markdown(report: dict) -> str:
     """bench.md: the protocol, the table per batch size, the unavailable paths, the targets."""
     p = report["protocol"]
-    lines = [f"# mla-deploy bench: {report['model']['name']}", "",
+    lines = [f"# mla-deploy bench attention: {report['model']['name']}", "",
              f"Unit: {report['unit']}.", "", f"Machine: {machine_line(report)}.", "",
              f"Protocol: {p['threads']} threads, {p['warmup']} warm-up calls, up to {p['repeat']} timed calls "
              f"(at most {p['max_seconds_per_point']:g} s) per point and pass, {p['passes']} pass(es); {p['order']}; "

@@ -275,7 +275,7 @@ def _transformers_status(spec: WholeModelSpec, prepared: Prepared, too_big: str 
         reason = "transformers is not installed"
     elif prepared.checkpoint is None:
         reason = (f"the artifact's weights are of kind {prepared.manifest.weights.kind!r}, not a checkpoint folder "
-                  f"transformers can load (bench --hf or --preset writes and uses one)")
+                  f"transformers can load (bench model --hf or --preset writes and uses one)")
     elif not prepared.checkpoint.is_dir():
         reason = f"the checkpoint {prepared.checkpoint} named by the artifact is not there"
     elif too_big:

@@ -442,7 +442,7 @@ def _md_table(head: tuple, rows: list[tuple]) -> list[str]:
 def markdown(report: dict) -> str:
     """bench.md: the protocol, the decode and prefill tables, the paths, the routing and the weights."""
     p = report["protocol"]
-    lines = [f"# mla-deploy bench --whole-model: {report['model']['name']}", "", f"Unit: {report['unit']}.", "",
+    lines = [f"# mla-deploy bench model: {report['model']['name']}", "", f"Unit: {report['unit']}.", "",
              f"Machine: {machine_line(report)}.", ""]
     if report.get("command"):
         lines += [f"Command: `{report['command']}`", ""]

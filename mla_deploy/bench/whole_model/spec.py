@@ -1,4 +1,4 @@
-"""What a whole-model bench run measures (``mla-deploy bench --whole-model``): the model's source, the points,
+"""What a whole-model bench run measures (``mla-deploy bench model``): the model's source, the points,
 the timing protocol, and the token ids every path is given.
 
 Points:
