@@ -60,8 +60,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def bench_has_provider() -> bool:
-    """Whether `mla-deploy bench` takes --provider (the whole-model bench on the CUDA provider)."""
-    proc = subprocess.run([sys.executable, "-m", "mla_deploy", "bench", "--help"], capture_output=True, text=True,
+    """Whether `mla-deploy bench model` takes --provider (the whole-model bench on the CUDA provider)."""
+    proc = subprocess.run([sys.executable, "-m", "mla_deploy", "bench", "model", "--help"], capture_output=True, text=True,
                           cwd=REPO)
     return "--provider" in proc.stdout
 

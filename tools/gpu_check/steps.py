@@ -159,10 +159,10 @@ def decode_steps(options: Options) -> list[Step]:
     if "v2lite4-int4" not in options.models:
         return []
     bench_skip = None if options.bench_has_provider else (
-        "`mla-deploy bench --whole-model` has no --provider option: it times ONNX Runtime on the CPU only, so "
+        "`mla-deploy bench model` has no --provider option: it times ONNX Runtime on the CPU only, so "
         "transformers beside ONNX Runtime's CUDA provider on the same GPU is not measured")
     bench = Step("bench-whole", "decode",
-                 _mla(options, "bench", "--whole-model", *MODELS["v2lite4-int4"].export_args[:4], "--weights", "int4",
+                 _mla(options, "bench", "model", *MODELS["v2lite4-int4"].export_args[:4], "--weights", "int4",
                       "--context", DECODE_CONTEXTS, "--batch", DECODE_BATCHES, "--provider", "cuda", "--out",
                       str(options.work.root / "bench-whole")), 540, gpu=True, needs_ort=True, skip=bench_skip,
                  kind="bench-whole")
