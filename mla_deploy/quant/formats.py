@@ -3,19 +3,21 @@
 Each format is one object (:data:`QDQ`, :data:`MATMULNBITS`) that answers every question the rest of the package
 asks about it:
 
-=================================== ============================================ ============================================
-question                            :data:`QDQ` (standard ONNX, opset >= 21)     :data:`MATMULNBITS` (ONNX Runtime's own)
-=================================== ============================================ ============================================
-graph (:meth:`~WeightFormat.insert`) ``MatMul(x, DequantizeLinear(W.q, W.scale,  ``MatMulNBits(x, W.nbits, W.scale)``
-                                    axis=0, block_size=B))``                     (``com.microsoft``, ``accuracy_level=4``)
-layout (:meth:`~WeightFormat.layout`) ``W.q [K, N]`` ``INT8``/``INT4`` (two per  ``W.nbits [N, ceil(K/B), B*bits/8]`` uint8
-                                    byte), ``W.scale [ceil(K/B), N]``            (values + ``2^(bits-1)``), ``W.scale
-                                                                                 [N * ceil(K/B)]``
-bytes (:meth:`~WeightFormat.nbytes`) ``K*N*bits/8`` + scales                     whole blocks (``K`` padded to ``B``) + scales
-TensorRT (:attr:`~WeightFormat.tensorrt`) builds it (weight-only quantization)   cannot parse it
-exact compute (:meth:`~WeightFormat.session`) session option                      the nodes' ``accuracy_level`` rewritten in
-                                    ``session.qdq_matmulnbits_accuracy_level``   memory (the files untouched)
-=================================== ============================================ ============================================
+* the graph (:meth:`~WeightFormat.insert`): ``qdq`` puts ``MatMul(x, DequantizeLinear(W.q, W.scale, axis=0,
+  block_size=B))`` (standard ONNX, opset >= 21); ``matmulnbits`` replaces the ``MatMul`` by ONNX Runtime's
+  ``com.microsoft`` ``MatMulNBits(x, W.nbits, W.scale)`` with ``accuracy_level=4``;
+* the layout (:meth:`~WeightFormat.layout`): ``qdq``: ``W.q [K, N]`` ``INT8``/``INT4`` (two per byte, low nibble
+  first), ``W.scale [ceil(K/B), N]``; ``matmulnbits``: ``W.nbits [N, ceil(K/B), B*bits/8]`` uint8 (each value plus
+  ``2^(bits-1)``, the kernel's default zero point; a short last block padded), ``W.scale [N * ceil(K/B)]``;
+* the bytes stored (:meth:`~WeightFormat.nbytes`, what the bench's bound counts): ``K*N*bits/8`` plus the scales;
+  ``matmulnbits`` stores whole blocks (``K`` padded to a multiple of ``B``);
+* TensorRT (:attr:`~WeightFormat.tensorrt`, :meth:`~WeightFormat.require_tensorrt`): builds ``qdq`` (weight-only
+  quantization), cannot parse ``matmulnbits``;
+* exact compute (:meth:`~WeightFormat.session`): ``qdq``: the session option
+  ``session.qdq_matmulnbits_accuracy_level``; ``matmulnbits``: the nodes' ``accuracy_level`` rewritten in memory
+  (the files untouched).
+
+Why two:
 
 * ``qdq``: TensorRT's ONNX parser reads a ``DequantizeLinear`` of a constant weight feeding a ``MatMul`` as
   weight-only quantization. ONNX Runtime's CPU provider fuses each pair into one ``MatMulNBits`` when the session

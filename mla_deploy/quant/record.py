@@ -3,17 +3,16 @@
 :data:`FLOAT` (nothing quantized) and a :class:`Quantized` scheme in a format answer the same questions, so no
 caller asks "quantized or not?":
 
-========================================== ==================================== ====================================
-question                                   :data:`FLOAT`                        :class:`Quantized`
-========================================== ==================================== ====================================
-the export (:meth:`~Quantization.quantize_graphs`) nothing                        the weights in the format's nodes
-the manifest (:meth:`~Quantization.to_manifest`)   no ``quantization`` record           the record (see below)
-a tensor's bytes (:meth:`~Quantization.stored_nbytes`) ``numel * itemsize``           integers plus scales, as stored
-the reference (:meth:`~Quantization.dequantize_state`) unchanged                     the keys quantized-then-dequantized
-a session (:meth:`~Quantization.session`)  the graph file                        the format's (exact compute)
-TensorRT (:meth:`~Quantization.require_tensorrt`) builds                           the format's verdict
-the graphs (:meth:`~Quantization.disagreement`) hold no quantized weight          hold the record's scheme and format
-========================================== ==================================== ====================================
+* the export (:meth:`~Quantization.quantize_graphs`): float changes nothing; a scheme puts the weights in its
+  format's nodes;
+* the manifest (:meth:`~Quantization.to_manifest`, :func:`from_manifest`): float has no ``quantization`` record;
+* a tensor's bytes as stored (:meth:`~Quantization.stored_nbytes`, the bench's bound): ``numel * itemsize``, or
+  integers plus scales in the format's layout;
+* the PyTorch reference (:meth:`~Quantization.dequantize_state`): unchanged, or the keys quantized-then-dequantized;
+* an ONNX Runtime session (:meth:`~Quantization.session`): the graph file, or what the format needs for the asked
+  compute;
+* TensorRT (:meth:`~Quantization.require_tensorrt`): builds float, asks the format otherwise;
+* the graph files (:meth:`~Quantization.disagreement`): hold no quantized weight, or the record's scheme and format.
 
 The manifest's record (``manifest.json`` ``quantization``, unchanged since the first quantized release, so older
 artifacts load): ``{"weights", "block_size", "symmetric": true, "axis": "input features", "format", "ops",
