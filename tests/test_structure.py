@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mla_deploy"
 MODE_NAMES = {"concat", "static"}
 #: where the cache mode may be branched on (paths inside the package): the layouts themselves, and the CLI's module
 #: that parses --cache-mode
-MODE_OWNERS = {"cache_layout.py", "cli/export.py"}
+MODE_OWNERS = {"cache_layout.py", "cli/groups.py"}
 
 
 def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..bench.options import Int, IntList, PathList, Positive
+from ..errors import ConfigError
+from .groups import BLOCK_SIZES, seed_option, threads_help
+from .options import Int, IntList, PathList, Positive, Threads, available_cpus
 
 
 def _command_line(ctx: click.Context) -> str:
@@ -38,7 +40,9 @@ def _command_line(ctx: click.Context) -> str:
               help="Cached tokens T, comma list [default: 1024,4096,16384; --whole-model: 0,4096].")
 @click.option("--batch", type=IntList(), default="1,8", show_default=True, help="Batch sizes B, comma list.")
 @click.option("--prompt-length", type=Int(), help="--whole-model: tokens per sequence of the timed prefill [default: 512].")
-@click.option("--threads", type=Int(), default=2, show_default=True, help="torch and ONNX Runtime intra-op threads.")
+@click.option("--threads", type=Threads(), default=lambda: min(2, available_cpus()),
+              show_default="2, or the CPUs this process may use if fewer",
+              help=threads_help("torch and ONNX Runtime intra-op threads"))
 @click.option("--repeat", type=Int(),
               help="Timed calls per point and pass, at most [default: 20]; --whole-model: timed decode steps per "
                    "point and timed prefills per batch size [default: 10].")
@@ -50,14 +54,14 @@ def _command_line(ctx: click.Context) -> str:
                    "[default: all].")
 @click.option("--max-seconds", type=Positive(),
               help="Time budget of one point in one pass (at least 3 timed calls are kept) [default: 20].")
-@click.option("--seed", type=Int(minimum=0), default=0, show_default=True,
-              help="Seed of the weights and inputs (--whole-model: of the prompts and of a preset's checkpoint).")
+@seed_option("Seed of the weights and inputs (--whole-model: of the prompts and of a preset's checkpoint).",
+             default=0)
 @click.option("--no-transformers", is_flag=True, help="--whole-model: do not time transformers' model.")
 @click.option("--weights", "weights", metavar="LIST",
               help="--whole-model (--hf, --preset, --recipe): comma list of float, int8, int4; each is exported "
                    "(OUT/artifact, OUT/artifact-int8, ...) and timed, quantized rows beside the float one "
                    "[default: float].")
-@click.option("--block-size", type=click.Choice(["32", "64", "128"]),
+@click.option("--block-size", type=click.Choice(BLOCK_SIZES),
               help="--whole-model: input features per scale of the int8/int4 exports [default: 32].")
 @click.option("--probe-mib", type=Int(), default=512, show_default=True, hidden=True, help="Read-bandwidth probe buffer.")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
@@ -74,8 +78,6 @@ def bench(whole_model, preset, recipe, artifact, hf, layers, context, batch, pro
     each --context, prefill tokens/s of a --prompt-length prompt, peak RSS, and each step's time over its bound
     (the weights it must read, routed experts counted per step, plus the latent cache, over the measured
     bandwidth; or its FLOPs over the measured GEMM rate)."""
-    from ..errors import ConfigError
-
     command = _command_line(click.get_current_context())
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     sources = {"artifact": artifact, "hf": hf, "preset": preset, "recipe": recipe}
