@@ -193,7 +193,8 @@ CASES = [
     ("export_out_not_utf8", ["export", "--preset", "tiny", "--out", NOT_UTF8], 2, ["the value of --out"]),
     ("inspect_recipe_not_utf8", ["inspect", "--recipe", NOT_UTF8], 2, ["the value of --recipe"]),
     ("validate_out_not_utf8", ["validate", "art", "--out", NOT_UTF8], 2, ["the value of --out"]),
-    ("bench_out_not_utf8", ["bench", "--preset", "tiny", "--out", NOT_UTF8], 2, ["the value of --out"]),
+    ("bench_out_not_utf8", ["bench", "attention", "--preset", "tiny", "--out", NOT_UTF8], 2,
+     ["the value of --out", "mla-deploy bench --help"]),
     # validate
     ("validate_missing", ["validate", "missing"], 1, ["no artifact directory at missing"]),
     ("validate_out_under_a_file", ["validate", "art", "--out", "afile.txt/v"], 1,
@@ -206,17 +207,27 @@ CASES = [
     ("validate_results_missing", ["validate", "art", "--load-results", "missing.json"], 1, ["missing.json"]),
     ("validate_results_garbage", ["validate", "art", "--load-results", "garbage.json"], 1, ["garbage.json"]),
     # bench (options are parsed before anything runs)
-    ("bench_no_source", ["bench"], 1, ["exactly one of --preset, --recipe"]),
-    ("bench_context_not_ints", ["bench", "--preset", "tiny", "--context", "1k"], 1, ["--context"]),
-    ("bench_threads_zero", ["bench", "--preset", "tiny", "--threads", "0"], 1, ["--threads must be >= 1"]),
-    ("bench_threads_past_cpus", ["bench", "--preset", "tiny", "--threads", "100000"], 1,
+    ("bench_no_source", ["bench", "attention"], 1, ["exactly one of --preset, --recipe"]),
+    ("bench_model_no_source", ["bench", "model"], 1, ["exactly one of --artifact, --hf, --preset, --recipe"]),
+    ("bench_context_not_ints", ["bench", "attention", "--preset", "tiny", "--context", "1k"], 1, ["--context"]),
+    ("bench_threads_zero", ["bench", "attention", "--preset", "tiny", "--threads", "0"], 1,
+     ["--threads must be >= 1"]),
+    ("bench_threads_past_cpus", ["bench", "attention", "--preset", "tiny", "--threads", "100000"], 1,
      ["--threads must be <= ", "the CPUs this process may use"]),
-    ("bench_seed_negative", ["bench", "--preset", "tiny", "--seed", "-1"], 1, ["--seed must be >= 0"]),
-    ("bench_unknown_path", ["bench", "--preset", "tiny", "--paths", "warp-drive"], 1, ["warp-drive"]),
-    ("bench_misplaced_option", ["bench", "--whole-model", "--preset", "tiny", "--passes", "2"], 1,
-     ["--passes applies to the attention bench"]),
-    ("bench_hf_without_whole_model", ["bench", "--preset", "tiny", "--hf", "gelu"], 1,
-     ["--hf applies to --whole-model only"]),
+    ("bench_model_threads_past_cpus", ["bench", "model", "--artifact", "art", "--threads", "100000"], 1,
+     ["--threads must be <= ", "the CPUs this process may use"]),
+    ("bench_seed_negative", ["bench", "attention", "--preset", "tiny", "--seed", "-1"], 1, ["--seed must be >= 0"]),
+    ("bench_model_seed_negative", ["bench", "model", "--artifact", "art", "--seed", "-1"], 1,
+     ["--seed must be >= 0"]),
+    ("bench_unknown_path", ["bench", "attention", "--preset", "tiny", "--paths", "warp-drive"], 1, ["warp-drive"]),
+    ("bench_unknown_bench", ["bench", "warp-drive"], 2, ["No such command 'warp-drive'"]),
+    ("bench_misplaced_option", ["bench", "model", "--preset", "tiny", "--passes", "2"], 2,
+     ["--passes is an option of `bench attention`, not of `bench model`"]),
+    # the spelling from before the subcommands: routed to them
+    ("bench_old_spelling_misplaced", ["bench", "--whole-model", "--preset", "tiny", "--passes", "2"], 2,
+     ["--passes is an option of `bench attention`, not of `bench model`"]),
+    ("bench_hf_without_whole_model", ["bench", "--preset", "tiny", "--hf", "gelu"], 2,
+     ["--hf is an option of `bench model`, not of `bench attention`"]),
 ]
 
 
@@ -421,7 +432,7 @@ def test_sigint_during_the_bench_stops_its_workers(tmp_path, group):
     """Ctrl-C while the attention bench exports its graph in a child process (which runs on, writing nothing to
     the command, for many seconds when nothing stops it): exit 130 with the interrupt's line and no child left
     running, whether the signal reached the command alone or (a terminal's Ctrl-C) its children too."""
-    proc = start("bench", "--preset", "tiny", "--context", "16", "--batch", "1", "--paths", "ort-static",
+    proc = start("bench", "attention", "--preset", "tiny", "--context", "16", "--batch", "1", "--paths", "ort-static",
                  "--passes", "1", "--threads", "1", "--out", "b", cwd=tmp_path, start_new_session=group)
     deadline, seen = time.monotonic() + 300, {}
     while True:  # until a child has run for 2 s
@@ -524,13 +535,14 @@ def test_long_request_runs_with_allow_long_and_a_warning(tmp_path):
 
 
 def test_seed_zero_is_a_seed_for_run_and_bench(ws):
-    """--seed 0 (the usual default seed) samples repeatably in run, and run's and bench's --help state one bound."""
+    """--seed 0 (the usual default seed) samples repeatably in run, and run's and the benches' --help state one
+    bound."""
     argv = ["run", "art", "--prompt-ids", "1,2", "--temperature", "1", "--seed", "0", "--max-new-tokens", "8"]
     first, again = cli(*argv, cwd=ws), cli(*argv, cwd=ws)
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines()[0] == again.stdout.splitlines()[0]
-    for command in ("run", "bench"):
-        text = " ".join(cli(command, "--help", cwd=ws).stdout.split())
+    for command in (["run"], ["bench", "attention"], ["bench", "model"]):
+        text = " ".join(cli(*command, "--help", cwd=ws).stdout.split())
         assert "--seed N" in text and "An integer >= 0." in text, text
 
 

@@ -1,5 +1,6 @@
 """The package's structure, checked from its source: no import cycle, one owner for the cache mode, the
-TensorRT engine independent of the ONNX Runtime one, bench on public names only.
+TensorRT engine independent of the ONNX Runtime one, bench on public names only, the two benches independent of
+each other over their shared harness.
 
 Every check reads the real source files with ``ast`` (imports inside functions included) and is shown to fail
 on a planted violation first, so none of them passes vacuously.
@@ -180,3 +181,52 @@ def test_bench_uses_only_public_names(package, root_only):
                     or (root_only and module != package and not f"{module}.{name}" == package)):
                 private.append(f"{path.name}: {item}")
     assert not private, f"bench imports private names of {package}: {private}"
+
+
+#: the bench's two benches: each imports the shared modules of ``mla_deploy.bench`` (the process harness, the
+#: machine probes, the bound, the report helpers), never the other bench
+BENCHES = ("mla_deploy.bench.attention", "mla_deploy.bench.whole_model")
+
+
+def _bench_of(module: str) -> str | None:
+    return next((b for b in BENCHES if module == b or module.startswith(b + ".")), None)
+
+
+def bench_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> dependency`` for each import from one bench into the other, or from a shared bench module
+    into either bench."""
+    out = []
+    for module, deps in graph.items():
+        shared = module.startswith("mla_deploy.bench.") and module.count(".") == 2  # imports neither bench
+        own = _bench_of(module)
+        if own is None and not shared:
+            continue
+        out += [f"{module} -> {dep}" for dep in deps if _bench_of(dep) not in (None, own)]
+    return sorted(out)
+
+
+def test_bench_crossing_detector_finds_planted_imports(tmp_path):
+    bench = tmp_path / "mla_deploy" / "bench"
+    for sub in ("attention", "whole_model"):
+        (bench / sub).mkdir(parents=True)
+        (bench / sub / "__init__.py").write_text("")
+    (tmp_path / "mla_deploy" / "__init__.py").write_text("")
+    (bench / "__init__.py").write_text("")
+    (bench / "harness.py").write_text("def f():\n    from .whole_model import spec\n")  # shared -> a bench
+    (bench / "attention" / "spec.py").write_text("from ..harness import f\n")  # a bench -> shared: allowed
+    (bench / "whole_model" / "spec.py").write_text("def g():\n    from ..attention.spec import f\n")
+    (bench / "whole_model" / "report.py").write_text("from . import spec\nfrom .. import harness\n")
+    assert bench_crossings(import_graph(tmp_path / "mla_deploy")) == [
+        "mla_deploy.bench.harness -> mla_deploy.bench.whole_model",
+        "mla_deploy.bench.harness -> mla_deploy.bench.whole_model.spec",
+        "mla_deploy.bench.whole_model.spec -> mla_deploy.bench.attention",
+        "mla_deploy.bench.whole_model.spec -> mla_deploy.bench.attention.spec",
+    ]
+
+
+def test_the_two_benches_share_the_harness_and_import_nothing_from_each_other():
+    graph = import_graph()
+    crossings = bench_crossings(graph)
+    assert not crossings, f"imports between the benches (or from a shared module into one): {crossings}"
+    for bench in BENCHES:  # both run their workers through the shared harness
+        assert any("mla_deploy.bench.harness" in deps for module, deps in graph.items() if _bench_of(module) == bench)

@@ -152,7 +152,7 @@ class Positive(click.ParamType):
 
 class PathList(click.ParamType):
     """The attention bench's variants: a comma-separated subset of its paths, or ``all``
-    (:func:`mla_deploy.bench.spec.parse_paths` says which)."""
+    (:func:`mla_deploy.bench.attention.spec.parse_paths` says which)."""
 
     name = "paths"
 
@@ -160,6 +160,6 @@ class PathList(click.ParamType):
         return "PATH[,PATH...]|all"
 
     def convert(self, value, param, ctx):
-        from ..bench.spec import parse_paths
+        from ..bench.attention.spec import parse_paths
 
         return value if isinstance(value, tuple) else parse_paths(value)

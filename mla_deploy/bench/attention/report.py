@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
-from .machine import describe
+from ..bound import roofline
+from ..machine import describe
+from ..reporting import machine_summary, versions
 from .roofline import cache_bytes_per_token, implemented_flops, step_cost
-from .spec import NAIVE_PATHS, PATH_LABELS, PATHS, BenchSpec, fixed_capacity
+from .spec import NAIVE_PATHS, PATH_LABELS, BenchSpec, fixed_capacity
 
 FORMAT = "mla-deploy-bench"
 UNIT = ("decode step (one new token per sequence) of {layers} MLA attention sub-layer(s) chained with residuals "
@@ -23,46 +23,23 @@ TARGETS = {"naive_b1": 60.0, "naive_b8": 100.0, "static_16k": 1.2, "static_1k": 
 #: the model and points the targets are defined on (DeepSeek-V2-Lite attention shapes, CPU, fp32)
 TARGET_MODEL = "deepseek-v2-lite"
 TARGET_CONTEXTS, TARGET_BATCHES = (1024, 4096, 16384), (1, 8)
+#: the packages whose versions the report records
+VERSIONS = ("torch", "onnxruntime", "transformers", "onnx", "numpy", "tensorrt")
 
 
 def _pct(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
-def _versions() -> dict:
-    out = {"mla_deploy": __version__}
-    for name in ("torch", "onnxruntime", "transformers", "onnx", "numpy", "tensorrt"):
-        try:
-            module = __import__(name)
-            out[name] = getattr(module, "__version__", "?")
-        except Exception:  # not installed, or its libraries do not load
-            out[name] = None
-    return out
-
-
 def _machine(spec: BenchSpec, runs: list[dict], described: dict | None) -> dict:
     probes = [p for run in runs for p in run["probes"]]
-    info = dict(described or describe())
-    info["threads"] = spec.threads
-    for key, unit in (("read_gbps", "GB/s"), ("gemm_gflops", "GFLOP/s")):
-        values = [p[key] for p in probes]
-        info[key] = ({"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
-                      "unit": unit, "samples": [round(v, 2) for v in values]} if values else None)
-    loads = [p["loadavg_1min"] for p in probes if p.get("loadavg_1min") is not None]
-    info["loadavg_1min_during_run"] = ({"median": statistics.median(loads), "min": min(loads), "max": max(loads),
-                                        "n": len(loads)} if loads else None)
-    info["read_probe"] = f"torch.sum over {spec.probe_mib} MiB fp32, {spec.threads} threads, median of 5 calls, " \
-                         "at the start and the end of every worker process"
-    info["gemm_probe"] = f"torch.mm fp32 2048x2048x2048, {spec.threads} threads, median of 3 calls, same times"
-    info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    return info
+    return machine_summary(described or describe(), spec.threads, probes,
+                           "at the start and the end of every worker process")
 
 
 def _row(spec: BenchSpec, path: str, context: int, batch: int, records: list[dict], machine: dict) -> dict:
-    c, layers = spec.config, spec.layers
-    capacity = context + spec.static_margin
-    per_token = cache_bytes_per_token(c, path) * layers
-    held = capacity if fixed_capacity(path) else context
+    per_token = cache_bytes_per_token(spec.config, path) * spec.layers
+    held = context + spec.static_margin if fixed_capacity(path) else context
     row = {"path": path, "context": context, "batch": batch, "label": PATH_LABELS[path],
            "cache_bytes_per_token": per_token, "cache_bytes_total": per_token * batch * held,
            "cache_rows_held": held}
@@ -87,20 +64,22 @@ def _row(spec: BenchSpec, path: str, context: int, batch: int, records: list[dic
                peak_memory_is_per_point=all(r.get("peak_is_per_point") for r in ok),
                memory_estimate_bytes=ok[0].get("memory_estimate_bytes"),
                checks={k: v for r in ok for k, v in (r.get("checks") or {}).items()})
-    cost = step_cost(c, layers, context, batch)
-    bw = machine["read_gbps"]["median"] * 1e9 if machine.get("read_gbps") else None
-    rate = machine["gemm_gflops"]["median"] * 1e9 if machine.get("gemm_gflops") else None
-    if bw and rate and path != "trt":
-        t_mem, t_flop = cost["bytes"] / bw, cost["flops"] / rate
-        bound = max(t_mem, t_flop)
-        row["roofline"] = {"bytes": cost["bytes"], "weight_bytes": cost["weight_bytes"], "cache_bytes": cost["cache_bytes"],
-                           "flops": cost["flops"], "t_mem_ms": t_mem * 1e3, "t_flop_ms": t_flop * 1e3,
-                           "bound_ms": bound * 1e3, "bound": "memory" if t_mem >= t_flop else "compute",
-                           "bound_over_achieved": bound / median, "achieved_over_bound": median / bound,
-                           "implemented_flops": implemented_flops(c, path, layers, context, batch, capacity)}
-    else:
-        row["roofline"] = None
+    row["roofline"] = _roofline(spec, path, context, batch, median, machine)
     return row
+
+
+def _roofline(spec: BenchSpec, path: str, context: int, batch: int, median: float, machine: dict) -> dict | None:
+    """The bound of the point at the run's measured rates, and where the median step time (s) stands against it
+    (None for TensorRT, whose step runs on another device, or when no probe ran)."""
+    bw, rate = machine.get("read_gbps"), machine.get("gemm_gflops")
+    if not (bw and rate) or path == "trt":
+        return None
+    c, layers = spec.config, spec.layers
+    cost = step_cost(c, layers, context, batch)
+    bound = roofline(cost["bytes"], cost["flops"], bw["median"], rate["median"])
+    achieved = median * 1e3 / bound["bound_ms"]
+    return {**cost, **bound, "bound_over_achieved": 1 / achieved, "achieved_over_bound": achieved,
+            "implemented_flops": implemented_flops(c, path, layers, context, batch, context + spec.static_margin)}
 
 
 def _compare_outputs(rows: list[dict], outputs: Path) -> None:
@@ -168,22 +147,34 @@ def _targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def build_report(spec: BenchSpec, status: dict, runs: list[dict], outputs: Path, started: float,
-                 command: str | None, described: dict | None = None) -> dict:
-    """The report dict (what bench.json holds); ``described``: :func:`~.machine.describe` taken at the start."""
-    machine = _machine(spec, runs, described)
+#: how the bench measures, for the report (``{...}``: the spec's values)
+PROTOCOL = {
+    "order": "one process per variant and pass; odd passes reverse the variants and the points",
+    "latency": "median of all timed calls of all passes; pass_spread = (max - min pass median) / median",
+    "inputs": "hidden ~ N(0,1) [B,1,D], latent rows ~ N(0,1) [B,T,C] per layer, position T; identical in every "
+              "process (seeded by the point)",
+    "ort": "intra_op_num_threads = threads, sequential, ORT_ENABLE_ALL, session.intra_op.allow_spinning = 0, "
+           "IO binding",
+    "ratios": "speedup_vs_naive = faster of hf-eager/hf-sdpa (same point, same run) / this row; "
+              "static_speedup_over_concat = ort-concat / ort-static",
+    "roofline": "bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = weights "
+                "+ latent cache, FLOPs = projections + scores (C wide) + weighted sum (r wide) over T+1 rows; "
+                "bound_over_achieved = fraction of the roofline reached, achieved_over_bound = how many times "
+                "slower than the bound",
+}
+
+
+def _rows(spec: BenchSpec, status: dict, runs: list[dict], machine: dict) -> list[dict]:
+    """One row per available path and point, from every pass's records of it."""
     grouped: dict[tuple, list] = {}
     for run in runs:
         for rec in run["records"]:
             grouped.setdefault((run["path"], rec["context"], rec["batch"]), []).append(rec)
-    rows = []
-    for path in PATHS:
-        if path not in spec.paths or not status[path]["available"]:
-            continue
-        for context, batch in sorted(spec.points):
-            rows.append(_row(spec, path, context, batch, grouped.get((path, context, batch), []), machine))
-    _compare_outputs(rows, outputs)
-    _ratios(rows)
+    return [_row(spec, path, context, batch, grouped.get((path, context, batch), []), machine)
+            for path in spec.paths if status[path]["available"] for context, batch in sorted(spec.points)]
+
+
+def _paths(spec: BenchSpec, status: dict, runs: list[dict]) -> dict:
     paths = {}
     for path in spec.paths:
         info = [r["info"] for r in runs if r["path"] == path]
@@ -191,29 +182,32 @@ def build_report(spec: BenchSpec, status: dict, runs: list[dict], outputs: Path,
                        "provider": next((i["provider"] for i in info if i.get("provider")), None),
                        "worker_restarts": sum(i["restarts"] for i in info),
                        "ort_copy_warnings": sum(i["stderr_copy_warnings"] for i in info)}
+    return paths
+
+
+def _model(spec: BenchSpec) -> dict:
     c = spec.config
+    return {"name": c.name, "source": spec.source, "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads, "kv_lora_rank": c.kv_lora_rank,
+            "qk_rope_head_dim": c.qk_rope_head_dim, "latent_dim": c.latent_dim, "layers_benched": spec.layers}
+
+
+def build_report(spec: BenchSpec, status: dict, runs: list[dict], outputs: Path, started: float,
+                 command: str | None, described: dict | None = None) -> dict:
+    """The report dict (what bench.json holds); ``described``: :func:`~.machine.describe` taken at the start."""
+    machine = _machine(spec, runs, described)
+    rows = _rows(spec, status, runs, machine)
+    _compare_outputs(rows, outputs)
+    _ratios(rows)
+    protocol = {"threads": spec.threads, "warmup": spec.warmup, "repeat": spec.repeat, "passes": spec.passes,
+                "max_seconds_per_point": spec.max_seconds, "dtype": "float32",
+                "static_capacity": f"T + {spec.static_margin}", **PROTOCOL}
     return {
         "format": FORMAT, "format_version": 1, "command": command,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_seconds": round(time.time() - started, 1),
-        "unit": UNIT.format(layers=spec.layers, name=c.name),
-        "model": {"name": c.name, "source": spec.source, "hidden_size": c.hidden_size,
-                  "num_attention_heads": c.num_attention_heads, "kv_lora_rank": c.kv_lora_rank,
-                  "qk_rope_head_dim": c.qk_rope_head_dim, "latent_dim": c.latent_dim, "layers_benched": spec.layers},
-        "protocol": {"threads": spec.threads, "warmup": spec.warmup, "repeat": spec.repeat, "passes": spec.passes,
-                     "max_seconds_per_point": spec.max_seconds, "dtype": "float32", "static_capacity": f"T + {spec.static_margin}",
-                     "order": "one process per variant and pass; odd passes reverse the variants and the points",
-                     "latency": "median of all timed calls of all passes; pass_spread = (max - min pass median) / median",
-                     "inputs": "hidden ~ N(0,1) [B,1,D], latent rows ~ N(0,1) [B,T,C] per layer, position T; "
-                               "identical in every process (seeded by the point)",
-                     "ort": "intra_op_num_threads = threads, sequential, ORT_ENABLE_ALL, "
-                            "session.intra_op.allow_spinning = 0, IO binding",
-                     "ratios": "speedup_vs_naive = faster of hf-eager/hf-sdpa (same point, same run) / this row; "
-                               "static_speedup_over_concat = ort-concat / ort-static",
-                     "roofline": "bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; "
-                                 "bytes = weights + latent cache, FLOPs = projections + scores (C wide) + weighted "
-                                 "sum (r wide) over T+1 rows; bound_over_achieved = fraction of the roofline reached, "
-                                 "achieved_over_bound = how many times slower than the bound"},
-        "spec": spec.to_dict(), "machine": machine, "paths": paths, "rows": rows, "targets": _targets(rows) if spec.config.name == TARGET_MODEL else [],
-        "versions": _versions(),
+        "unit": UNIT.format(layers=spec.layers, name=spec.config.name), "model": _model(spec),
+        "protocol": protocol, "spec": spec.to_dict(), "machine": machine, "paths": _paths(spec, status, runs),
+        "rows": rows, "targets": _targets(rows) if spec.config.name == TARGET_MODEL else [],
+        "versions": versions(VERSIONS),
     }

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..cache_layout import CacheLayout, CacheState
-from ..config import MLAConfig
+from ...cache_layout import CacheLayout, CacheState
+from ...config import MLAConfig
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""One process of the whole-model bench: one role over a list of points. Run by the driver as
-``python -m mla_deploy.bench.whole_worker JOB.json``; the result file is rewritten after every point, so a
-process the kernel kills (out of memory) leaves what it finished and names the point it was on.
+"""One process of the whole-model bench: one role over a list of points. Run by the driver through the shared
+harness (:mod:`..harness`) as ``python -m mla_deploy.bench.whole_model.worker JOB.json``; the result file is
+rewritten after every point, so a process the kernel kills (out of memory) leaves what it finished and names the
+point it was on.
 
 Roles:
 
@@ -12,7 +13,7 @@ Roles:
 * ``routing``: the PyTorch reference (absorbed form) on the same tokens (``ours``' tokens replayed, else its
   own greedy ones), with a forward hook on every MoE router recording the experts each step routes to.
 
-* ``probe``: one bandwidth and GEMM probe (:func:`~.machine.probe`), in a process of its own so that the
+* ``probe``: one bandwidth and GEMM probe (:func:`~..machine.probe`), in a process of its own so that the
   ONNX Runtime process never imports torch (its resident memory is what a user of the engine pays).
 
 Each prints one progress line per point on stdout.
@@ -21,27 +22,16 @@ Each prints one progress line per point on stdout.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from . import machine
-from .whole_cost import fill_chunk, point_bytes
-from .whole_spec import CONTEXT, PREFILL, WholeModelSpec, chunks, parse_point, prompt_ids, prompt_tokens
-
-OOM_WORDS = ("out of memory", "cannot allocate", "bad_alloc", "not enough memory", "failed to allocate",
-             "defaultcpuallocator")
-
-
-def _write(path: Path, data: dict) -> None:
-    from ..artifact import atomic_write_text
-
-    atomic_write_text(path, json.dumps(data))
+from .. import machine
+from ..harness import Results, failure, load_job, pin_torch_threads
+from .cost import fill_chunk, point_bytes
+from .spec import CONTEXT, PREFILL, WholeModelSpec, chunks, parse_point, prompt_ids, prompt_tokens
 
 
 def _say(line: str) -> None:
@@ -57,17 +47,11 @@ def _last(batch: int, steps: int) -> np.ndarray:
     return np.full((batch, 1), steps - 1, dtype=np.int64)
 
 
-def _failure(exc: BaseException) -> dict:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    oom = isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in OOM_WORDS)
-    return {"status": "out of memory" if oom else "error", "detail": f"{type(exc).__name__}: {text[:300]}"}
-
-
 class OursPath:
     """The exported artifact in ONNX Runtime. Args: the job (artifact folder, threads, capacity)."""
 
     def __init__(self, job: dict, spec: WholeModelSpec):
-        from ..engines import OrtEngine
+        from ...engines import OrtEngine
 
         self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"])
         self.spec, self.config = spec, self.engine.config
@@ -209,10 +193,10 @@ class RoutingPath:
     def __init__(self, job: dict, spec: WholeModelSpec):
         import torch
 
-        from ..artifact import load_manifest
-        from ..model import convert_form
-        from ..model.layers import Router
-        from ..validate.reference import load_reference_model
+        from ...artifact import load_manifest
+        from ...model import convert_form
+        from ...model.layers import Router
+        from ...validate.reference import load_reference_model
 
         manifest = load_manifest(job["artifact"])
         self.torch, self.spec, self.config = torch, spec, manifest.config
@@ -304,7 +288,7 @@ def run_point(path, key: str) -> dict:
         out = path.prefill(batch) if kind == "prefill" else path.decode(context, batch)
         record.update(status="ok", **out)
     except (MemoryError, RuntimeError) as exc:  # torch and ONNX Runtime report failures as RuntimeError
-        record.update(_failure(exc))
+        record.update(failure(exc))
     record["seconds"] = time.perf_counter() - start
     record["peak_rss_bytes"] = machine.peak_bytes()
     gc.collect()
@@ -321,40 +305,25 @@ def _summary(role: str, record: dict) -> str:
 
 
 def main(job_file: str) -> int:
-    machine.prefer_as_oom_victim()
-    job = json.loads(Path(job_file).read_text())
+    job = load_job(job_file)
     spec = WholeModelSpec.from_dict(job["spec"])
-    role, result_path = job["role"], Path(job["result"])
+    role = job["role"]
     name = job.get("name", role)
-    result = {"role": role, "pid": os.getpid(), "probes": [], "points": [], "current": None}
+    result = Results(job, role=role)
     if role == "probe":  # its own process, so the ONNX Runtime process never loads torch
-        result["probes"].append({**machine.probe(spec.threads, spec.probe_mib), "loadavg_1min": machine.load_average()})
-        result["done"] = True
-        _write(result_path, result)
-        return 0
+        result.data["probes"].append({**machine.probe(spec.threads, spec.probe_mib),
+                                      "loadavg_1min": machine.load_average()})
+        return result.finish()
     if role != "ours":
-        import torch
-
-        torch.set_num_threads(spec.threads)
-        torch.set_num_interop_threads(1)
-    _write(result_path, result)
+        pin_torch_threads(spec.threads)
     start = time.perf_counter()
     path = ROLES[role](job, spec)
-    result.update(load_seconds=time.perf_counter() - start, peak_rss_after_load_bytes=machine.peak_bytes(),
-                  info=path.info)
-    _say(f"{name}: loaded in {result['load_seconds']:.1f} s, resident "
-         f"{result['peak_rss_after_load_bytes'] / 2**30:.2f} GiB")
-    for key in job["points"]:
-        result["current"] = key
-        _write(result_path, result)
-        record = run_point(path, key)
-        result["points"].append(record)
-        result["current"] = None
-        _write(result_path, result)
-        _say(_summary(name, record))
-    result["done"] = True
-    _write(result_path, result)
-    return 0
+    result.data.update(load_seconds=time.perf_counter() - start, peak_rss_after_load_bytes=machine.peak_bytes(),
+                       info=path.info)
+    _say(f"{name}: loaded in {result.data['load_seconds']:.1f} s, resident "
+         f"{result.data['peak_rss_after_load_bytes'] / 2**30:.2f} GiB")
+    result.run(name, job["points"], lambda key: run_point(path, key), lambda record: _say(_summary(name, record)))
+    return result.finish()
 
 
 if __name__ == "__main__":  # pragma: no cover - run by the driver

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache_layout import CacheLayout, get_layout
-from ..io_spec import CAPACITY, TensorSpec, past_name, present_name
+from ...cache_layout import CacheLayout, get_layout
+from ...io_spec import CAPACITY, TensorSpec, past_name, present_name
 from .inputs import PointInputs, point_state
 
 
 def availability() -> tuple[bool, str | None]:
     """``(True, None)`` when tensorrt imports and a CUDA GPU is visible, else ``(False, reason)``."""
-    from ..errors import RuntimeMissingError
-    from ..trt import require_tensorrt
+    from ...errors import RuntimeMissingError
+    from ...trt import require_tensorrt
 
     try:
         require_tensorrt()
@@ -44,8 +44,8 @@ def engine_profile(inputs: list[TensorSpec], layout: CacheLayout, max_batch: int
             engine serves every point's ``T + margin``, where an artifact's engine has one fixed capacity); a
             growing layout's past over ``[1, max_slots]``.
     """
-    from ..recipe import BuildSettings
-    from ..trt.profiles import input_shapes
+    from ...recipe import BuildSettings
+    from ...trt.profiles import input_shapes
 
     opt_b, opt_c = max(1, max_batch // 2), max(2, max_slots // 2)
     build = BuildSettings(batch=(1, opt_b, max_batch), prompt_length=(1, 1, 1), past_length=(1, opt_c, max_slots))
@@ -60,9 +60,9 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, spec, layout: C
     batch up to ``max(spec.batches)``, cache up to ``max(spec.contexts) + spec.static_margin``. Returns the path."""
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath
 
-    from ..trt import require_tensorrt
-    from ..trt.build import precision_flags
-    from ..trt.profiles import polygraphy_profile
+    from ...trt import require_tensorrt
+    from ...trt.build import precision_flags
+    from ...trt.profiles import polygraphy_profile
     from .graph import stack_io
 
     trt, _ = require_tensorrt()

@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 import torch
-from ..cache_layout import CacheLayout, get_layout
-from ..config import MLAConfig
-from ..io_spec import BATCH, SEQ, TensorSpec
-from ..model import AttentionStack
+from ...cache_layout import CacheLayout, get_layout
+from ...config import MLAConfig
+from ...io_spec import BATCH, SEQ, TensorSpec
+from ...model import AttentionStack
 
 #: example sizes the graph is traced at (every dynamic axis >= 2: an axis traced at 1 is frozen)
 _TRACE_BATCH, _TRACE_STEPS, _TRACE_PAST, _TRACE_CAPACITY = 2, 2, 5, 8
@@ -55,7 +55,7 @@ def export_stack(stack: AttentionStack, layout: CacheLayout | str, path: str | P
     Raises:
         ExportError: the export or its checks failed.
     """
-    from ..exporter import DecoderGraph, cached_dynamic_shapes, trace_to_onnx
+    from ...exporter import DecoderGraph, cached_dynamic_shapes, trace_to_onnx
 
     layout = get_layout(layout)
     c, n = stack.config, len(stack.layers)
@@ -74,12 +74,13 @@ def export_stack(stack: AttentionStack, layout: CacheLayout | str, path: str | P
 
 
 def main(job_file: str) -> int:
-    """``python -m mla_deploy.bench.graph JOB.json``: export one graph (the driver runs the two side by side)."""
+    """``python -m mla_deploy.bench.attention.graph JOB.json``: export one graph (the driver runs the two side by
+    side)."""
     import json
 
-    from ..errors import MLADeployError
+    from ...errors import MLADeployError
     from .spec import BenchSpec
-    from ..model import build_stack
+    from ...model import build_stack
 
     job = json.loads(Path(job_file).read_text())
     spec = BenchSpec.from_dict(job["spec"])

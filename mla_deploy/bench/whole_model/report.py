@@ -4,7 +4,7 @@ printed table.
 Decode rows give ms per token (one decode step: one new token for every sequence), tokens/s per sequence
 (1000 / ms) and for the batch (B * 1000 / ms); prefill rows the prompt's time and tokens/s (B * L * 1000 / ms).
 Each artifact ``ours`` ran (``ours``: fp32 weights; ``ours-int8``, ``ours-int4``: quantized) has its rows, with
-its speed-up over transformers and over the float artifact's row. The bound of a step (:mod:`.whole_cost`)
+its speed-up over transformers and over the float artifact's row. The bound of a step (:mod:`.cost`)
 counts the bytes the artifact stores (quantized integers and scales for the quantized tensors), the experts the
 step really routes to (the reference's router hooks; or the uniform-routing expectation, said so) and the rows
 it really attends to. The batch-1 rows are also given as llama.cpp's ``llama-bench`` reports them: ``pp{L}``
@@ -15,19 +15,19 @@ the per-call rates.
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import time
 
 import numpy as np
 
-from .. import __version__
-from .machine import summarize
-from .output import format_bytes, format_ms, machine_line
-from .whole_cost import CHUNK_BYTES, bound, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
-from .whole_spec import PREFILL, TRANSFORMERS, WholeModelSpec, parse_point, path_label, points, prompt_ids
+from ..bound import roofline
+from ..reporting import format_bytes, format_ms, machine_line, machine_summary, versions
+from .cost import CHUNK_BYTES, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
+from .spec import PREFILL, TRANSFORMERS, WholeModelSpec, parse_point, path_label, points, prompt_ids
 
 FORMAT = "mla-deploy-bench-whole-model"
+#: the packages whose versions the report records
+VERSIONS = ("torch", "onnxruntime", "transformers", "numpy")
 
 
 def _latency(times: list[float]) -> dict:
@@ -36,28 +36,9 @@ def _latency(times: list[float]) -> dict:
             "min": float(ms.min()), "n": len(times)}
 
 
-def _versions() -> dict:
-    out = {"mla_deploy": __version__}
-    for name in ("torch", "onnxruntime", "transformers", "numpy"):
-        try:
-            out[name] = getattr(__import__(name), "__version__", "?")
-        except Exception:  # not installed, or its libraries do not load
-            out[name] = None
-    return out
-
-
 def _machine(spec: WholeModelSpec, probes: list[dict], described: dict) -> dict:
-    info = dict(described)
-    info["threads"] = spec.threads
-    info["read_gbps"] = summarize([p["read_gbps"] for p in probes], "GB/s")
-    info["gemm_gflops"] = summarize([p["gemm_gflops"] for p in probes], "GFLOP/s")
-    info["loadavg_1min_during_run"] = summarize([p.get("loadavg_1min") for p in probes])
-    gemm = probes[0]["gemm_n"] if probes else None
-    info["read_probe"] = (f"torch.sum over {spec.probe_mib} MiB fp32, {spec.threads} threads, median of 5 calls, "
-                          "in a process of its own before each timed path and at the end")
-    info["gemm_probe"] = f"torch.mm fp32 {gemm}^3, {spec.threads} threads, median of 3 calls, same times"
-    info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    return info
+    return machine_summary(described, spec.threads, probes,
+                           "in a process of its own before each timed path and at the end")
 
 
 class _Bounds:
@@ -99,7 +80,7 @@ class _Bounds:
         return self._summary([cost], {method}, record["times_s"])
 
     def _summary(self, costs: list[dict], methods: set, times: list[float]) -> dict:
-        bounds = [bound(c, *self.rates) for c in costs]
+        bounds = [roofline(c["bytes"], c["flops"], *self.rates) for c in costs]
         median_ms = statistics.median(b["bound_ms"] for b in bounds)
         experts = [c["expert_bytes"] / self.groups.expert_bytes if self.groups.expert_bytes else 0 for c in costs]
         out = {key: statistics.median(c[key] for c in costs) for key in ("bytes", "weight_bytes", "expert_bytes",
@@ -188,17 +169,39 @@ def _path_info(path: str, status: dict, result: dict | None, groups, artifact: s
     return info
 
 
-def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: dict, routed: dict,
-                 probes: list[dict], described: dict, started: float, command: str | None) -> dict:
-    """bench.json's content (see the module docstring).
+#: how the bench measures, for the report (the parts that do not depend on the run's options)
+PROTOCOL = {
+    "llama_bench": ("batch-1 points as llama.cpp's llama-bench reports them (-p L -n n -d T -b 1 -t threads): "
+                    "pp{L} = prompt tokens/s, tg{n} @ d{T} = generated tokens/s after a context of T; mean "
+                    "+- standard deviation of the per-call rates (llama-bench: of its repetitions)"),
+    "processes": "machine probes, ours, the routing reference and transformers each in a process of its own, "
+                 "one after the other",
+    "transformers_bound": ("a transformers row's bound takes its own cache rows and token ids and the "
+                           "routed-expert counts of ours' tokens at the same point (tokens_agree_with_ours: "
+                           "how often its greedy tokens were ours')"),
+    "ours_cache": ("a fixed-capacity (static) cache is made exactly as large as the point needs (its "
+                   "steps attend to every slot); the context is filled with prefill steps in chunks whose "
+                   f"logits and scores stay under {CHUNK_BYTES >> 20} MiB (fill_seconds)"),
+    "ort": "OrtEngine(threads=threads): intra_op_num_threads = threads, spinning off",
+    "torch": "torch.set_num_threads(threads), one interop thread, OMP/MKL threads = threads",
+    "memory": "peak RSS (VmHWM) of the path's process; per point: reset before the point, so it counts the "
+              "resident weights and whatever earlier points left resident (allocator arenas); the decode "
+              "points run first, smallest first, the prefills last",
+    "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = "
+              "attention, dense MLP, shared-expert, router, norm and lm_head weights + the routed experts of "
+              "the step (per MoE layer, the union over the batch, and over the prompt for a prefill) + one "
+              "embedding row per distinct token id + the latent cache held, each tensor as the artifact stores it (a "
+              "quantized one: its integers and scales; transformers: fp32); FLOPs = 2 x tokens x (those "
+              "matrices, k experts per token) + absorbed attention over the rows attended + the lm_head of "
+              "one token per sequence, over the fp32 GEMM rate also for the quantized artifacts; "
+              "achieved_over_bound = median time / median bound"),
+}
 
-    Args:
-        results: per path (``ours``, ``ours-int8``, ..., ``transformers``), :func:`~.whole_model.run_role`'s result.
-        routed: per ``ours`` path, the result of the routing reference of its artifact."""
-    manifest = prepared.manifest
-    config = manifest.config
-    machine = _machine(spec, probes, described)
-    primary = prepared.primary.path
+
+def _rows(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: dict, routed: dict,
+          machine: dict) -> tuple[dict, list[dict]]:
+    """Each path's information and the rows of the available ones, with their bounds and comparisons."""
+    config, primary = prepared.manifest.config, prepared.primary.path
     groups = {v.path: manifest_weight_groups(v.manifest) for v in prepared.variants}
     groups[TRANSFORMERS] = weight_groups(config, 4)  # transformers runs the checkpoint in fp32
     artifacts = {v.path: str(v.artifact) for v in prepared.variants}
@@ -210,12 +213,40 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
     rows = [_row(spec, path, key, results[path]["records"].get(key), bounds[path])
             for path in paths if path in results and paths[path]["available"] for key in points(spec)]
     _compare(rows, {p: r["records"] for p, r in results.items()}, records, primary)
+    return paths, rows
+
+
+def _routing(routing: dict, routed: dict, rows: list[dict]) -> dict:
+    """The report's ``routing``: how routed experts were counted, the reference that counted them, and a note
+    when some points fell back to the uniform expectation."""
     routing = dict(routing, reference=next((r["info"] for r in routed.values() if r.get("info")), None))
     if routing["method"] == "measured" and any(r.get("bound") and r["bound"]["routed_experts"] != "measured"
                                                for r in rows if r["status"] == "ok"):
         failed = [f"{path}: {r['failure']}" for path, r in routed.items() if r.get("failure")]
         routing["note"] = ("some points fell back to the uniform expectation (their reference run failed"
                            + (f"; {'; '.join(failed)}" if failed else "") + ")")
+    return routing
+
+
+def _model(spec: WholeModelSpec, config, weights: dict) -> dict:
+    return {"name": config.name, "source": spec.source, "location": spec.location, "layers": spec.layers,
+            "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "latent_dim": config.latent_dim,
+            "vocab_size": config.vocab_size, "n_routed_experts": config.n_routed_experts,
+            "num_experts_per_tok": config.num_experts_per_tok if config.is_moe else None, "weights": weights}
+
+
+def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: dict, routed: dict,
+                 probes: list[dict], described: dict, started: float, command: str | None) -> dict:
+    """bench.json's content (see the module docstring).
+
+    Args:
+        results: per path (``ours``, ``ours-int8``, ..., ``transformers``), :func:`~.driver.run_role`'s result.
+        routed: per ``ours`` path, the result of the routing reference of its artifact."""
+    manifest = prepared.manifest
+    config = manifest.config
+    machine = _machine(spec, probes, described)
+    paths, rows = _rows(spec, prepared, status, routing, results, routed, machine)
     scheme = next((v.manifest.weight_quantization for v in prepared.variants if v.manifest.weight_quantization), None)
     return {
         "format": FORMAT, "format_version": 1, "command": command,
@@ -224,12 +255,7 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
         "unit": (f"the whole model {config.name}: {config.num_hidden_layers} decoder layer(s), embedding and lm_head; "
                  f"decode steps (one new token per sequence, greedy) after a context, and the prefill of a "
                  f"{spec.prompt_length}-token prompt"),
-        "model": {"name": config.name, "source": spec.source, "location": spec.location, "layers": spec.layers,
-                  "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
-                  "num_attention_heads": config.num_attention_heads, "latent_dim": config.latent_dim,
-                  "vocab_size": config.vocab_size, "n_routed_experts": config.n_routed_experts,
-                  "num_experts_per_tok": config.num_experts_per_tok if config.is_moe else None,
-                  "weights": groups[primary].to_dict()},
+        "model": _model(spec, config, paths[prepared.primary.path]["weights"]),
         "artifact": {"path": str(prepared.artifact), "precision": manifest.precision,
                      "cache_mode": manifest.layout.mode, "max_cache_length": manifest.capacity,
                      "weights": manifest.weights.to_dict()},
@@ -242,11 +268,6 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
                         f"{scheme.block_size} input features, one fp32 scale each (export --weights/--block-size; the "
                         f"embedding, norms, kv_b_proj and routers stay fp32), run by ONNX Runtime's MatMulNBits with "
                         f"int8 activations (OrtEngine's default); x float = the ours row's median time / this row's"),
-            "llama_bench": ("batch-1 points as llama.cpp's llama-bench reports them (-p L -n n -d T -b 1 -t threads): "
-                            "pp{L} = prompt tokens/s, tg{n} @ d{T} = generated tokens/s after a context of T; mean "
-                            "+- standard deviation of the per-call rates (llama-bench: of its repetitions)"),
-            "processes": "machine probes, ours, the routing reference and transformers each in a process of its own, "
-                         "one after the other",
             "decode": (f"a prompt of max(T, 1) random tokens per sequence fills the cache (ours: prefill steps in "
                        f"chunks; transformers: its generate's own prefill), then {spec.warmup} untimed and "
                        f"{spec.repeat} timed greedy decode steps; ms per token = median step time; ours times "
@@ -255,27 +276,10 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
             "prefill": (f"{spec.prompt_length} random tokens per sequence into an empty cache, {spec.warmup} untimed "
                         f"and {spec.repeat} timed calls, median; ours: OrtEngine.step('prefill') plus the host "
                         f"argmax, transformers: generate(max_new_tokens=1)"),
-            "transformers_bound": ("a transformers row's bound takes its own cache rows and token ids and the "
-                                   "routed-expert counts of ours' tokens at the same point (tokens_agree_with_ours: "
-                                   "how often its greedy tokens were ours')"),
-            "ours_cache": ("a fixed-capacity (static) cache is made exactly as large as the point needs (its "
-                           "steps attend to every slot); the context is filled with prefill steps in chunks whose "
-                           f"logits and scores stay under {CHUNK_BYTES >> 20} MiB (fill_seconds)"),
-            "ort": "OrtEngine(threads=threads): intra_op_num_threads = threads, spinning off",
-            "torch": "torch.set_num_threads(threads), one interop thread, OMP/MKL threads = threads",
-            "memory": "peak RSS (VmHWM) of the path's process; per point: reset before the point, so it counts the "
-                      "resident weights and whatever earlier points left resident (allocator arenas); the decode "
-                      "points run first, smallest first, the prefills last",
-            "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = "
-                      "attention, dense MLP, shared-expert, router, norm and lm_head weights + the routed experts of "
-                      "the step (per MoE layer, the union over the batch, and over the prompt for a prefill) + one "
-                      "embedding row per distinct token id + the latent cache held, each tensor as the artifact stores it (a "
-                      "quantized one: its integers and scales; transformers: fp32); FLOPs = 2 x tokens x (those "
-                      "matrices, k experts per token) + absorbed attention over the rows attended + the lm_head of "
-                      "one token per sequence, over the fp32 GEMM rate also for the quantized artifacts; "
-                      "achieved_over_bound = median time / median bound"),
+            **PROTOCOL,
         },
-        "routing": routing, "machine": machine, "paths": paths, "rows": rows, "versions": _versions(),
+        "routing": _routing(routing, routed, rows), "machine": machine, "paths": paths, "rows": rows,
+        "versions": versions(VERSIONS),
     }
 
 
@@ -438,7 +442,7 @@ def _md_table(head: tuple, rows: list[tuple]) -> list[str]:
 def markdown(report: dict) -> str:
     """bench.md: the protocol, the decode and prefill tables, the paths, the routing and the weights."""
     p = report["protocol"]
-    lines = [f"# mla-deploy bench --whole-model: {report['model']['name']}", "", f"Unit: {report['unit']}.", "",
+    lines = [f"# mla-deploy bench model: {report['model']['name']}", "", f"Unit: {report['unit']}.", "",
              f"Machine: {machine_line(report)}.", ""]
     if report.get("command"):
         lines += [f"Command: `{report['command']}`", ""]

@@ -13,19 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import MLAConfig, to_hf_config
-from ..errors import RuntimeMissingError
+from ...config import MLAConfig, to_hf_config
+from ...errors import RuntimeMissingError
 from .inputs import PointInputs
-from ..model import build_stack
-
-
-def transformers_version() -> str | None:
-    """The installed transformers version, or None."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return transformers.__version__
+from ...model import build_stack
 
 
 def hf_config(c: MLAConfig, layers: int, impl: str):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..model.cache import ConcatCache
+from ...model.cache import ConcatCache
 from .inputs import PointInputs
-from ..model import build_stack
+from ...model import build_stack
 
 
 class TorchPath:

@@ -34,11 +34,11 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from ..config import MLAConfig
-from .roofline import PROCESS_OVERHEAD, attention_flops
+from ...config import MLAConfig
+from ..bound import PROCESS_OVERHEAD, attention_flops
 
 if TYPE_CHECKING:
-    from ..quant import WeightQuantization
+    from ...quant import WeightQuantization
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 #: the context is filled with prefill steps whose attention scores and logits stay below this many bytes
@@ -100,6 +100,16 @@ class WeightGroups:
                 "active_params_per_token": self.active_params_per_token()}
 
 
+def _meta_state(config: MLAConfig) -> dict:
+    """The absorbed model's state dict, on the meta device (nothing allocated)."""
+    import torch
+
+    from ...model import MLAForCausalLM
+
+    with torch.device("meta"):
+        return MLAForCausalLM(config, "A_CC").state_dict()
+
+
 def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQuantization | None" = None,
                   quantized_keys: frozenset = frozenset(), whole_blocks: bool = False) -> WeightGroups:
     """Sort ``config``'s parameters (the absorbed model's, on the meta device) into :class:`WeightGroups`.
@@ -111,13 +121,7 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
             as the manifest records them (:func:`manifest_weight_groups`).
         whole_blocks: the quantized integers are stored in whole blocks (the ``matmulnbits`` format).
     """
-    import torch
-
-    from ..model import MLAForCausalLM
-
-    with torch.device("meta"):
-        model = MLAForCausalLM(config, "A_CC")
-    state = model.state_dict()
+    state = _meta_state(config)
     unknown = sorted(set(quantized_keys) - set(state)) if quantization is not None else []
     if unknown:
         raise ValueError(f"quantized key {unknown[0]} is no parameter of the model")
@@ -129,8 +133,7 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
         return math.prod(lead) * quantization.nbytes(k, n, itemsize, whole_blocks)
 
     always_bytes = matrices = expert = expert_bytes = lm_head = lm_head_bytes = total = total_bytes = quantized = 0
-    moe_layers = set()
-    tied = config.tie_word_embeddings
+    moe_layers, tied = set(), config.tie_word_embeddings
     for name, tensor in state.items():
         n, size = tensor.numel(), nbytes(name, tensor)
         if quantization is not None and name in quantized_keys:
@@ -144,13 +147,10 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQua
             expert_bytes += size // config.n_routed_experts
         elif name == "lm_head.weight":
             lm_head, lm_head_bytes = n, size
-        elif name == "model.embed_tokens.weight":
-            continue
-        else:
+        elif name != "model.embed_tokens.weight":
             always_bytes += size
             matrices += n if tensor.dim() >= 2 else 0
-    layers = tuple(sorted(moe_layers))
-    per_layer = max(len(layers), 1)
+    layers, per_layer = tuple(sorted(moe_layers)), max(len(moe_layers), 1)
     return WeightGroups(itemsize=itemsize, always_bytes=always_bytes, always_matrix_params=matrices,
                         expert_params=expert // per_layer, expert_bytes=expert_bytes // per_layer, moe_layers=layers,
                         n_experts=config.n_routed_experts or 0, top_k=config.num_experts_per_tok if layers else 0,
@@ -171,7 +171,7 @@ def precision_itemsize(precision: str) -> int:
     """Bytes per value of an artifact's ``precision`` (``fp32``, ``fp16``, ``bf16``)."""
     import numpy as np
 
-    from ..engines.ort_engine import numpy_dtype
+    from ...engines.ort_engine import numpy_dtype
 
     return int(np.dtype(numpy_dtype(precision)).itemsize)
 
@@ -212,14 +212,6 @@ def step_cost(config: MLAConfig, groups: WeightGroups, batch: int, new: int, hel
     flops = 2 * tokens * per_token + attention + 2 * batch * groups.lm_head_params
     return {"weight_bytes": int(weights), "expert_bytes": int(experts), "cache_bytes": int(cache),
             "bytes": int(weights + cache), "flops": int(flops), "attention_flops": int(attention)}
-
-
-def bound(cost: dict, read_gbps: float, gemm_gflops: float) -> dict:
-    """The roofline bound of a step ``cost`` (:func:`step_cost`) at the measured bandwidth and GEMM rate."""
-    t_mem = cost["bytes"] / (read_gbps * 1e9)
-    t_flop = cost["flops"] / (gemm_gflops * 1e9)
-    return {"t_mem_ms": t_mem * 1e3, "t_flop_ms": t_flop * 1e3, "bound_ms": max(t_mem, t_flop) * 1e3,
-            "bound": "memory" if t_mem >= t_flop else "compute"}
 
 
 def fill_chunk(config: MLAConfig, batch: int, total: int, itemsize: int = 4) -> int:

@@ -1,4 +1,4 @@
-"""What a whole-model bench run measures (``mla-deploy bench --whole-model``): the model's source, the points,
+"""What a whole-model bench run measures (``mla-deploy bench model``): the model's source, the points,
 the timing protocol, and the token ids every path is given.
 
 Points:
@@ -17,8 +17,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import ConfigError
-from .spec import parse_int, parse_int_list
+from ...errors import ConfigError
+from ..parsing import parse_int, parse_int_list
 
 #: where the model comes from: an exported artifact (benched as is), a checkpoint folder (exported first), a
 #: preset or recipe file (a random checkpoint of its model written first, then exported)
@@ -105,7 +105,7 @@ class WholeModelSpec:
             raise ConfigError("memory_fraction must be in (0, 1]")
 
     def _check_weights(self) -> None:
-        from ..quant import parse_weights
+        from ...quant import parse_weights
 
         given = self.weights.split(",") if isinstance(self.weights, str) else list(self.weights)
         weights = tuple(dict.fromkeys(w.strip() for w in given))

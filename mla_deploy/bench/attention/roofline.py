@@ -16,13 +16,12 @@ of its capacity), for the report only.
 
 from __future__ import annotations
 
-from ..config import MLAConfig
+from ...config import MLAConfig
+from ..bound import PROCESS_OVERHEAD, attention_flops
 from .spec import fixed_capacity
 
 FP32 = 4
 GIB = float(1 << 30)
-#: memory every worker process needs besides the tensors counted below (interpreter, torch, ORT)
-PROCESS_OVERHEAD = 600 << 20
 
 
 def matrix_params(c: MLAConfig) -> int:
@@ -46,12 +45,6 @@ def cache_bytes_per_token(c: MLAConfig, path: str, itemsize: int = FP32) -> int:
     if path == "torch-cd":
         return c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * itemsize
     return c.latent_dim * itemsize
-
-
-def attention_flops(c: MLAConfig, rows: int) -> int:
-    """FLOPs of one layer's absorbed attention core over ``rows`` (query, cached row) pairs: the scores over
-    ``[c_kv | k_pe]`` (C wide) and the weighted sum over ``c_kv`` (r wide), every head."""
-    return 2 * c.num_attention_heads * rows * (c.latent_dim + c.kv_lora_rank)
 
 
 def step_cost(c: MLAConfig, layers: int, context: int, batch: int, itemsize: int = FP32) -> dict[str, float]:

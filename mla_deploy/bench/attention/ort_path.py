@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache_layout import CacheLayout, get_layout
-from ..io_spec import past_name, present_name
+from ...cache_layout import CacheLayout, get_layout
+from ...io_spec import past_name, present_name
 from .inputs import PointInputs, held_rows, point_state
 
 #: ONNX Runtime logs "TensorScatter: in-place optimization not activated, copying ..." when it copies the cache
@@ -33,7 +33,7 @@ class OrtPath:
     def __init__(self, graph: str, layout: CacheLayout | str, threads: int, margin: int):
         import onnxruntime as ort
 
-        from ..engines.ort_engine import open_session
+        from ...engines.ort_engine import open_session
 
         self.ort = ort
         self.layout, self.margin = get_layout(layout), margin

@@ -1,23 +1,10 @@
-"""What ``mla-deploy bench`` shows and writes: the printed table, bench.md, bench.png, and the atomic writes."""
+"""What the attention bench shows and writes: the printed table, bench.md and bench.png."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-
-def _ms(value: float) -> str:
-    return f"{value:.2f}" if value >= 0.1 else f"{value:.3g}"
-
-
-def _bytes(n):
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n} B"
-
+from ..reporting import format_bytes, format_ms, machine_line
 
 TABLE_HEAD = ("path", "T", "B", "median ms", "spread", "tok/s", "x naive", "cache/token", "cache total",
               "peak mem", "bound ms", "achieved/bound")
@@ -27,14 +14,16 @@ def table_rows(report: dict) -> list[tuple]:
     out = []
     for r in report["rows"]:
         if r["status"] != "ok":
-            out.append((r["path"], r["context"], r["batch"], r["status"], "", "", "", _bytes(r["cache_bytes_per_token"]),
-                        _bytes(r["cache_bytes_total"]), "", "", r.get("detail") or ""))
+            out.append((r["path"], r["context"], r["batch"], r["status"], "", "", "",
+                        format_bytes(r["cache_bytes_per_token"]),
+                        format_bytes(r["cache_bytes_total"]), "", "", r.get("detail") or ""))
             continue
         lat, roof = r["latency_ms"], r.get("roofline")
         out.append((r["path"], r["context"], r["batch"], f"{lat['median']:.2f}", f"{lat['pass_spread']:.0%}",
                     f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_naive']:.1f}x" if r.get("speedup_vs_naive") else "-",
-                    _bytes(r["cache_bytes_per_token"]), _bytes(r["cache_bytes_total"]), _bytes(r["peak_memory_bytes"]),
-                    f"{_ms(roof['bound_ms'])} {roof['bound'][:3]}" if roof else "-",
+                    format_bytes(r["cache_bytes_per_token"]), format_bytes(r["cache_bytes_total"]),
+                    format_bytes(r["peak_memory_bytes"]),
+                    f"{format_ms(roof['bound_ms'])} {roof['bound'][:3]}" if roof else "-",
                     f"{roof['achieved_over_bound']:.2f}x" if roof else "-"))
     return out
 
@@ -43,7 +32,7 @@ def format_table(report: dict) -> str:
     """The plain-text table the command prints, plus the machine line, unavailable paths and the targets."""
     rows = [TABLE_HEAD] + [tuple(str(x) for x in r) for r in table_rows(report)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(TABLE_HEAD))]
-    lines = [_machine_line(report), report["unit"], ""]
+    lines = [machine_line(report), report["unit"], ""]
     for i, r in enumerate(rows):
         lines.append("  ".join(x.rjust(w) if 0 < j < len(r) - 1 else x.ljust(w) for j, (x, w) in enumerate(zip(r, widths))).rstrip())
         if i == 0:
@@ -61,25 +50,11 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _machine_line(report: dict) -> str:
-    m = report["machine"]
-    bw, gemm = m.get("read_gbps"), m.get("gemm_gflops")
-    text = f"{m['cpu']}, {m['threads']} threads"
-    if bw and gemm:
-        text += (f"; read bandwidth {bw['median']:.1f} GB/s (min {bw['min']:.1f}, max {bw['max']:.1f}, n={bw['n']}); "
-                 f"fp32 GEMM {gemm['median']:.0f} GFLOP/s (min {gemm['min']:.0f}, max {gemm['max']:.0f})")
-    if m.get("loadavg_1min_during_run"):
-        load = m["loadavg_1min_during_run"]
-        text += (f"; 1-min load average during the run {load['median']:.2f} (min {load['min']:.2f}, max "
-                 f"{load['max']:.2f}; {m['threads']} threads of this bench count toward it)")
-    return text
-
-
 def markdown(report: dict) -> str:
     """bench.md: the protocol, the table per batch size, the unavailable paths, the targets."""
     p = report["protocol"]
-    lines = [f"# mla-deploy bench: {report['model']['name']}", "",
-             f"Unit: {report['unit']}.", "", f"Machine: {_machine_line(report)}.", "",
+    lines = [f"# mla-deploy bench attention: {report['model']['name']}", "",
+             f"Unit: {report['unit']}.", "", f"Machine: {machine_line(report)}.", "",
              f"Protocol: {p['threads']} threads, {p['warmup']} warm-up calls, up to {p['repeat']} timed calls "
              f"(at most {p['max_seconds_per_point']:g} s) per point and pass, {p['passes']} pass(es); {p['order']}; "
              f"{p['latency']}. ORT: {p['ort']}. Static capacity {p['static_capacity']}. {p['roofline']}.", ""]
@@ -91,15 +66,16 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         if r["status"] != "ok":
             cells = [r["path"], r["context"], r["batch"], f"**{r['status']}**: {r.get('detail') or ''}"] + [""] * 5 + \
-                    [_bytes(r["cache_bytes_per_token"]), _bytes(r["cache_bytes_total"])] + [""] * 5
+                    [format_bytes(r["cache_bytes_per_token"]), format_bytes(r["cache_bytes_total"])] + [""] * 5
         else:
             lat, roof = r["latency_ms"], r.get("roofline")
             cells = [r["path"], r["context"], r["batch"], f"{lat['median']:.2f}", f"{lat['p10']:.2f}-{lat['p90']:.2f}",
                      " / ".join(f"{m:.2f}" for m in lat["pass_medians"]), f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup_vs_naive']:.1f}x" if r.get("speedup_vs_naive") else "-",
                      f"{r['static_speedup_over_concat']:.2f}x" if r.get("static_speedup_over_concat") else "-",
-                     _bytes(r["cache_bytes_per_token"]), _bytes(r["cache_bytes_total"]), _bytes(r["peak_memory_bytes"]),
-                     f"{_ms(roof['bound_ms'])} ({roof['bound']})" if roof else "-",
+                     format_bytes(r["cache_bytes_per_token"]), format_bytes(r["cache_bytes_total"]),
+                    format_bytes(r["peak_memory_bytes"]),
+                     f"{format_ms(roof['bound_ms'])} ({roof['bound']})" if roof else "-",
                      f"{roof['bound_over_achieved']:.2f}" if roof else "-",
                      f"{roof['achieved_over_bound']:.2f}x" if roof else "-",
                      f"{r['max_abs_diff']:.1e} vs {r['reference_path']}" if r.get("max_abs_diff") is not None else "-"]
@@ -159,26 +135,3 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def write_outputs(report: dict, out: Path, to_markdown=markdown, to_plot=plot) -> dict[str, Path]:
-    """Write bench.json, bench.md and bench.png into ``out``: each to a temporary name, then renamed.
-
-    ``to_markdown(report) -> str`` and ``to_plot(report, path)`` make bench.md and bench.png (default: the
-    attention bench's); ``to_plot=None`` writes no bench.png."""
-    from ..artifact import atomic_file, atomic_write_text
-
-    files = {"bench.json": atomic_write_text(out / "bench.json", json.dumps(report, indent=2) + "\n"),
-             "bench.md": atomic_write_text(out / "bench.md", to_markdown(report))}
-    if to_plot is None:
-        return files
-    with atomic_file(out / "bench.png") as tmp:
-        to_plot(report, tmp)
-    files["bench.png"] = out / "bench.png"
-    return files
-
-
-#: public names of the formatting helpers, for other reports (the whole-model bench)
-format_bytes = _bytes
-format_ms = _ms
-machine_line = _machine_line

@@ -1,33 +1,32 @@
-"""``mla-deploy bench --whole-model``: the whole model's decode and prefill speed and memory, this project's
+"""``mla-deploy bench model``: the whole model's decode and prefill speed and memory, this project's
 exported artifact in ONNX Runtime beside transformers' own model on the same checkpoint, each against the
 bound this machine's bandwidth and GEMM rate (measured in the same run) put on the step.
 
 The driver prepares the artifacts (a checkpoint is exported into ``OUT/artifact``, and with ``--weights int8``
 ... also into ``OUT/artifact-int8`` ...; a preset's random checkpoint is first written to ``OUT/checkpoint``;
-all are reused by a later run on the same model), then runs every part in a process of its own
-(:mod:`.whole_worker`): probes of the machine, ``ours`` on each artifact (``ours``, ``ours-int8``, ...) and the
-routing reference of each, ``transformers``, and writes ``bench.json`` and ``bench.md`` (:mod:`.whole_report`).
+all are reused by a later run on the same model), then runs every part in a process of its own (:mod:`.worker`,
+through the shared harness :mod:`..harness`): probes of the machine, ``ours`` on each artifact (``ours``,
+``ours-int8``, ...) and the routing reference of each, ``transformers``, and writes ``bench.json`` and ``bench.md``
+(:mod:`.report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ExportError, InputError
-from . import machine
-from .roofline import PROCESS_OVERHEAD
-from .whole_cost import manifest_weight_groups, weight_groups
-from .whole_spec import TRANSFORMERS, WholeModelSpec, ours_path, points
+from ...errors import ExportError, InputError
+from .. import machine
+from ..bound import PROCESS_OVERHEAD
+from ..harness import run_points
+from .cost import manifest_weight_groups, weight_groups
+from .spec import TRANSFORMERS, WholeModelSpec, ours_path, points
 
 #: marks ``OUT/checkpoint`` as written by the bench, with what it holds (a later run reuses it when equal)
 CHECKPOINT_RECORD = "checkpoint.json"
@@ -94,7 +93,7 @@ def _check_disk(folder: Path, need: int, what: str) -> None:
 def _random_checkpoint(config, folder: Path, seed: int, std: float, echo) -> tuple[float, str]:
     """Write ``config``'s random fp32 checkpoint to ``folder`` unless the bench already wrote the same one there.
     Returns (seconds, what was done)."""
-    from ..random_checkpoint import write_random_checkpoint
+    from ...random_checkpoint import write_random_checkpoint
 
     record_file = folder.parent / CHECKPOINT_RECORD
     wanted = {"config": config.to_dict(), "seed": seed, "std": std, "dtype": "fp32"}
@@ -112,7 +111,7 @@ def _random_checkpoint(config, folder: Path, seed: int, std: float, echo) -> tup
     record_file.unlink(missing_ok=True)
     write_random_checkpoint(config, folder, dtype="fp32", seed=seed, std=std,
                             progress=_every(10.0, echo, "checkpoint"))
-    from ..artifact import atomic_write_text
+    from ...artifact import atomic_write_text
 
     atomic_write_text(record_file, json.dumps(wanted, indent=2) + "\n")
     return time.perf_counter() - start, f"wrote a random fp32 checkpoint (seed {seed}, std {std}) to {folder}"
@@ -121,10 +120,10 @@ def _random_checkpoint(config, folder: Path, seed: int, std: float, echo) -> tup
 def _export(recipe, checkpoint: Path, artifact: Path, echo) -> tuple[object, float, str]:
     """Export ``checkpoint`` with ``recipe``'s settings to ``artifact`` (as ``mla-deploy export --hf`` does), unless
     it already holds that export. Returns (manifest, seconds, what was done)."""
-    from ..artifact import MANIFEST, load_manifest
-    from ..checkpoint import CheckpointTensors
-    from ..errors import ArtifactError
-    from ..exporter import export_recipe, fingerprint
+    from ...artifact import MANIFEST, load_manifest
+    from ...checkpoint import CheckpointTensors
+    from ...errors import ArtifactError
+    from ...exporter import export_recipe, fingerprint
 
     source = CheckpointTensors(checkpoint)  # read one tensor at a time while the weights are written
     weights = source.weights_source()
@@ -156,6 +155,45 @@ def _require_fit(config, spec: WholeModelSpec) -> None:
                          f"N) or an artifact exported in a smaller precision (--artifact)")
 
 
+def _as_given(spec: WholeModelSpec) -> Prepared:
+    """``--artifact``: the artifact as exported, and the checkpoint its manifest names (if a folder)."""
+    from ...artifact import load_manifest
+    from ...engines.ort_engine import check_precision
+
+    manifest = load_manifest(spec.location)
+    check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (worker)
+    weights = manifest.weights
+    checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
+    scheme = manifest.weight_quantization
+    variant = Variant(ours_path(scheme.weights if scheme else "float"), Path(spec.location), manifest)
+    return Prepared([variant], checkpoint, [f"benched the artifact {spec.location} as given"])
+
+
+def _source(spec: WholeModelSpec, out: Path, echo, prepared: Prepared):
+    """The recipe to export and the checkpoint folder it reads (``prepared.checkpoint``): ``--hf`` as given, a
+    preset or recipe written as a random fp32 checkpoint into ``out/checkpoint`` first."""
+    from ...config import from_hf_config
+    from ...recipe import Recipe, load_recipe
+
+    if spec.source == "hf":
+        checkpoint = Path(spec.location)
+        base = Recipe(name=checkpoint.resolve().name, model=from_hf_config(checkpoint), source=str(checkpoint))
+        _require_fit(base.model, spec)
+        out.mkdir(parents=True, exist_ok=True)
+        prepared.checkpoint = checkpoint
+        return base
+    recipe = load_recipe(spec.location)
+    model = recipe.model.first_layers(spec.layers) if spec.layers else recipe.model
+    _require_fit(model, spec)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared.checkpoint = out / "checkpoint"
+    seconds, note = _random_checkpoint(model, prepared.checkpoint, spec.seed, recipe.export.init_std, echo)
+    prepared.seconds["checkpoint"] = seconds
+    prepared.notes.append(note)
+    # the checkpoint's own config (what transformers and the reference read), under the preset's name
+    return recipe.replace(model=from_hf_config(prepared.checkpoint).replace(name=model.name))
+
+
 def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Prepared:
     """The artifact to bench, and the checkpoint beside it: ``--artifact`` as given; ``--hf`` exported into
     ``out/artifact``; a preset or recipe written as a random fp32 checkpoint into ``out/checkpoint`` (seed
@@ -168,51 +206,26 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
         InputError: the model's fp32 weights do not fit this machine's memory, or its files do not fit the disk.
         ExportError: ``out/checkpoint`` holds something the bench did not write.
         RuntimeMissingError: an artifact ONNX Runtime's CPU provider cannot run (bf16)."""
-    from ..artifact import load_manifest
-    from ..cache_layout import STATIC
-    from ..config import from_hf_config
-    from ..recipe import Recipe, load_recipe
+    from ...cache_layout import STATIC
 
     if spec.source == "artifact":
-        from ..engines.ort_engine import check_precision
-
-        manifest = load_manifest(spec.location)
-        check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (whole_worker)
-        weights = manifest.weights
-        checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
-        scheme = manifest.weight_quantization
-        variant = Variant(ours_path(scheme.weights if scheme else "float"), Path(spec.location), manifest)
-        return Prepared([variant], checkpoint, [f"benched the artifact {spec.location} as given"])
-    notes, seconds = [], {}
-    if spec.source == "hf":
-        checkpoint = Path(spec.location)
-        base = Recipe(name=checkpoint.resolve().name, model=from_hf_config(checkpoint), source=str(checkpoint))
-        _require_fit(base.model, spec)
-        out.mkdir(parents=True, exist_ok=True)
-    else:
-        recipe = load_recipe(spec.location)
-        model = recipe.model.first_layers(spec.layers) if spec.layers else recipe.model
-        _require_fit(model, spec)
-        out.mkdir(parents=True, exist_ok=True)
-        checkpoint = out / "checkpoint"
-        seconds["checkpoint"], note = _random_checkpoint(model, checkpoint, spec.seed, recipe.export.init_std, echo)
-        notes.append(note)
-        # the checkpoint's own config (what transformers and the reference read), under the preset's name
-        base = recipe.replace(model=from_hf_config(checkpoint).replace(name=model.name))
+        return _as_given(spec)
+    prepared = Prepared([], None)
+    base = _source(spec, out, echo, prepared)
     # the recipe's capacity stays a floor (the export traces its graphs within it); the engine sizes each
     # point's cache itself
     settings = dataclasses.replace(base.export, precision="fp32", cache_mode=STATIC.mode, decode_attention="standard",
                                    max_cache_length=max(spec.capacity, base.export.max_cache_length),
                                    weights="float", block_size=32)
-    variants = []
     for weights in spec.weights:
         scheme = settings if weights == "float" else dataclasses.replace(
             settings, weights=weights, block_size=spec.block_size or settings.block_size)
         folder = out / ("artifact" if weights == "float" else f"artifact-{weights}")
-        manifest, seconds[f"export {weights}"], note = _export(base.replace(export=scheme), checkpoint, folder, echo)
-        notes.append(note)
-        variants.append(Variant(ours_path(weights), folder, manifest))
-    return Prepared(variants, checkpoint, notes, seconds)
+        manifest, seconds, note = _export(base.replace(export=scheme), prepared.checkpoint, folder, echo)
+        prepared.seconds[f"export {weights}"] = seconds
+        prepared.notes.append(note)
+        prepared.variants.append(Variant(ours_path(weights), folder, manifest))
+    return prepared
 
 
 def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
@@ -255,16 +268,14 @@ def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
 
 
 def _transformers_status(spec: WholeModelSpec, prepared: Prepared, too_big: str | None) -> dict:
-    from .hf_path import transformers_version
-
     reason = None
     if not spec.transformers:
         reason = "skipped (--no-transformers)"
-    elif transformers_version() is None:
+    elif machine.package_version("transformers") is None:
         reason = "transformers is not installed"
     elif prepared.checkpoint is None:
         reason = (f"the artifact's weights are of kind {prepared.manifest.weights.kind!r}, not a checkpoint folder "
-                  f"transformers can load (bench --hf or --preset writes and uses one)")
+                  f"transformers can load (bench model --hf or --preset writes and uses one)")
     elif not prepared.checkpoint.is_dir():
         reason = f"the checkpoint {prepared.checkpoint} named by the artifact is not there"
     elif too_big:
@@ -272,70 +283,60 @@ def _transformers_status(spec: WholeModelSpec, prepared: Prepared, too_big: str 
     return {"available": reason is None, "reason": reason}
 
 
-def _spawn(job: dict, stem: Path, threads: int, echo) -> tuple[int, str]:
-    """Run one worker on ``job``; echo its progress lines. Returns (exit status, last stderr line)."""
-    job_file = stem.with_suffix(".job.json")
-    job_file.write_text(json.dumps(job))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "OPENBLAS_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    err_file = stem.with_suffix(".stderr")
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "mla_deploy.bench.whole_worker", str(job_file)],
-                                stdout=subprocess.PIPE, stderr=err, env=env, text=True)
-        for line in proc.stdout:
-            echo(f"  {line.rstrip()}")
-        proc.wait()
-    lines = [ln for ln in err_file.read_text(errors="replace").splitlines() if ln.strip()]
-    return proc.returncode, (lines[-1][:300] if lines else "")
-
-
 def run_role(role: str, base_job: dict, keys: list[str], work: Path, threads: int, echo,
              name: str | None = None) -> dict:
-    """Run ``role`` over the points ``keys`` in fresh processes until each point has a record (a process killed
-    at a point, e.g. by the kernel's OOM killer, is restarted on the points after it). ``name``: how its files
-    and progress lines call it (default: ``role``).
+    """Run ``role`` over the points ``keys`` in fresh processes until each point has a record (the shared
+    harness, :func:`~..harness.run_points`: a process killed at a point, e.g. by the kernel's OOM killer, is
+    restarted on the points after it). ``name``: how its files and progress lines call it (default: ``role``).
 
     Returns: ``{"records": {key: record}, "probes", "info", "load_seconds", "peak_rss_after_load_bytes",
     "restarts", "failure"}`` (``failure``: why the worker died before its first point, else None)."""
     name = name or role
-    merged = {"records": {}, "probes": [], "info": None, "load_seconds": None, "peak_rss_after_load_bytes": None,
-              "restarts": 0, "failure": None}
-    remaining = list(keys)
-    for attempt in range(len(keys) + 1):
-        stem = work / f"{name}_{attempt}"
-        job = {**base_job, "role": role, "name": name, "points": remaining,
-               "result": str(stem.with_suffix(".result.json"))}
-        code, last = _spawn(job, stem, threads, echo)
-        result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).is_file() else {}
-        merged["probes"] += result.get("probes", [])
-        for key in ("info", "load_seconds", "peak_rss_after_load_bytes"):
-            merged[key] = merged[key] if result.get(key) is None else result[key]
-        for record in result.get("points", []):
-            merged["records"][record["point"]] = record
-        remaining = [k for k in remaining if k not in merged["records"]]
-        if code == 0:
-            break
-        killed = code in (-9, 137)
-        why = "was killed by signal 9 (the kernel's OOM killer?)" if killed else f"failed (exit {code}): {last}"
-        current = result.get("current")
-        if current is None:
-            merged["failure"] = f"the {name} process {why} before its first point"
-            break
-        merged["records"][current] = {"point": current, "status": "out of memory" if killed else "error",
-                                      "detail": f"the process {why} at this point"}
-        remaining = [k for k in remaining if k != current]
-        if not remaining:
-            break
-        merged["restarts"] += 1
-        echo(f"  {name}: the process stopped at {current}; restarting on {len(remaining)} point(s)")
-    return merged
+    runs = run_points(f"{__package__}.worker", {**base_job, "role": role, "name": name}, keys, work, name, threads,
+                      echo, stream=True)
+    return {"records": {r["point"]: r for r in runs.records}, "probes": runs.probes, "info": runs.last("info"),
+            "load_seconds": runs.last("load_seconds"),
+            "peak_rss_after_load_bytes": runs.last("peak_rss_after_load_bytes"), "restarts": runs.restarts,
+            "failure": runs.failure}
+
+
+def _run_paths(spec: WholeModelSpec, prepared: Prepared, status: dict, routing: dict, work: Path, echo):
+    """Every available path in turn, each in processes of its own, with a machine probe before each timed path
+    and at the end. Returns (results per path, routing results per ``ours`` path, probes, routing)."""
+    keys = points(spec)
+    base = {"spec": spec.to_dict(), "capacity": spec.capacity,
+            "checkpoint": str(prepared.checkpoint) if prepared.checkpoint else None}
+    results, routed, probes = {}, {}, []
+
+    def probe() -> None:
+        probes.extend(run_role("probe", base, [], work, spec.threads, echo)["probes"])
+
+    probe()
+    for variant in prepared.variants:
+        if not status[variant.path]["available"]:
+            continue
+        job = {**base, "artifact": str(variant.artifact)}
+        results[variant.path] = run_role("ours", job, keys, work, spec.threads, echo, variant.path)
+        if routing["method"] == "measured":  # the reference of this artifact's weights, on its tokens
+            tokens = {k: r["tokens"] for k, r in results[variant.path]["records"].items()
+                      if r.get("status") == "ok" and "tokens" in r}
+            routed[variant.path] = run_role("routing", {**job, "tokens": tokens}, keys, work, spec.threads, echo,
+                                            f"routing {variant.path}")
+    if routing["method"] == "measured" and routed and all(r["failure"] for r in routed.values()):
+        routing = {"method": "uniform", "reason": next(iter(routed.values()))["failure"]}
+    if status[TRANSFORMERS]["available"]:
+        probe()
+        results[TRANSFORMERS] = run_role(TRANSFORMERS, {**base, "artifact": str(prepared.artifact)}, keys, work,
+                                         spec.threads, echo)
+    probe()
+    return results, routed, probes, routing
 
 
 def run_whole_model(spec: WholeModelSpec, out_dir: str | Path, echo: Callable[[str], None] | None = None,
                     command: str | None = None) -> dict:
     """Run ``spec``; write ``bench.json`` and ``bench.md`` into ``out_dir`` (atomically) and return the report."""
-    from .output import write_outputs
-    from .whole_report import build_report, markdown
+    from ..reporting import write_outputs
+    from .report import build_report, markdown
 
     echo = echo or (lambda line: None)
     out = Path(out_dir)
@@ -351,34 +352,9 @@ def run_whole_model(spec: WholeModelSpec, out_dir: str | Path, echo: Callable[[s
         echo(f"routed experts: {routing['method']} ({routing['reason']})")
     work = Path(tempfile.mkdtemp(prefix=".bench-work-", dir=out))
     try:
-        keys = points(spec)
-        base = {"spec": spec.to_dict(), "capacity": spec.capacity,
-                "checkpoint": str(prepared.checkpoint) if prepared.checkpoint else None}
-        results, routed, probes = {}, {}, []
-
-        def probe() -> None:
-            probes.extend(run_role("probe", base, [], work, spec.threads, echo)["probes"])
-
-        probe()
-        for variant in prepared.variants:
-            if not status[variant.path]["available"]:
-                continue
-            job = {**base, "artifact": str(variant.artifact)}
-            results[variant.path] = run_role("ours", job, keys, work, spec.threads, echo, variant.path)
-            if routing["method"] == "measured":  # the reference of this artifact's weights, on its tokens
-                tokens = {k: r["tokens"] for k, r in results[variant.path]["records"].items()
-                          if r.get("status") == "ok" and "tokens" in r}
-                routed[variant.path] = run_role("routing", {**job, "tokens": tokens}, keys, work, spec.threads, echo,
-                                                f"routing {variant.path}")
-        if routing["method"] == "measured" and routed and all(r["failure"] for r in routed.values()):
-            routing = {"method": "uniform", "reason": next(iter(routed.values()))["failure"]}
-        if status[TRANSFORMERS]["available"]:
-            probe()
-            results[TRANSFORMERS] = run_role(TRANSFORMERS, {**base, "artifact": str(prepared.artifact)}, keys, work,
-                                             spec.threads, echo)
-        probe()
+        results, routed, probes, routing = _run_paths(spec, prepared, status, routing, work, echo)
         report = build_report(spec, prepared, status, routing, results, routed, probes, described, started, command)
-        write_outputs(report, out, to_markdown=markdown, to_plot=None)
+        write_outputs(report, out, markdown)
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
