@@ -230,3 +230,40 @@ def test_the_two_benches_share_the_harness_and_import_nothing_from_each_other():
     assert not crossings, f"imports between the benches (or from a shared module into one): {crossings}"
     for bench in BENCHES:  # both run their workers through the shared harness
         assert any("mla_deploy.bench.harness" in deps for module, deps in graph.items() if _bench_of(module) == bench)
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``file:line name`` of every private name ``path`` reads from another object or module: ``x._name`` where
+    ``x`` is not ``self``/``cls`` or a class of ``path``, and ``from m import _name``."""
+    hits, tree = [], ast.parse(path.read_text())
+    own = {"self", "cls"} | {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            name = node.attr
+        elif isinstance(node, ast.ImportFrom):
+            owner, name = None, next((a.name for a in node.names if a.name.startswith("_")), "")
+        else:
+            continue
+        if name.startswith("_") and not name.startswith("__") and owner not in own:
+            hits.append(f"{path.name}:{node.lineno} {name}")
+    return hits
+
+
+def test_private_reach_detector_finds_planted_reaches(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text("from .m import _helper, ok\n\nclass A:\n    @staticmethod\n    def _check(): ...\n\n"
+                       "def f(engine):\n    return engine._run(), engine.step(), self._own, A._check(),"
+                       " type(engine).__name__\n")
+    assert private_reaches(planted) == ["x.py:1 _helper", "x.py:8 _run"]
+
+
+def test_the_generation_package_drives_engines_through_their_public_interface():
+    """The loop, sampling and text read no private name of an engine (or of any other module), and import
+    nothing from mla_deploy.engines: they drive mla_deploy.generate.engine.GenerationEngine."""
+    files = sorted((PACKAGE / "generate").rglob("*.py"))
+    assert {p.name for p in files} >= {"loop.py", "engine.py", "text.py"}
+    hits = [hit for path in files for hit in private_reaches(path)]
+    assert not hits, f"mla_deploy/generate reaches private names: {hits}"
+    engines = [f"{path.name}: {i}" for path in files for i in imports_from(path, "mla_deploy.engines")]
+    assert not engines, f"mla_deploy/generate imports from mla_deploy.engines: {engines}"

@@ -293,7 +293,7 @@ class SamplingArgs(OptionGroup):
                 seed_option("Seed of the sampling (the same seed repeats the same text).")]
 
     def parse(self, values: dict[str, Any]):
-        from ..sampling import SamplingConfig
+        from ..generate.sampling import SamplingConfig
 
         return SamplingConfig(values["temperature"], values["top_k"], values["top_p"], values["seed"])
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from ..errors import InputError
 from .groups import PromptArgs, Prompts, Runtime, RuntimeArgs, SamplingArgs
+from .live import generate_and_show
 from .options import Int
 
 
@@ -23,9 +22,9 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
     """Generate from an exported artifact with ONNX Runtime: text in and text out (--prompt, streamed as it is
     generated), or token ids (--prompt-ids). Stops at the checkpoint's end-of-sequence ids and --stop strings;
     greedy unless --temperature > 0."""
-    from ..engines.base import check_positions
     from ..engines.ort_engine import OrtEngine
-    from ..tokenizer import load_tokenizer
+    from ..generate.request import check_positions
+    from ..generate.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(artifact)
     ids = _prompt_ids(prompts, tokenizer, artifact)
@@ -33,18 +32,15 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
     warning = check_positions(engine.config, max((len(p) for p in ids), default=0), max_new_tokens, allow_long)
     if warning:
         click.echo(f"mla-deploy: warning: {warning}", err=True)
-    if tokenizer is None:
-        result, texts = engine.generate(ids, max_new_tokens, sampling), None
-    else:
-        result, texts = _stream(engine, tokenizer, ids, max_new_tokens, sampling, prompts.stop,
-                                live=bool(prompts.texts) and len(ids) == 1 and not as_json)
+    result, texts = generate_and_show(engine, tokenizer, ids, max_new_tokens, sampling, prompts.stop,
+                                      bool(prompts.texts), as_json)
     info = engine.info()
     if as_json:
         import json
 
         click.echo(json.dumps(_run_record(result, info, ids, texts, sampling), indent=2, ensure_ascii=False))
     else:
-        _print_result(result, texts, info, bool(prompts.texts))
+        _print_timings(result, info, bool(prompts.texts))
 
 
 def _prompt_ids(prompts: Prompts, tokenizer, artifact) -> list[list[int]]:
@@ -54,35 +50,13 @@ def _prompt_ids(prompts: Prompts, tokenizer, artifact) -> list[list[int]]:
                          f"one), so {'--prompt' if prompts.texts else '--stop'} cannot be used; give --prompt-ids")
     if not prompts.texts:
         return list(prompts.ids)
-    from ..text import encode_prompts
+    from ..generate.text import encode_prompts
 
     return encode_prompts(tokenizer, list(prompts.texts), prompts.chat, prompts.system)
 
 
-def _stream(engine, tokenizer, ids, max_new_tokens, sampling, stop, live: bool):
-    """Generate with text: (the generation, each sequence's text); ``live`` prints the text as it comes."""
-    from ..text import stream_text
-
-    stream = stream_text(engine, tokenizer, ids, max_new_tokens, sampling, stop)
-    for piece in stream:
-        if live:
-            click.echo(piece.text, nl=False)
-            sys.stdout.flush()
-    done = stream.result()
-    if live:
-        click.echo("")
-    return done.generation, done.texts
-
-
-def _print_result(result, texts, info: dict, from_text: bool) -> None:
-    """The sequences (text, or token ids) on stdout; the timings line (on stderr after text)."""
-    if from_text and len(result.tokens) > 1:
-        for i, (text, tokens) in enumerate(zip(texts, result.tokens)):
-            click.echo(f"--- sequence {i} ({len(tokens)} tokens, {result.finish_reasons[i]}) ---")
-            click.echo(text)
-    elif not from_text:
-        for i, tokens in enumerate(result.tokens):
-            click.echo(f"sequence {i}: {','.join(map(str, tokens))}")
+def _print_timings(result, info: dict, from_text: bool) -> None:
+    """The timings line (on stderr after text; the sequences were printed by :func:`.live.generate_and_show`)."""
     per_sequence = ", ".join(f"{t:.1f}" for t in result.sequence_tokens_per_second)
     click.echo(f"provider {result.provider}; {info['precision']}, {info['cache_mode']} cache; batch "
                f"{len(result.tokens)}; time to first token {result.prefill_seconds * 1e3:.1f} ms; decode "

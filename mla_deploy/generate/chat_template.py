@@ -17,7 +17,7 @@ import json
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def render_chat(template: str, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str],

@@ -1,4 +1,4 @@
-"""The artifact's tokenizer (mla_deploy.tokenizer, mla_deploy.chat_template) against transformers' own, on a
+"""The artifact's tokenizer (mla_deploy.generate.tokenizer, mla_deploy.generate.chat_template) against transformers' own, on a
 byte-level BPE tokenizer trained offline on text with Chinese and emoji and saved by transformers: the ids of
 ``tokenizer(text)`` (BOS from the post-processor, or none), the chat template's text and ids, the
 end-of-sequence ids, and the incremental detokenizer on multi-byte characters split across tokens."""
@@ -14,9 +14,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from hf_oracle import CORPUS, hf_tokenizer  # noqa: E402
-from mla_deploy.chat_template import render_chat  # noqa: E402
+from mla_deploy.generate.chat_template import render_chat  # noqa: E402
 from mla_deploy.errors import ArtifactError, InputError  # noqa: E402
-from mla_deploy.tokenizer import ArtifactTokenizer  # noqa: E402
+from mla_deploy.generate.tokenizer import ArtifactTokenizer  # noqa: E402
 
 TEXTS = CORPUS + ["", "  leading spaces", "mixed 中文 and emoji 🎉🙂 end", "<s> literal specials </s>",
                   "unseen 字符 ☃ and 🦀", "line\nbreaks\ttabs"]

@@ -1,4 +1,4 @@
-"""Sampling (mla_deploy.sampling): the config's checks, greedy and top-k 1 as the argmax, a seed that repeats,
+"""Sampling (mla_deploy.generate.sampling): the config's checks, greedy and top-k 1 as the argmax, a seed that repeats,
 and a statistical test that the draws follow the softmax at the temperature after top-k / top-p truncation."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mla_deploy.errors import InputError
-from mla_deploy.sampling import SamplingConfig, next_tokens, token_probabilities
+from mla_deploy.generate.sampling import SamplingConfig, next_tokens, token_probabilities
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
 DRAWS = 20_000

@@ -1,4 +1,4 @@
-"""Text generation over the engine's loop (mla_deploy.text): a scripted engine emits known ids, the real test
+"""Text generation over the engine's loop (mla_deploy.generate.text): a scripted engine emits known ids, the real test
 tokenizer decodes them; streamed pieces, stop strings held back and cut, end-of-sequence ids, chat prompts."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hf_oracle import hf_tokenizer  # noqa: E402
 from mla_deploy.cache_layout import CONCAT  # noqa: E402
 from mla_deploy.engines.base import Engine  # noqa: E402
 from mla_deploy.errors import InputError  # noqa: E402
-from mla_deploy.text import encode_prompts, generate_text, stream_text  # noqa: E402
-from mla_deploy.tokenizer import ArtifactTokenizer  # noqa: E402
+from mla_deploy.generate.text import encode_prompts, generate_text, stream_text  # noqa: E402
+from mla_deploy.generate.tokenizer import ArtifactTokenizer  # noqa: E402
 
 
 class ScriptedEngine(Engine):
@@ -105,3 +105,52 @@ def test_encode_prompts(tokenizer):
         encode_prompts(tokenizer, ["hi"], system="sys")
     with pytest.raises(InputError, match="stop string cannot be empty"):
         run(tokenizer, ["x"], stop=[""])
+
+
+# what `mla-deploy run` prints when it is interrupted (mla_deploy.cli.live) -----------------------------------
+class Interrupting(ScriptedEngine):
+    """Raises KeyboardInterrupt (as Ctrl-C does) in its ``after``-th graph run."""
+
+    def __init__(self, scripts, vocab, after):
+        super().__init__(scripts, vocab)
+        self.after = after
+
+    def _run(self, role, ids, positions, logits_index, control, state):
+        if self.calls == self.after:
+            raise KeyboardInterrupt
+        return super()._run(role, ids, positions, logits_index, control, state)
+
+
+@pytest.fixture
+def signal_handlers():
+    """The process's signal handlers, restored after the test (the interruption ignores later signals)."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("mode", ["one text", "texts", "one ids", "ids", "json"])
+def test_an_interrupted_run_prints_what_was_generated(tokenizer, capsys, signal_handlers, mode):
+    """Ctrl-C after 4 tokens: the streamed line is ended as it stands, a batch is printed with what each sequence
+    has, --json prints nothing; then the signal goes on to the error contract (one line, exit 130)."""
+    import signal
+
+    from mla_deploy.cli.contract import Interrupted
+    from mla_deploy.cli.live import generate_and_show
+
+    batch = 1 if mode.startswith("one") or mode == "json" else 2
+    script = tokenizer.encode("Hello world, hello again and again", add_special_tokens=False)
+    engine = Interrupting([script] * batch, tokenizer.backend.get_vocab_size(), after=4)
+    with_text = "text" in mode or mode == "json"
+    with pytest.raises(Interrupted) as interrupted:
+        generate_and_show(engine, tokenizer if with_text else None, [[0]] * batch, 40, None, (), with_text,
+                          mode == "json")
+    assert interrupted.value.signum == signal.SIGINT
+    ids, text = script[:4], tokenizer.decode(script[:4])
+    want = {"one text": f"{text}\n", "one ids": f"sequence 0: {','.join(map(str, ids))}\n", "json": "",
+            "texts": "".join(f"--- sequence {i} (4 tokens, interrupted) ---\n{text}\n" for i in range(2)),
+            "ids": "".join(f"sequence {i}: {','.join(map(str, ids))}\n" for i in range(2))}
+    assert capsys.readouterr().out == want[mode] and text.startswith("Hello")
