@@ -43,6 +43,7 @@ from torch import nn
 
 from ..artifact import atomic_dir, copy_tokenizer_files
 from ..artifact.files import remove_stale
+from ..artifact.manifest import GENAI_CONFIG
 from ..artifact.tokenizer_files import TOKENIZER_FILES
 from ..errors import ConfigError, ExportError
 from ..io_spec import BATCH, CAPACITY, PRECISIONS, SEQ, TOTAL, TensorSpec
@@ -50,7 +51,6 @@ from ..model import MLAForCausalLM
 from ..model.cache import MaskedBlockCache
 from ..recipe import Recipe
 
-GENAI_CONFIG = "genai_config.json"
 GRAPH_FILE = "model.onnx"
 #: the files a genai export writes (re-exporting replaces these and keeps anything else in the folder)
 GENAI_FILES = (GENAI_CONFIG, GRAPH_FILE, "weights.data", *TOKENIZER_FILES)
