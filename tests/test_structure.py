@@ -1,5 +1,6 @@
 """The package's structure, checked from its source: no import cycle, one owner for the cache mode, the
-TensorRT engine independent of the ONNX Runtime one, bench on public names only.
+TensorRT engine independent of the ONNX Runtime one, bench on public names only, no private name imported across
+modules, every export target through the one export pipeline.
 
 Every check reads the real source files with ``ast`` (imports inside functions included) and is shown to fail
 on a planted violation first, so none of them passes vacuously.
@@ -139,9 +140,10 @@ def test_the_cache_mode_is_branched_on_only_by_the_layouts():
     assert not hits, f"branches on the cache mode outside cache_layout.py: {hits}"
 
 
-def imports_from(path: Path, package: str) -> list[str]:
-    """``module:name`` of every import in ``path`` (relative imports resolved) that reaches into ``package``."""
-    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def imports_from(path: Path, package: str, root: Path = PACKAGE) -> list[str]:
+    """``module:name`` of every import in ``path`` (a module of the package at ``root``; relative imports resolved)
+    that reaches into ``package``."""
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
@@ -179,3 +181,54 @@ def test_bench_uses_only_public_names(package, root_only):
                     or (root_only and module != package and not f"{module}.{name}" == package)):
                 private.append(f"{path.name}: {item}")
     assert not private, f"bench imports private names of {package}: {private}"
+
+
+def private_imports(path: Path, root: Path = PACKAGE) -> list[str]:
+    """``module:name`` of every name with a leading underscore that ``path`` imports from the package."""
+    return [item for item in imports_from(path, "mla_deploy", root)
+            if item.partition(":")[2].startswith("_") and item.partition(":")[2] != "__version__"]
+
+
+def test_private_import_detector_finds_a_planted_import(tmp_path):
+    planted = tmp_path / "mla_deploy" / "exporter" / "genai.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from .export import _save, run_export\ndef f():\n    from ..quant import _layout\n")
+    assert private_imports(planted, tmp_path / "mla_deploy") == ["mla_deploy.exporter.export:_save",
+                                                                 "mla_deploy.quant:_layout"]
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = [f"{path.relative_to(PACKAGE)}: {item}" for path in sorted(PACKAGE.rglob("*.py"))
+             for item in private_imports(path)]
+    assert not found, f"private names imported across modules: {found}"
+
+
+#: the steps only the one export pipeline (exporter/export.py) runs: every target goes through run_export
+PIPELINE_STEPS = {"atomic_dir", "make_weights", "save_graph", "quantize_graph_weights", "trace_meta_graph"}
+#: where they may be called: the pipeline, and the tracing pieces it is built from (trace_to_onnx saves an
+#: in-memory module's graph for the bench)
+PIPELINE_OWNERS = {"export.py", "onnx_export.py"}
+
+
+def pipeline_bypasses(path: Path) -> list[str]:
+    """Calls in ``path`` of a step of the export pipeline (``name:line``)."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in PIPELINE_STEPS:
+                hits.append(f"{path.name}:{name}:{node.lineno}")
+    return hits
+
+
+def test_pipeline_bypass_detector_finds_a_planted_call(tmp_path):
+    planted = tmp_path / "genai.py"
+    planted.write_text("def export(out):\n    with atomic_dir(out) as tmp:\n        files.save_graph(tmp)\n")
+    assert pipeline_bypasses(planted) == ["genai.py:atomic_dir:2", "genai.py:save_graph:3"]
+
+
+def test_every_export_target_goes_through_the_one_pipeline():
+    found = [hit for path in sorted((PACKAGE / "exporter").glob("*.py")) if path.name not in PIPELINE_OWNERS
+             for hit in pipeline_bypasses(path)]
+    assert not found, f"export steps called outside exporter/export.py's run_export: {found}"
