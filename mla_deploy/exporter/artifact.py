@@ -23,7 +23,9 @@ import torch
 
 from ..artifact import GraphEntry, Manifest, WeightsSource, copy_tokenizer_files, now
 from ..artifact.target import check_export_target
+from ..config import MLAConfig
 from ..model import MLAForCausalLM
+from ..quant import WeightQuantization
 from ..recipe import Recipe
 from .export import TORCH_DTYPES, Exported, GraphPlan, Log, decode_checks, nbytes, run_export, versions
 from .graphs import CausalLMGraph, example_decoder_inputs
@@ -96,11 +98,11 @@ class ArtifactTarget:
     fingerprint: str
 
     @property
-    def config(self):
+    def config(self) -> MLAConfig:
         return self.recipe.model
 
     @property
-    def quantization(self):
+    def quantization(self) -> WeightQuantization | None:
         return self.recipe.export.quantization
 
     @property
@@ -124,10 +126,10 @@ class ArtifactTarget:
         return check_export_target(out, self.fingerprint, overwrite)
 
     def graphs(self) -> list[GraphPlan]:
-        plans: dict[str, GraphPlan] = {}
-        for role, (file, form, attention) in self.roles().items():
-            served = [r for r, entry in self.roles().items() if entry[0] == file]
+        roles, plans = self.roles(), {}
+        for file, form, attention in roles.values():
             if file not in plans:
+                served = [role for role, entry in roles.items() if entry[0] == file]
                 plans[file] = self._plan(file, form, attention, " + ".join(served), "decode" in served)
         return list(plans.values())
 

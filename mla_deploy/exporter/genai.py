@@ -45,9 +45,11 @@ from torch import nn
 from ..artifact import copy_tokenizer_files
 from ..artifact.tokenizer_files import TOKENIZER_FILES
 from ..cache_layout import GENAI
+from ..config import MLAConfig
 from ..errors import ExportError
 from ..io_spec import BATCH, SEQ
 from ..model import MLAForCausalLM
+from ..quant import WeightQuantization
 from ..recipe import Recipe
 from .export import TORCH_DTYPES, Exported, GraphPlan, Log, decode_checks, run_export
 from .onnx_export import cached_dynamic_shapes
@@ -140,11 +142,11 @@ class GenaiTarget:
     checkpoint: str | Path | None = None
 
     @property
-    def config(self):
+    def config(self) -> MLAConfig:
         return self.recipe.model
 
     @property
-    def quantization(self):  # genai's sessions run MatMulNBits (or fuse QDQ into it) like ours
+    def quantization(self) -> WeightQuantization | None:  # genai's sessions run MatMulNBits like ours
         return self.recipe.export.quantization
 
     @property

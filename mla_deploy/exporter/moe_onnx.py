@@ -100,8 +100,8 @@ def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str
     (transposes, reshapes, one expert of a stacked tensor, dequantization, broadcasts: any of their other inputs
     holding no token) to the nodes that compute with it; one whose other operand holds every token is dense, unless
     the weight was gathered per token on the way (``W[idx]``, a selection at token-computed indices: each token's
-    own experts). Names of the attention's weights are never looked at, so an
-    attention product whose shape happens to match an expert's (heads == experts) is not mistaken for one.
+    own experts). Only the expert weights are followed, so an attention product whose shape happens to match an
+    expert's (as many heads as experts, ``kv_lora_rank == moe_intermediate_size``) is not mistaken for one.
 
     Args:
         model: the graph (nodes in graph order, as ``onnx.checker`` requires; nested graphs are read for the names
@@ -112,6 +112,8 @@ def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str
         ``["MatMul node (model.layers.1.mlp.experts.gate_up_proj.0.T with every token of x)", ...]``; empty when
         every expert product is computed on its routed tokens only (or there is none).
     """
+    if not expert_weights:
+        return []
     graph = model.graph
     tokens = _token_states(graph)
     # expert-derived value -> (whole | routed: gathered per token, the expert weight it comes from)
@@ -122,7 +124,8 @@ def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str
         if not used:
             continue
         others = [name for name in node.input if name and name not in weight]
-        derived, by_tokens = node.input[0] in weight, any(tokens.get(name) for name in others)
+        derived = bool(node.input) and node.input[0] in weight
+        by_tokens = any(tokens.get(name) for name in others)
         if derived and node.op_type in _SELECTIONS and by_tokens:  # each token's own experts: W[idx]
             weight.update({out: ("routed", weight[node.input[0]][1]) for out in node.output if out})
         elif derived and node.op_type in _WEIGHT_VIEWS | _SELECTIONS and not by_tokens:
