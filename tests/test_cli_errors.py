@@ -177,14 +177,20 @@ CASES = [
     ("validate_results_missing", ["validate", "art", "--load-results", "missing.json"], 1, ["missing.json"]),
     ("validate_results_garbage", ["validate", "art", "--load-results", "garbage.json"], 1, ["garbage.json"]),
     # bench (options are parsed before anything runs)
-    ("bench_no_source", ["bench"], 1, ["exactly one of --preset, --recipe"]),
-    ("bench_context_not_ints", ["bench", "--preset", "tiny", "--context", "1k"], 1, ["--context"]),
-    ("bench_threads_zero", ["bench", "--preset", "tiny", "--threads", "0"], 1, ["--threads must be >= 1"]),
-    ("bench_unknown_path", ["bench", "--preset", "tiny", "--paths", "warp-drive"], 1, ["warp-drive"]),
-    ("bench_misplaced_option", ["bench", "--whole-model", "--preset", "tiny", "--passes", "2"], 1,
-     ["--passes applies to the attention bench"]),
-    ("bench_hf_without_whole_model", ["bench", "--preset", "tiny", "--hf", "gelu"], 1,
-     ["--hf applies to --whole-model only"]),
+    ("bench_no_source", ["bench", "attention"], 1, ["exactly one of --preset, --recipe"]),
+    ("bench_model_no_source", ["bench", "model"], 1, ["exactly one of --artifact, --hf, --preset, --recipe"]),
+    ("bench_context_not_ints", ["bench", "attention", "--preset", "tiny", "--context", "1k"], 1, ["--context"]),
+    ("bench_threads_zero", ["bench", "attention", "--preset", "tiny", "--threads", "0"], 1,
+     ["--threads must be >= 1"]),
+    ("bench_unknown_path", ["bench", "attention", "--preset", "tiny", "--paths", "warp-drive"], 1, ["warp-drive"]),
+    ("bench_unknown_bench", ["bench", "warp-drive"], 2, ["No such command 'warp-drive'"]),
+    ("bench_misplaced_option", ["bench", "model", "--preset", "tiny", "--passes", "2"], 2,
+     ["--passes is an option of `bench attention`, not of `bench model`"]),
+    # the spelling from before the subcommands: routed to them
+    ("bench_old_spelling_misplaced", ["bench", "--whole-model", "--preset", "tiny", "--passes", "2"], 2,
+     ["--passes is an option of `bench attention`, not of `bench model`"]),
+    ("bench_hf_without_whole_model", ["bench", "--preset", "tiny", "--hf", "gelu"], 2,
+     ["--hf is an option of `bench model`, not of `bench attention`"]),
 ]
 
 
@@ -382,9 +388,9 @@ def test_internal_error_is_one_line_with_the_traceback_in_a_file():
     import click
     from click.testing import CliRunner
 
-    from mla_deploy.cli import EXIT_BUG, _Main
+    from mla_deploy.cli import EXIT_BUG, MainGroup
 
-    @click.group(cls=_Main)
+    @click.group(cls=MainGroup)
     def group():
         pass
 

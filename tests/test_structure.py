@@ -1,6 +1,7 @@
 """The package's structure, checked from its source: no import cycle, one owner for the cache mode, the
-TensorRT engine independent of the ONNX Runtime one, bench on public names only, no private name imported across
-modules, every export target through the one export pipeline.
+TensorRT engine independent of the ONNX Runtime one, bench on public names only, the two benches independent of
+each other over their shared harness, no private name imported across modules, every export target through the one
+export pipeline.
 
 Every check reads the real source files with ``ast`` (imports inside functions included) and is shown to fail
 on a planted violation first, so none of them passes vacuously.
@@ -15,8 +16,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mla_deploy"
 MODE_NAMES = {"concat", "static"}
-#: where the cache mode may be branched on: the layouts themselves, and the CLI's option parsing
-MODE_OWNERS = {"cache_layout.py", "cli.py"}
+#: where the cache mode may be branched on (paths inside the package): the layouts themselves, and the CLI's module
+#: that parses --cache-mode
+MODE_OWNERS = {"cache_layout.py", "cli/export.py"}
 
 
 def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
@@ -135,7 +137,7 @@ def test_mode_branch_detector_finds_a_planted_branch(tmp_path):
 
 
 def test_the_cache_mode_is_branched_on_only_by_the_layouts():
-    hits = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name not in MODE_OWNERS
+    hits = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).as_posix() not in MODE_OWNERS
             for hit in mode_branches(path)]
     assert not hits, f"branches on the cache mode outside cache_layout.py: {hits}"
 
@@ -232,3 +234,92 @@ def test_every_export_target_goes_through_the_one_pipeline():
     found = [hit for path in sorted((PACKAGE / "exporter").glob("*.py")) if path.name not in PIPELINE_OWNERS
              for hit in pipeline_bypasses(path)]
     assert not found, f"export steps called outside exporter/export.py's run_export: {found}"
+
+
+#: the bench's two benches: each imports the shared modules of ``mla_deploy.bench`` (the process harness, the
+#: machine probes, the bound, the report helpers), never the other bench
+BENCHES = ("mla_deploy.bench.attention", "mla_deploy.bench.whole_model")
+#: the CLI's option types (they name the attention bench's paths); every other module directly in
+#: ``mla_deploy.bench`` is shared and imports neither bench
+BENCH_CLI_MODULES = {"mla_deploy.bench.options"}
+
+
+def _bench_of(module: str) -> str | None:
+    return next((b for b in BENCHES if module == b or module.startswith(b + ".")), None)
+
+
+def bench_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> dependency`` for each import from one bench into the other, or from a shared bench module
+    into either bench."""
+    out = []
+    for module, deps in graph.items():
+        shared = module.startswith("mla_deploy.bench.") and module.count(".") == 2 and module not in BENCH_CLI_MODULES
+        own = _bench_of(module)
+        if own is None and not shared:
+            continue
+        out += [f"{module} -> {dep}" for dep in deps if _bench_of(dep) not in (None, own)]
+    return sorted(out)
+
+
+def test_bench_crossing_detector_finds_planted_imports(tmp_path):
+    bench = tmp_path / "mla_deploy" / "bench"
+    for sub in ("attention", "whole_model"):
+        (bench / sub).mkdir(parents=True)
+        (bench / sub / "__init__.py").write_text("")
+    (tmp_path / "mla_deploy" / "__init__.py").write_text("")
+    (bench / "__init__.py").write_text("")
+    (bench / "harness.py").write_text("def f():\n    from .whole_model import spec\n")  # shared -> a bench
+    (bench / "attention" / "spec.py").write_text("from ..harness import f\n")  # a bench -> shared: allowed
+    (bench / "whole_model" / "spec.py").write_text("def g():\n    from ..attention.spec import f\n")
+    (bench / "whole_model" / "report.py").write_text("from . import spec\nfrom .. import harness\n")
+    assert bench_crossings(import_graph(tmp_path / "mla_deploy")) == [
+        "mla_deploy.bench.harness -> mla_deploy.bench.whole_model",
+        "mla_deploy.bench.harness -> mla_deploy.bench.whole_model.spec",
+        "mla_deploy.bench.whole_model.spec -> mla_deploy.bench.attention",
+        "mla_deploy.bench.whole_model.spec -> mla_deploy.bench.attention.spec",
+    ]
+
+
+def test_the_two_benches_share_the_harness_and_import_nothing_from_each_other():
+    graph = import_graph()
+    crossings = bench_crossings(graph)
+    assert not crossings, f"imports between the benches (or from a shared module into one): {crossings}"
+    for bench in BENCHES:  # both run their workers through the shared harness
+        assert any("mla_deploy.bench.harness" in deps for module, deps in graph.items() if _bench_of(module) == bench)
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``file:line name`` of every private name ``path`` reads from another object or module: ``x._name`` where
+    ``x`` is not ``self``/``cls`` or a class of ``path``, and ``from m import _name``."""
+    hits, tree = [], ast.parse(path.read_text())
+    own = {"self", "cls"} | {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            name = node.attr
+        elif isinstance(node, ast.ImportFrom):
+            owner, name = None, next((a.name for a in node.names if a.name.startswith("_")), "")
+        else:
+            continue
+        if name.startswith("_") and not name.startswith("__") and owner not in own:
+            hits.append(f"{path.name}:{node.lineno} {name}")
+    return hits
+
+
+def test_private_reach_detector_finds_planted_reaches(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text("from .m import _helper, ok\n\nclass A:\n    @staticmethod\n    def _check(): ...\n\n"
+                       "def f(engine):\n    return engine._run(), engine.step(), self._own, A._check(),"
+                       " type(engine).__name__\n")
+    assert private_reaches(planted) == ["x.py:1 _helper", "x.py:8 _run"]
+
+
+def test_the_generation_package_drives_engines_through_their_public_interface():
+    """The loop, sampling and text read no private name of an engine (or of any other module), and import
+    nothing from mla_deploy.engines: they drive mla_deploy.generate.engine.GenerationEngine."""
+    files = sorted((PACKAGE / "generate").rglob("*.py"))
+    assert {p.name for p in files} >= {"loop.py", "engine.py", "text.py"}
+    hits = [hit for path in files for hit in private_reaches(path)]
+    assert not hits, f"mla_deploy/generate reaches private names: {hits}"
+    engines = [f"{path.name}: {i}" for path in files for i in imports_from(path, "mla_deploy.engines")]
+    assert not engines, f"mla_deploy/generate imports from mla_deploy.engines: {engines}"

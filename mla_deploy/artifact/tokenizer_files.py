@@ -5,7 +5,7 @@ artifact's root, beside the graphs, so the artifact folder is also a tokenizer f
 The manifest records each copied file's name, size and sha256 (:class:`TokenizerFiles`); an artifact without
 them (a preset export, or a checkpoint without ``tokenizer.json``) runs with token ids only.
 
-Reading the files (tokenizer, chat template, end-of-sequence ids) is :mod:`mla_deploy.tokenizer`'s job.
+Reading the files (tokenizer, chat template, end-of-sequence ids) is :mod:`mla_deploy.generate.tokenizer`'s job.
 """
 
 from __future__ import annotations

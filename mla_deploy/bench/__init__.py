@@ -1,24 +1,23 @@
-"""``mla-deploy bench``: decode-step speed and memory of MLA attention against what users run today
-(transformers' own attention) and against this machine's roofline.
+"""``mla-deploy bench``: two benches over one process harness.
 
-Modules: :mod:`.spec` (what is measured), :mod:`.stack` (the benched unit), :mod:`.graph` (its ONNX export),
-:mod:`.inputs`, one timed-path class per family of paths (:mod:`.hf_path`, :mod:`.torch_paths`,
-:mod:`.ort_path`, :mod:`.trt_path`), :mod:`.worker` (one process per variant and pass), :mod:`.machine`
-(bandwidth, GEMM and memory probes), :mod:`.roofline`, :mod:`.driver` and :mod:`.report`. Heavy modules are
-imported lazily.
+* :mod:`.attention` (``mla-deploy bench attention``): the decode step of N MLA attention layers, against what
+  users run today (transformers' own attention) and against this machine's roofline.
+* :mod:`.whole_model` (``mla-deploy bench model``): the whole exported model's decode and prefill in ONNX
+  Runtime, beside transformers' own model on the same checkpoint, against the bound of the bytes each step reads.
+
+What both share, and neither bench imports from the other: :mod:`.harness` (every measurement in a fresh worker
+process with its threads pinned; out-of-memory kills and restarts; job and result files; Ctrl-C kills the worker),
+:mod:`.machine` (bandwidth, GEMM and memory probes), :mod:`.bound` (the roofline bound, attention FLOPs),
+:mod:`.reporting` (the machine section, versions, atomic report files) and :mod:`.parsing` (option values).
+Heavy modules are imported lazily.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy import lazy_getattr
 
-_LAZY = {"BenchSpec": ".spec", "PATHS": ".spec", "run_bench": ".driver", "format_table": ".output"}
+_LAZY = {"BenchSpec": ".attention", "PATHS": ".attention", "run_bench": ".attention", "format_table": ".attention",
+         "WholeModelSpec": ".whole_model", "run_whole_model": ".whole_model"}
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'mla_deploy.bench' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -1,4 +1,4 @@
-"""Click types of the ``bench`` command's options: each converts its value with :mod:`.spec`'s parsers, so a
+"""Click types of the ``bench`` command's options: each converts its value with :mod:`.parsing`'s parsers, so a
 bad value is an :class:`~mla_deploy.errors.InputError` naming the option (the CLI prints it as one line), and
 ``--help`` shows what each option takes instead of ``TEXT``.
 
@@ -26,7 +26,7 @@ class IntList(click.ParamType):
         return "N[,N...]"
 
     def convert(self, value, param, ctx):
-        from .spec import parse_int_list
+        from .parsing import parse_int_list
 
         return parse_int_list(value, _option(param), self.minimum)
 
@@ -43,7 +43,7 @@ class Int(click.ParamType):
         return "N"
 
     def convert(self, value, param, ctx):
-        from .spec import parse_int
+        from .parsing import parse_int
 
         return parse_int(value, _option(param), self.minimum)
 
@@ -57,13 +57,13 @@ class Positive(click.ParamType):
         return "SECONDS"
 
     def convert(self, value, param, ctx):
-        from .spec import parse_float
+        from .parsing import parse_float
 
         return parse_float(value, _option(param))
 
 
 class PathList(click.ParamType):
-    """The attention bench's variants: a comma-separated subset of :data:`~.spec.PATHS`, or ``all``."""
+    """The attention bench's variants: a comma-separated subset of :data:`~.attention.spec.PATHS`, or ``all``."""
 
     name = "paths"
 
@@ -71,6 +71,6 @@ class PathList(click.ParamType):
         return "PATH[,PATH...]|all"
 
     def convert(self, value, param, ctx):
-        from .spec import parse_paths
+        from .attention.spec import parse_paths
 
         return value if isinstance(value, tuple) else parse_paths(value)

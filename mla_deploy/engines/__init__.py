@@ -1,4 +1,5 @@
-"""Engines that run an exported artifact, all on one interface (:class:`~mla_deploy.engines.base.Engine`):
+"""Engines that run an exported artifact, all on one base (:class:`~mla_deploy.engines.base.Engine`), which
+implements the generation loop's interface (:class:`~mla_deploy.generate.engine.GenerationEngine`):
 
 * :class:`~mla_deploy.engines.ort_engine.OrtEngine`: ONNX Runtime (CPU or CUDA provider);
 * :class:`~mla_deploy.engines.trt_engine.TrtEngine`: TensorRT engines built by ``mla-deploy build``.
@@ -12,10 +13,6 @@ from ..lazy import lazy_getattr
 
 _LAZY = {
     "Engine": "mla_deploy.engines.base",
-    "Generation": "mla_deploy.engines.base",
-    "GenerationStream": "mla_deploy.engines.base",
-    "StepTokens": "mla_deploy.engines.base",
-    "pad_prompts": "mla_deploy.engines.base",
     "OrtEngine": "mla_deploy.engines.ort_engine",
     "TrtEngine": "mla_deploy.engines.trt_engine",
 }

@@ -1,4 +1,5 @@
-"""The ONNX Runtime engine: binds the latent cache and runs the artifact's graphs; the loop is :class:`Engine`'s.
+"""The ONNX Runtime engine: binds the latent cache and runs the artifact's graphs; the rest of the engine interface
+(input checks, the cache state, prefill and decode for the generation loop) is :class:`Engine`'s.
 
 * A growing (``concat``) cache is a NumPy array per layer ``[B, P, C]``, replaced by each step's present
   ``[B, P+S, C]``; ``attention_mask [B, P+S]`` marks the padded slots of shorter sequences.
@@ -184,7 +185,7 @@ class OrtEngine(Engine):
             return array
         return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
 
-    def _to_host(self, array) -> np.ndarray:
+    def to_host(self, array) -> np.ndarray:
         # a copy: the NumPy view of an OrtValue (or of a cache's buffer) dies with the state that holds it
         return np.array(array.numpy() if isinstance(array, self.ort.OrtValue) else array)
 

@@ -1,5 +1,6 @@
 """The TensorRT engine: binds the latent cache (CUDA torch tensors) and runs the engines that ``mla-deploy build``
-wrote; the generation loop, padding and capacity checks are :class:`~mla_deploy.engines.base.Engine`'s.
+wrote; the input checks, the cache state and capacity checks, and prefill and decode for the generation loop are
+:class:`~mla_deploy.engines.base.Engine`'s.
 
 Every run goes through ``IExecutionContext.execute_async_v3`` on one CUDA stream, after ``set_input_shape`` for
 each input and ``set_tensor_address`` for every input and output. Each role has its own execution context on its
@@ -242,7 +243,7 @@ class TrtEngine(Engine):
         dtype = getattr(self.torch, TORCH_DTYPE_NAMES[self.engines[role].get_tensor_dtype(name).name])
         return self.torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
-    def _to_host(self, array) -> np.ndarray:
+    def to_host(self, array) -> np.ndarray:
         """A CUDA tensor as a NumPy array (bfloat16, which NumPy lacks, as float32)."""
         torch = self.torch
         if not isinstance(array, torch.Tensor):
@@ -252,19 +253,16 @@ class TrtEngine(Engine):
                 array = array.float()
             return array.detach().cpu().numpy()
 
-    def _greedy(self, logits, index: np.ndarray) -> np.ndarray:
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
-            rows = torch.arange(logits.shape[0], device=self.device)
-            token = logits[rows, self._upload(index)].argmax(-1)
-            return token.cpu().numpy().astype(np.int64)
+    def argmax(self, logits) -> np.ndarray:
+        """``[B]`` int64: the argmax of ``logits [B, V]`` taken on the GPU (only ``B`` ids are copied back)."""
+        with self.torch.cuda.stream(self.stream):
+            return logits.argmax(-1).cpu().numpy().astype(np.int64)
 
-    def _synchronize(self) -> None:
+    def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def _extra(self) -> dict:
-        return {"gpu": self.gpu, "aliased": {role: bool(a) for role, a in self.aliases.items()}}
-
     def info(self) -> dict[str, Any]:
-        """What this engine runs: TensorRT version, GPU, precision, cache mode and capacity, aliasing."""
-        return {**super().info(), "gpu": self.gpu, "aliases": self.aliases}
+        """What this engine runs: TensorRT version, GPU, precision, cache mode and capacity, and per role whether
+        its engine writes the present cache into the past's buffer (aliased) and which outputs it aliases."""
+        return {**super().info(), "gpu": self.gpu, "aliased": {role: bool(a) for role, a in self.aliases.items()},
+                "aliases": self.aliases}

@@ -223,9 +223,9 @@ def _config_ids(checkpoint: str | Path | None) -> dict:
 
 def _special_ids(folder: Path) -> dict:
     """``bos_token_id``, ``eos_token_id`` (an id or a list), ``pad_token_id`` of the tokenizer in ``folder``
-    (generation_config.json's EOS ids first, as :class:`~mla_deploy.tokenizer.ArtifactTokenizer` reads them);
+    (generation_config.json's EOS ids first, as :class:`~mla_deploy.generate.tokenizer.ArtifactTokenizer` reads them);
     genai needs a pad id, so the EOS stands in when the tokenizer has none."""
-    from ..tokenizer import ArtifactTokenizer
+    from ..generate.tokenizer import ArtifactTokenizer
 
     tok = ArtifactTokenizer(folder)
     ids = {name: tok.backend.token_to_id(text) for name, text in tok.special_tokens.items()}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mla_deploy.bench.inputs import make_inputs
-from mla_deploy.bench.torch_paths import TorchPath
+from mla_deploy.bench.attention.inputs import make_inputs
+from mla_deploy.bench.attention.torch_paths import TorchPath
 from mla_deploy.recipe import load_recipe
 
 pytest.importorskip("transformers")
@@ -27,7 +27,7 @@ def _run(timed, inputs, calls=2):
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
 def test_transformers_attention_matches_ours(model_type):
-    from mla_deploy.bench.hf_path import HFPath
+    from mla_deploy.bench.attention.hf_path import HFPath
 
     config = load_recipe("tiny").model.replace(model_type=model_type)
     inputs = make_inputs(config, 2, context=12, batch=2, seed=3)
@@ -52,7 +52,7 @@ def test_inputs_are_reproducible():
 
 @pytest.fixture(scope="module")
 def tiny_static_graph(tmp_path_factory):
-    from mla_deploy.bench.graph import export_stack
+    from mla_deploy.bench.attention.graph import export_stack
     from mla_deploy.model import build_stack
 
     config = load_recipe("tiny").model
@@ -66,7 +66,7 @@ def test_static_graph_updates_the_cache_in_place(tiny_static_graph, capfd):
     separate present buffer makes ONNX Runtime log the cache copy, which the bench counts."""
     import onnxruntime as ort
 
-    from mla_deploy.bench.ort_path import COPY_WARNING, OrtPath
+    from mla_deploy.bench.attention.ort_path import COPY_WARNING, OrtPath
     from mla_deploy.io_spec import present_name
 
     config, graph = tiny_static_graph
@@ -89,7 +89,7 @@ def test_static_graph_updates_the_cache_in_place(tiny_static_graph, capfd):
 
 @pytest.fixture(scope="module")
 def tiny_concat_graph(tmp_path_factory):
-    from mla_deploy.bench.graph import export_stack
+    from mla_deploy.bench.attention.graph import export_stack
     from mla_deploy.model import build_stack
 
     config = load_recipe("tiny").model
@@ -102,7 +102,7 @@ def test_concat_graph_writes_the_bound_present(tiny_concat_graph):
     present written into the preallocated buffer, the PyTorch absorbed stack's output."""
     import onnx
 
-    from mla_deploy.bench.ort_path import OrtPath
+    from mla_deploy.bench.attention.ort_path import OrtPath
 
     config, graph = tiny_concat_graph
     model = onnx.load(graph)
@@ -120,8 +120,8 @@ def test_concat_graph_writes_the_bound_present(tiny_concat_graph):
 def test_tensorrt_profile_comes_from_the_graph_io_and_the_layout():
     """The TensorRT profile of the static bench graph (pure Python): batch [1, B/2, B], the capacity over
     [2, cap/2, cap] (one engine for every point's T + margin), every fixed size and sequence_length 1 as is."""
-    from mla_deploy.bench.graph import stack_io
-    from mla_deploy.bench.trt_path import engine_profile
+    from mla_deploy.bench.attention.graph import stack_io
+    from mla_deploy.bench.attention.trt_path import engine_profile
     from mla_deploy.cache_layout import STATIC
 
     config = load_recipe("tiny").model

@@ -1,4 +1,4 @@
-"""`mla-deploy bench --whole-model`: smoke runs on a tiny transformers-written MoE checkpoint and on the tiny
+"""`mla-deploy bench model` (and its spelling from before the subcommands, `bench --whole-model`): smoke runs on a tiny transformers-written MoE checkpoint and on the tiny
 preset (tiny points, one thread; no timing assertion) whose bench.json has what the issue asks for; the
 uniform-routing fallback; one-line errors; the cost model."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -16,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 CONTEXTS, BATCHES, PROMPT, REPEAT, WARMUP = (0, 6), (1, 2), 6, 2, 1
-SMOKE = ["bench", "--whole-model", "--context", "0,6", "--batch", "1,2", "--prompt-length", "6", "--repeat", "2",
+SMOKE = ["bench", "model", "--context", "0,6", "--batch", "1,2", "--prompt-length", "6", "--repeat", "2",
          "--warmup", "1", "--threads", "1", "--probe-mib", "16"]
 
 
@@ -101,9 +102,9 @@ def test_smoke_rows_have_every_number(smoke):
 def test_artifact_as_given_with_uniform_routing(smoke, tmp_path, monkeypatch):
     """--artifact benches an export as given (here without transformers); when the reference cannot run, the
     bound uses the expected distinct experts under uniform routing and the report says so."""
-    from mla_deploy.bench import whole_model
-    from mla_deploy.bench.whole_cost import expected_distinct_experts
-    from mla_deploy.bench.whole_spec import WholeModelSpec
+    from mla_deploy.bench.whole_model import driver as whole_model
+    from mla_deploy.bench.whole_model.cost import expected_distinct_experts
+    from mla_deploy.bench.whole_model.spec import WholeModelSpec
 
     real_plan = whole_model.plan
 
@@ -136,8 +137,8 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     step reads exactly the manifest's quantized bytes (integers and scales) plus every tensor of the checkpoint
     the export did not quantize, one embedding row and the latent cache."""
     from mla_deploy.artifact import load_manifest
-    from mla_deploy.bench.whole_model import prepare
-    from mla_deploy.bench.whole_spec import WholeModelSpec
+    from mla_deploy.bench.whole_model.driver import prepare
+    from mla_deploy.bench.whole_model.spec import WholeModelSpec
     from mla_deploy.checkpoint import CheckpointTensors
 
     args = ["bench", "--whole-model", "--preset", "tiny", "--layers", "1", "--context", "2", "--batch", "1",
@@ -146,6 +147,7 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + (result.stderr or "") + repr(result.exception)
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["command"].startswith("mla-deploy bench model --preset tiny --layers 1 --context 2 --batch 1 ")
     assert report["model"]["num_hidden_layers"] == 1 and report["model"]["name"] == "tiny"
     assert report["routing"]["method"] == "none"  # the tiny preset is dense
     assert report["checkpoint"] == str(tmp_path / "checkpoint")
@@ -180,46 +182,77 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    pytest.param(["--whole-model", "--preset", "tiny", "--batch", "0"], "--batch", id="batch_zero"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--context", "x"], "--context", id="context_not_int"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--context", "-1"], "--context", id="context_negative"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--prompt-length", "0"], "--prompt-length", id="prompt_zero"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--repeat", "two"], "--repeat", id="repeat_not_int"),
-    pytest.param(["--whole-model", "--artifact", "{tmp}/missing"], "no artifact", id="artifact_missing"),
-    pytest.param(["--whole-model", "--hf", "{tmp}/missing"], "config", id="checkpoint_missing"),
-    pytest.param(["--whole-model"], "exactly one", id="no_source"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--hf", "x"], "exactly one", id="two_sources"),
-    pytest.param(["--whole-model", "--hf", "x", "--layers", "1"], "--layers", id="layers_with_checkpoint"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--layers", "9"], "layers", id="layers_beyond_model"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--passes", "2"], "--passes", id="attention_option"),
-    pytest.param(["--whole-model", "--preset", "deepseek-v3"], "GiB in fp32", id="model_beyond_memory"),
-    pytest.param(["--preset", "tiny", "--prompt-length", "8"], "--prompt-length", id="whole_model_option"),
-    pytest.param(["--preset", "tiny", "--artifact", "x"], "--artifact", id="artifact_without_whole_model"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--weights", "int9"], "--weights", id="weights_unknown"),
-    pytest.param(["--whole-model", "--preset", "tiny", "--block-size", "64"], "--block-size", id="block_without_int"),
-    pytest.param(["--whole-model", "--artifact", "x", "--weights", "int8"], "--artifact", id="weights_of_artifact"),
-    pytest.param(["--preset", "tiny", "--weights", "int8"], "--weights", id="weights_without_whole_model"),
+    pytest.param(["--preset", "tiny", "--batch", "0"], "--batch", id="batch_zero"),
+    pytest.param(["--preset", "tiny", "--context", "x"], "--context", id="context_not_int"),
+    pytest.param(["--preset", "tiny", "--context", "-1"], "--context", id="context_negative"),
+    pytest.param(["--preset", "tiny", "--prompt-length", "0"], "--prompt-length", id="prompt_zero"),
+    pytest.param(["--preset", "tiny", "--repeat", "two"], "--repeat", id="repeat_not_int"),
+    pytest.param(["--artifact", "{tmp}/missing"], "no artifact", id="artifact_missing"),
+    pytest.param(["--hf", "{tmp}/missing"], "config", id="checkpoint_missing"),
+    pytest.param([], "exactly one", id="no_source"),
+    pytest.param(["--preset", "tiny", "--hf", "x"], "exactly one", id="two_sources"),
+    pytest.param(["--hf", "x", "--layers", "1"], "--layers", id="layers_with_checkpoint"),
+    pytest.param(["--preset", "tiny", "--layers", "9"], "layers", id="layers_beyond_model"),
+    pytest.param(["--preset", "deepseek-v3"], "GiB in fp32", id="model_beyond_memory"),
+    pytest.param(["--preset", "tiny", "--weights", "int9"], "--weights", id="weights_unknown"),
+    pytest.param(["--preset", "tiny", "--block-size", "64"], "--block-size", id="block_without_int"),
+    pytest.param(["--artifact", "x", "--weights", "int8"], "--artifact", id="weights_of_artifact"),
 ])
 def test_invalid_option_is_one_line(tmp_path, args, words):
-    """A bad value exits 1 with one `mla-deploy: error:` line naming the problem, and writes nothing."""
+    """A bad value exits 1 with one `mla-deploy: error:` line naming the problem, and writes nothing; the spelling
+    from before the subcommands (`bench --whole-model ...`) reaches the same command and says the same."""
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o"), *args])
-    assert result.exit_code == 1, result.output
+    said = []
+    for bench in (["bench", "model"], ["bench", "--whole-model"]):
+        result = CliRunner().invoke(main, [*bench, "--out", str(tmp_path / "o"), *args])
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mla-deploy: error: ") and words in lines[0], result.stderr
+        assert not (tmp_path / "o").exists()
+        said.append(re.sub(r"[0-9.]+ GiB", "N GiB", lines[0]))  # the memory available changes between the calls
+    assert said[0] == said[1]
+
+
+@pytest.mark.parametrize("args, words", [
+    pytest.param(["bench", "model", "--preset", "tiny", "--passes", "2"], "--passes is an option of `bench attention`",
+                 id="attention_option"),
+    pytest.param(["bench", "--whole-model", "--preset", "tiny", "--max-seconds", "2"],
+                 "--max-seconds is an option of `bench attention`", id="attention_option_old_spelling"),
+    pytest.param(["bench", "attention", "--preset", "tiny", "--prompt-length", "8"],
+                 "--prompt-length is an option of `bench model`", id="model_option"),
+    pytest.param(["bench", "--preset", "tiny", "--artifact", "x"], "--artifact is an option of `bench model`",
+                 id="artifact_without_whole_model"),
+    pytest.param(["bench", "--preset", "tiny", "--weights", "int8"], "--weights is an option of `bench model`",
+                 id="weights_without_whole_model"),
+    pytest.param(["bench", "model", "--whole-model", "--preset", "tiny"], "No such option '--whole-model'",
+                 id="flag_after_the_subcommand"),
+])
+def test_option_of_the_other_bench_is_one_line(tmp_path, args, words):
+    """Each bench takes only its own options: another bench's is a usage error (exit 2, one line) naming the bench
+    it belongs to."""
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("mla-deploy: error: ") and words in lines[0], result.stderr
     assert not (tmp_path / "o").exists()
 
 
 def test_help_names_what_each_option_takes():
+    """`bench --help` names both benches; each bench's help lists only its own options."""
     result = CliRunner().invoke(main, ["bench", "--help"])
-    assert result.exit_code == 0
-    assert "TEXT" not in result.output and "--whole-model" in result.output and "--no-transformers" in result.output
+    assert result.exit_code == 0 and "attention" in result.output and "model" in result.output
+    model = CliRunner().invoke(main, ["bench", "model", "--help"]).output
+    attention = CliRunner().invoke(main, ["bench", "attention", "--help"]).output
+    assert "TEXT" not in model + attention
+    assert "--no-transformers" in model and "--prompt-length" in model and "--passes" not in model
+    assert "--passes" in attention and "--max-seconds" in attention and "--weights" not in attention
+    assert CliRunner().invoke(main, ["bench", "--whole-model", "--help"]).output == model
 
 
 def test_weight_groups_of_v2_lite():
     """DeepSeek-V2-Lite: 26 MoE layers of 64 experts (3 x 2048 x 1408 each), top-6; the lm_head and one embedding
     row; every other weight read by every step."""
-    from mla_deploy.bench.whole_cost import weight_groups
+    from mla_deploy.bench.whole_model.cost import weight_groups
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -243,8 +276,8 @@ def test_weight_groups_of_v2_lite():
 
 
 def test_step_cost_counts_routed_experts_and_cache():
-    from mla_deploy.bench.roofline import attention_flops
-    from mla_deploy.bench.whole_cost import expected_distinct_experts, step_cost, weight_groups
+    from mla_deploy.bench.bound import attention_flops
+    from mla_deploy.bench.whole_model.cost import expected_distinct_experts, step_cost, weight_groups
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -264,7 +297,7 @@ def test_step_cost_counts_routed_experts_and_cache():
 
 
 def test_fill_chunk_keeps_logits_and_scores_small():
-    from mla_deploy.bench.whole_cost import CHUNK_BYTES, MAX_CHUNK, fill_chunk
+    from mla_deploy.bench.whole_model.cost import CHUNK_BYTES, MAX_CHUNK, fill_chunk
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model

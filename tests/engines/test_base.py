@@ -1,5 +1,5 @@
-"""The shared engine interface (mla_deploy.engines.base): prompt padding, the one prefill + decode loop over a
-toy NumPy engine, both cache layouts giving the same tokens through it on a real artifact, capacity refusals
+"""The engine base (mla_deploy.engines.base): prompt padding, the generation loop (mla_deploy.generate.loop) over a
+toy NumPy engine on the base, both cache layouts giving the same tokens through it on a real artifact, capacity refusals
 that come from the layout, and the TensorRT engine standing on the base alone."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import pytest
 
 from artifacts import tiny_artifact
 from mla_deploy.cache_layout import CONCAT, STATIC
-from mla_deploy.engines.base import Engine, Generation, check_ids, pad_prompts
+from mla_deploy.engines.base import Engine
+from mla_deploy.generate.loop import Generation
+from mla_deploy.generate.request import check_ids, pad_prompts
 from mla_deploy.errors import CacheCapacityError, InputError, ShapeError
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [27, 18, 28, 18]]  # lengths 7 and 4
@@ -158,7 +160,7 @@ def test_stream_yields_each_step_and_stops_a_finished_sequence():
 
 
 def test_sampling_in_the_loop_is_seeded_and_top_k_1_is_greedy():
-    from mla_deploy.sampling import SamplingConfig
+    from mla_deploy.generate.sampling import SamplingConfig
 
     class Noisy(ToyEngine):  # logits with a clear maximum at (id + 1) % V and noise elsewhere
         def _run(self, role, ids, positions, logits_index, control, state):
@@ -256,5 +258,5 @@ def test_trt_engine_imports_nothing_from_the_ort_engine():
     assert "mla_deploy.engines.base" in imported  # the loop comes from the base
     assert not [m for m in imported if m.startswith(("mla_deploy.engines.ort_engine", "mla_deploy.runtime"))]
     assert issubclass(trt_engine.TrtEngine, Engine)
-    for name in ("generate", "step", "forward"):  # not redefined: the shared loop
+    for name in ("generate", "stream", "step", "forward", "prefill", "decode"):  # not redefined: the base's
         assert name not in vars(trt_engine.TrtEngine)

@@ -71,7 +71,7 @@ def test_generate_matches_onnx_runtime(built):
 
 
 def test_forward_protocol_matches_onnx_runtime(built):
-    from mla_deploy.engines.base import pad_prompts
+    from mla_deploy.generate.request import pad_prompts
     from mla_deploy.engines.ort_engine import OrtEngine
     from mla_deploy.engines.trt_engine import TrtEngine
 

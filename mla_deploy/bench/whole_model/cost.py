@@ -1,0 +1,240 @@
+"""What one step of the whole model must read and compute (the whole-model bench's bound), and how much memory
+each of its paths needs.
+
+The weights are sorted from the model's own parameter list (an :class:`~mla_deploy.model.MLAForCausalLM` in
+the absorbed ``A_CC`` form, built on the meta device, so nothing is allocated):
+
+* routed experts (``mlp.experts.gate_up_proj``/``down_proj``): a step reads only the experts routed to by
+  its tokens: per MoE layer, the union over the batch (and, in a prefill, over the prompt);
+* the embedding: one row per distinct token id of the step (a tied lm_head reads the whole matrix anyway);
+* the lm_head: read whole;
+* everything else (attention, norms, dense MLPs, shared experts, routers): read whole every step.
+
+Each tensor counts its bytes as the artifact stores it: a tensor the artifact holds quantized (the manifest's
+``quantization.keys``, :attr:`~mla_deploy.artifact.Manifest.quantized_keys`) its packed integers plus one scale
+per block (:meth:`~mla_deploy.quant.WeightQuantization.nbytes`, per expert for stacked experts), every other
+tensor ``numel * itemsize``.
+
+A step of ``n`` tokens per sequence over ``B`` sequences, each holding ``P`` cached rows:
+
+    bytes = always + sum_l distinct_experts_l * expert + lm_head + distinct_ids * embedding_row
+            + B * P * C * itemsize * layers                  (the latent cache, read once)
+    FLOPs = 2 * B*n * (always matrices + k * expert * MoE layers)          (projections, MLPs, routers)
+            + attention_flops(rows attended)                             (absorbed MLA, C-wide scores)
+            + 2 * B * lm_head                                            (logits of one token per sequence)
+
+The logits of one token per sequence are what generation needs; a graph that computes the logits of every
+prompt token does more than the bound counts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from ...config import MLAConfig
+from ..bound import PROCESS_OVERHEAD, attention_flops
+
+if TYPE_CHECKING:
+    from ...quant import WeightQuantization
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+#: the context is filled with prefill steps whose attention scores and logits stay below this many bytes
+CHUNK_BYTES = 256 << 20
+#: and no longer than this many tokens per sequence
+MAX_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class WeightGroups:
+    """The model's weights sorted by how a step reads them (see the module docstring), in bytes as the artifact
+    stores them.
+
+    Attributes:
+        itemsize: bytes per float weight (and per scale of a quantized one).
+        weights: ``float``, or the quantization (``int8``, ``int4``) of :attr:`quantized_keys`.
+        always_bytes: weights every step reads whole.
+        always_matrix_params: the matrix (>= 2-D) parameters among them: 2 FLOPs per parameter per token.
+        expert_params: parameters of one routed expert (gate, up, down).
+        expert_bytes: bytes of one routed expert.
+        moe_layers: indices of the layers with routed experts.
+        n_experts, top_k: routed experts per MoE layer, experts chosen per token.
+        embedding_row_bytes: one embedding row (0 when the lm_head shares the matrix: it is read whole).
+        lm_head_params, lm_head_bytes: the lm_head.
+        total_params, total_bytes: every parameter of the model.
+        quantized_bytes: bytes of the quantized tensors (integers and scales; 0 for float weights).
+        quantized_keys: the state-dict keys held quantized.
+    """
+
+    itemsize: int
+    always_bytes: int
+    always_matrix_params: int
+    expert_params: int
+    expert_bytes: int
+    moe_layers: tuple[int, ...]
+    n_experts: int
+    top_k: int
+    embedding_row_bytes: int
+    lm_head_params: int
+    lm_head_bytes: int
+    total_params: int
+    total_bytes: int
+    weights: str = "float"
+    quantized_bytes: int = 0
+    quantized_keys: frozenset = frozenset()
+
+    def active_params_per_token(self) -> int:
+        """Matrix parameters one token multiplies with (its k routed experts per MoE layer, the lm_head)."""
+        return self.always_matrix_params + self.top_k * self.expert_params * len(self.moe_layers) + self.lm_head_params
+
+    def to_dict(self) -> dict:
+        return {"weights": self.weights, "itemsize": self.itemsize, "always_bytes": self.always_bytes,
+                "always_matrix_params": self.always_matrix_params, "expert_bytes": self.expert_bytes,
+                "moe_layers": len(self.moe_layers), "n_experts": self.n_experts, "top_k": self.top_k,
+                "all_experts_bytes": self.expert_bytes * self.n_experts * len(self.moe_layers),
+                "embedding_row_bytes": self.embedding_row_bytes, "lm_head_bytes": self.lm_head_bytes,
+                "total_params": self.total_params, "total_bytes": self.total_bytes,
+                "quantized_bytes": self.quantized_bytes, "quantized_tensors": len(self.quantized_keys),
+                "active_params_per_token": self.active_params_per_token()}
+
+
+def _meta_state(config: MLAConfig) -> dict:
+    """The absorbed model's state dict, on the meta device (nothing allocated)."""
+    import torch
+
+    from ...model import MLAForCausalLM
+
+    with torch.device("meta"):
+        return MLAForCausalLM(config, "A_CC").state_dict()
+
+
+def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: "WeightQuantization | None" = None,
+                  quantized_keys: frozenset = frozenset(), whole_blocks: bool = False) -> WeightGroups:
+    """Sort ``config``'s parameters (the absorbed model's, on the meta device) into :class:`WeightGroups`.
+
+    Args:
+        itemsize: bytes per float weight (and per scale).
+        quantization: the scheme of ``quantized_keys`` (None: every weight is float).
+        quantized_keys: state-dict keys (``Linear [out, in]`` or stacked experts ``[E, out, in]``) held quantized,
+            as the manifest records them (:func:`manifest_weight_groups`).
+        whole_blocks: the quantized integers are stored in whole blocks (the ``matmulnbits`` format).
+    """
+    state = _meta_state(config)
+    unknown = sorted(set(quantized_keys) - set(state)) if quantization is not None else []
+    if unknown:
+        raise ValueError(f"quantized key {unknown[0]} is no parameter of the model")
+
+    def nbytes(name: str, tensor) -> int:
+        if quantization is None or name not in quantized_keys:
+            return tensor.numel() * itemsize
+        *lead, n, k = tensor.shape  # [..., out, in]: quantized per output row in blocks of input features
+        return math.prod(lead) * quantization.nbytes(k, n, itemsize, whole_blocks)
+
+    always_bytes = matrices = expert = expert_bytes = lm_head = lm_head_bytes = total = total_bytes = quantized = 0
+    moe_layers, tied = set(), config.tie_word_embeddings
+    for name, tensor in state.items():
+        n, size = tensor.numel(), nbytes(name, tensor)
+        if quantization is not None and name in quantized_keys:
+            quantized += size
+        if not (tied and name == "lm_head.weight"):
+            total, total_bytes = total + n, total_bytes + size
+        match = _EXPERT.match(name)
+        if match:
+            moe_layers.add(int(match.group(1)))
+            expert += n // config.n_routed_experts
+            expert_bytes += size // config.n_routed_experts
+        elif name == "lm_head.weight":
+            lm_head, lm_head_bytes = n, size
+        elif name != "model.embed_tokens.weight":
+            always_bytes += size
+            matrices += n if tensor.dim() >= 2 else 0
+    layers, per_layer = tuple(sorted(moe_layers)), max(len(moe_layers), 1)
+    return WeightGroups(itemsize=itemsize, always_bytes=always_bytes, always_matrix_params=matrices,
+                        expert_params=expert // per_layer, expert_bytes=expert_bytes // per_layer, moe_layers=layers,
+                        n_experts=config.n_routed_experts or 0, top_k=config.num_experts_per_tok if layers else 0,
+                        embedding_row_bytes=0 if tied else config.hidden_size * itemsize, lm_head_params=lm_head,
+                        lm_head_bytes=lm_head_bytes, total_params=total, total_bytes=total_bytes,
+                        weights=quantization.weights if quantization is not None else "float",
+                        quantized_bytes=quantized,
+                        quantized_keys=frozenset(quantized_keys) if quantization is not None else frozenset())
+
+
+def manifest_weight_groups(manifest) -> WeightGroups:
+    """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized."""
+    return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.weight_quantization,
+                         manifest.quantized_keys, (manifest.quantization or {}).get("format") == "matmulnbits")
+
+
+def precision_itemsize(precision: str) -> int:
+    """Bytes per value of an artifact's ``precision`` (``fp32``, ``fp16``, ``bf16``)."""
+    import numpy as np
+
+    from ...engines.ort_engine import numpy_dtype
+
+    return int(np.dtype(numpy_dtype(precision)).itemsize)
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts ``tokens`` tokens route to in one layer when each picks ``top_k`` of ``n_experts``
+    uniformly at random: ``E * (1 - (1 - k/E)^tokens)`` (the fallback when routing cannot be measured)."""
+    if not n_experts or not top_k:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
+def step_cost(config: MLAConfig, groups: WeightGroups, batch: int, new: int, held: int,
+              distinct_experts: Sequence[float], distinct_ids: int, cache_itemsize: int | None = None) -> dict:
+    """Bytes and FLOPs of one step (see the module docstring).
+
+    Args:
+        batch: sequences B.
+        new: new tokens per sequence (1 for decode, the prompt length for a prefill).
+        held: cached rows per sequence before the step (P).
+        distinct_experts: per MoE layer, the distinct experts the step routes to (measured or expected).
+        distinct_ids: distinct token ids among the step's B * new tokens.
+        cache_itemsize: bytes per cached value (default: the weights').
+    Returns:
+        ``{"weight_bytes", "expert_bytes", "cache_bytes", "bytes", "flops", "attention_flops"}``.
+    """
+    if len(distinct_experts) != len(groups.moe_layers):
+        raise ValueError(f"{len(distinct_experts)} expert counts for {len(groups.moe_layers)} MoE layers")
+    itemsize = cache_itemsize or groups.itemsize
+    experts = sum(distinct_experts) * groups.expert_bytes
+    weights = groups.always_bytes + experts + groups.lm_head_bytes + distinct_ids * groups.embedding_row_bytes
+    cache = batch * held * config.latent_dim * itemsize * config.num_hidden_layers
+    tokens = batch * new
+    per_token = groups.always_matrix_params + groups.top_k * groups.expert_params * len(groups.moe_layers)
+    # token i of a sequence attends to the held rows and the new rows up to itself
+    rows = batch * (new * held + new * (new + 1) // 2)
+    attention = attention_flops(config, rows) * config.num_hidden_layers
+    flops = 2 * tokens * per_token + attention + 2 * batch * groups.lm_head_params
+    return {"weight_bytes": int(weights), "expert_bytes": int(experts), "cache_bytes": int(cache),
+            "bytes": int(weights + cache), "flops": int(flops), "attention_flops": int(attention)}
+
+
+def fill_chunk(config: MLAConfig, batch: int, total: int, itemsize: int = 4) -> int:
+    """Tokens per sequence per prefill step when filling a context of ``total`` tokens: the largest power of two
+    (at most :data:`MAX_CHUNK`) whose logits ``[B, n, V]`` and attention scores ``[B, H, n, total]`` each stay
+    below :data:`CHUNK_BYTES`; at least 1."""
+    per_token = batch * itemsize * max(config.vocab_size, config.num_attention_heads * max(total, 1))
+    n = max(1, min(MAX_CHUNK, CHUNK_BYTES // per_token, max(total, 1)))
+    return 1 << int(math.log2(n))
+
+
+def cache_bytes(config: MLAConfig, batch: int, rows: int, itemsize: int = 4) -> int:
+    """The latent cache of ``batch`` sequences of ``rows`` rows, every layer."""
+    return batch * rows * config.latent_dim * itemsize * config.num_hidden_layers
+
+
+def point_bytes(config: MLAConfig, batch: int, rows: int, chunk: int, itemsize: int = 4) -> int:
+    """Bytes one point needs beside the weights: the cache of ``batch`` sequences of ``rows`` rows (twice: a
+    growing cache is copied by each step), the logits and attention scores of a ``chunk``-token step."""
+    transient = batch * chunk * itemsize * (config.vocab_size + 2 * config.num_attention_heads * rows)
+    return int(2 * cache_bytes(config, batch, rows, itemsize) + transient)
+
+
+def memory_estimate(config: MLAConfig, groups: WeightGroups, batch: int, rows: int, chunk: int) -> int:
+    """Bytes one path's process needs: its weights, :func:`point_bytes`, the interpreter and runtimes."""
+    return int(groups.total_bytes + point_bytes(config, batch, rows, chunk, groups.itemsize) + PROCESS_OVERHEAD)

@@ -1,0 +1,55 @@
+"""What the generation loop needs from an engine: :class:`GenerationEngine`, the whole interface it drives.
+
+The loop (:mod:`mla_deploy.generate.loop`) calls nothing else. Every engine that runs an artifact
+(:class:`~mla_deploy.engines.base.Engine`: ONNX Runtime, TensorRT) implements it; so can a test's toy engine.
+
+Shapes: ``B`` batch (rows of the cache), ``S`` prompt width (right-padded), ``V`` vocabulary. Ids, lengths and
+tokens are host ``int64`` arrays; logits stay in the runtime's memory (a NumPy array, a CUDA tensor) until
+:meth:`~GenerationEngine.argmax` or :meth:`~GenerationEngine.to_host` reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class GenerationEngine(Protocol):
+    """The engine interface of the generation loop.
+
+    Attributes:
+        provider: what executes the graphs (an ONNX Runtime provider, ``TensorRT x.y``).
+        vocab_size: ``V``; a token id lies in ``[0, V)``.
+    """
+
+    provider: str
+    vocab_size: int
+
+    def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
+        """Refuse, before anything runs, a request the cache cannot hold (``CacheCapacityError``)."""
+
+    def new_state(self, batch: int, rows: int | None = None) -> Any:
+        """An empty cache of ``batch`` rows, each holding at most ``rows`` tokens (None: the engine's capacity).
+        The loop passes it back to :meth:`prefill` and :meth:`decode`, which update it in place; its
+        ``lengths [B]`` is the number of tokens each row holds."""
+
+    def prefill(self, ids: np.ndarray, lengths: np.ndarray, state: Any) -> Any:
+        """Run the prompts ``ids [B, S]`` (row b's real tokens are its first ``lengths[b]``, at positions
+        ``0 .. lengths[b] - 1``) into the empty ``state``. Returns ``logits [B, V]`` of each row's last real token."""
+
+    def decode(self, tokens: np.ndarray, state: Any) -> Any:
+        """One new token per row, ``tokens [B]``, at each row's own next position (``state.lengths[b]``).
+        Returns ``logits [B, V]``."""
+
+    def argmax(self, logits: Any) -> np.ndarray:
+        """``[B]`` int64 host: the most likely token of each row (the first of equal maxima)."""
+
+    def to_host(self, logits: Any) -> np.ndarray:
+        """``logits`` as a NumPy array on the host (a copy that outlives the next step)."""
+
+    def synchronize(self) -> None:
+        """Wait for the engine's queued work (a no-op for a synchronous runtime)."""
+
+    def info(self) -> dict[str, Any]:
+        """What the engine runs (provider, precision, cache, runtime facts), for reports."""
