@@ -25,6 +25,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SECTIONS = ("model", "export", "build", "validate")
+#: the smallest ``[export] max_cache_length`` (a prompt token and one generated token); the CLI's bound too
+MIN_CACHE_LENGTH = 2
 
 
 def _check_keys(section: str, data: dict, cls, source: str) -> None:
@@ -85,8 +87,8 @@ class ExportSettings:
         if self.cache_mode not in CACHE_MODES:
             raise ConfigError(f"[export] cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
         layout = get_layout(self.cache_mode)
-        if self.max_cache_length < 2:
-            raise ConfigError("[export] max_cache_length must be at least 2")
+        if self.max_cache_length < MIN_CACHE_LENGTH:
+            raise ConfigError(f"[export] max_cache_length must be at least {MIN_CACHE_LENGTH}")
         if self.prefill_form not in ("CD", "CC", "A_CC", "A_CC_ME") or self.prefill_form == "CD":
             raise ConfigError(f"[export] prefill_form must be CC, A_CC or A_CC_ME, got {self.prefill_form!r}")
         if self.decode_form not in ("A_CC", "A_CC_ME"):

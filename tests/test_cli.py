@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -78,7 +79,8 @@ def test_presets_lists_every_preset():
     assert "deepseek-v3" in result.stdout and "latent=576" in result.stdout
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["inspect", "--preset", "deepseek-v3"]])
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["inspect", "--preset", "deepseek-v3"],
+                                  ["export", "--help"], ["run", "--help"], ["validate", "--help"], ["bench", "--help"]])
 def test_help_and_inspect_do_not_import_torch(argv):
     """`mla-deploy --help` (and inspect, which needs only the config) never imports torch."""
     code = (
@@ -92,3 +94,51 @@ def test_help_and_inspect_do_not_import_torch(argv):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "Usage" in proc.stdout or "576" in proc.stdout
+
+
+def test_an_option_group_passes_one_typed_object_and_checks_it():
+    """A command decorated with option groups gets one parsed object per group (not their loose values), its
+    --help lists the groups' options in order, and a group's check is the CLI's one-line error."""
+    import click
+
+    from mla_deploy.cli import MainGroup
+    from mla_deploy.cli.groups import ModelSource, Progress, ProgressArgs, Runtime, RuntimeArgs, SourceArgs
+
+    got = {}
+
+    @click.group(cls=MainGroup)
+    def group():
+        pass
+
+    @group.command()
+    @SourceArgs()
+    @RuntimeArgs()
+    @ProgressArgs()
+    def probe(source, runtime, progress):
+        got.update(source=source, runtime=runtime, progress=progress)
+
+    result = CliRunner().invoke(group, ["probe", "--preset", "tiny", "--threads", "1", "--progress"])
+    assert result.exit_code == 0, result.output
+    assert got == {"source": ModelSource("preset", "tiny"), "runtime": Runtime("cpu", 1), "progress": Progress(True)}
+    assert got["source"].config().num_hidden_layers == 2
+    help_text = CliRunner().invoke(group, ["probe", "--help"]).stdout
+    flags = ["--preset", "--recipe", "--hf", "--provider", "--threads", "--quiet", "--progress"]
+    assert [help_text.index(f"{flag} ") for flag in flags] == sorted(help_text.index(f"{flag} ") for flag in flags)
+    result = CliRunner().invoke(group, ["probe", "--preset", "tiny", "--hf", "x"])
+    assert result.exit_code == 1 and result.stderr == "mla-deploy: error: give exactly one of --preset, --recipe, --hf\n"
+
+
+def test_the_choices_are_the_owners():
+    """--cache-mode, --precision, --weights, --block-size and --quant-format offer what their owners define (the
+    two the CLI cannot import at startup are copies held equal here)."""
+    from mla_deploy import quant
+    from mla_deploy.cache_layout import CACHE_MODES
+    from mla_deploy.cli import groups
+    from mla_deploy.exporter.quantize import QUANT_FORMATS
+    from mla_deploy.io_spec import PRECISIONS
+
+    assert groups.CACHE_MODES == CACHE_MODES and groups.QUANT_FORMATS == QUANT_FORMATS
+    options = {o.name: o.attrs["type"].choices for o in groups.ExportSettingsArgs().options()
+               if isinstance(o.attrs.get("type"), click.Choice)}
+    assert options == {"precision": tuple(PRECISIONS), "cache_mode": CACHE_MODES, "weights": ("float", *quant.SCHEMES),
+                       "block_size": tuple(map(str, quant.BLOCK_SIZES)), "quant_format": QUANT_FORMATS}

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mla_deploy"
 MODE_NAMES = {"concat", "static"}
 #: where the cache mode may be branched on (paths inside the package): the layouts themselves, and the CLI's module
 #: that parses --cache-mode
-MODE_OWNERS = {"cache_layout.py", "cli/export.py"}
+MODE_OWNERS = {"cache_layout.py", "cli/groups.py"}
 
 
 def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
@@ -239,9 +239,6 @@ def test_every_export_target_goes_through_the_one_pipeline():
 #: the bench's two benches: each imports the shared modules of ``mla_deploy.bench`` (the process harness, the
 #: machine probes, the bound, the report helpers), never the other bench
 BENCHES = ("mla_deploy.bench.attention", "mla_deploy.bench.whole_model")
-#: the CLI's option types (they name the attention bench's paths); every other module directly in
-#: ``mla_deploy.bench`` is shared and imports neither bench
-BENCH_CLI_MODULES = {"mla_deploy.bench.options"}
 
 
 def _bench_of(module: str) -> str | None:
@@ -253,7 +250,7 @@ def bench_crossings(graph: dict[str, set[str]]) -> list[str]:
     into either bench."""
     out = []
     for module, deps in graph.items():
-        shared = module.startswith("mla_deploy.bench.") and module.count(".") == 2 and module not in BENCH_CLI_MODULES
+        shared = module.startswith("mla_deploy.bench.") and module.count(".") == 2  # imports neither bench
         own = _bench_of(module)
         if own is None and not shared:
             continue

@@ -30,6 +30,8 @@ FORMAT = "mla-deploy-artifact"
 FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = (2,)
 REFERENCE_WEIGHTS = "reference.safetensors"
+#: the file that makes a folder an onnxruntime-genai model (``export --target genai``; no mla-deploy artifact)
+GENAI_CONFIG = "genai_config.json"
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,10 @@ def load_manifest(artifact: str | Path) -> Manifest:
         raise ArtifactError(f"no artifact directory at {root}")
     path = root / MANIFEST
     if not path.is_file():
+        if (root / GENAI_CONFIG).is_file():
+            raise ArtifactError(f"{root} is an onnxruntime-genai folder (export --target genai), not an mla-deploy "
+                                f"artifact: run it with onnxruntime-genai, onnxruntime_genai.Model('{root}') (the "
+                                f"[genai] extra installs it)")
         raise ArtifactError(f"{root} holds no {MANIFEST}; export into it first (mla-deploy export ... --out {root})")
     try:
         data = json.loads(path.read_text())

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import click
 
-from ..bench.options import Int, IntList, PathList, Positive
+from ..errors import ConfigError
+from .groups import BLOCK_SIZES, seed_option, threads_help
+from .options import Int, IntList, PathList, Positive, Threads, available_cpus
 
 #: the old mode flag, read only by :class:`BenchGroup`
 WHOLE_MODEL_FLAG = "--whole-model"
@@ -85,7 +87,9 @@ _SOURCE = _options(
 _RUN = _options(
     click.option("--batch", "batches", type=IntList(), default="1,8", show_default=True,
                  help="Batch sizes B, comma list."),
-    click.option("--threads", type=Int(), default=2, show_default=True, help="torch and ONNX Runtime intra-op threads."),
+    click.option("--threads", type=Threads(), default=lambda: min(2, available_cpus()),
+                 show_default="2, or the CPUs this process may use if fewer",
+                 help=threads_help("torch and ONNX Runtime intra-op threads")),
     click.option("--warmup", type=Int(minimum=0), default=3, show_default=True, help="Untimed calls before the timed ones."),
 )
 _PROBE = _options(
@@ -117,7 +121,7 @@ def bench() -> None:
                    "[default: all].")
 @click.option("--max-seconds", type=Positive(),
               help="Time budget of one point in one pass (at least 3 timed calls are kept) [default: 20].")
-@click.option("--seed", type=Int(minimum=0), default=0, show_default=True, help="Seed of the weights and inputs.")
+@seed_option("Seed of the weights and inputs.", default=0)
 @_PROBE
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
               help="Folder for bench.json, bench.md and bench.png.")
@@ -129,7 +133,6 @@ def attention(preset, recipe, out, **options):
     from ..bench.attention.driver import run_bench
     from ..bench.attention.output import format_table
     from ..bench.attention.spec import BenchSpec
-    from ..errors import ConfigError
     from ..recipe import load_recipe
 
     if bool(preset) == bool(recipe):
@@ -153,14 +156,13 @@ def attention(preset, recipe, out, **options):
 @_RUN
 @click.option("--prompt-length", type=Int(), help="Tokens per sequence of the timed prefill [default: 512].")
 @click.option("--repeat", type=Int(), help="Timed decode steps per point and timed prefills per batch size [default: 10].")
-@click.option("--seed", type=Int(minimum=0), default=0, show_default=True,
-              help="Seed of the prompts and of a preset's random checkpoint.")
+@seed_option("Seed of the prompts and of a preset's random checkpoint.", default=0)
 @click.option("--transformers/--no-transformers", default=True, show_default=True,
               help="Also time transformers' own model on the same checkpoint.")
 @click.option("--weights", metavar="LIST",
               help="With --hf, --preset or --recipe: comma list of float, int8, int4; each is exported (OUT/artifact, "
                    "OUT/artifact-int8, ...) and timed, quantized rows beside the float one [default: float].")
-@click.option("--block-size", type=click.Choice(["32", "64", "128"]),
+@click.option("--block-size", type=click.Choice(BLOCK_SIZES),
               help="Input features per scale of the int8/int4 exports [default: 32].")
 @_PROBE
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
@@ -175,7 +177,6 @@ def model(artifact, hf, preset, recipe, out, **options):
     from ..bench.whole_model.driver import run_whole_model
     from ..bench.whole_model.report import format_table
     from ..bench.whole_model.spec import WholeModelSpec
-    from ..errors import ConfigError
 
     sources = {"artifact": artifact, "hf": hf, "preset": preset, "recipe": recipe}
     given = [name for name, value in sources.items() if value]

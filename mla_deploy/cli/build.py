@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from ..errors import ArtifactError
+
 
 @click.command()
 @click.argument("artifact_dir", type=click.Path())
@@ -19,14 +21,10 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
     prefill and a decode profile, or prefill.engine and decode.engine), timing.cache and build.json, with
     optimisation profiles from the recipe's [build] ranges."""
     import dataclasses
-
-    from ..trt.build import build_engines, require_tensorrt
-
     from pathlib import Path
 
     from ..artifact import load_manifest
-    from ..errors import ArtifactError
-    from ..trt.build import check_buildable
+    from ..trt.build import build_engines, check_buildable, require_tensorrt
 
     try:
         manifest = load_manifest(artifact_dir)
@@ -37,8 +35,6 @@ def build(artifact_dir, workspace_mib, strongly_typed, no_timing_cache, opt_leve
     require_tensorrt()  # before anything else: one line naming what is missing
     settings = None
     if workspace_mib:
-        from ..artifact import load_manifest
-
         settings = dataclasses.replace(load_manifest(artifact_dir).build_settings(), workspace_mib=workspace_mib)
     record = build_engines(artifact_dir, settings, strongly_typed=strongly_typed, timing_cache=not no_timing_cache,
                            optimization_level=opt_level)

@@ -3,8 +3,10 @@ prints exactly one line on stderr, ``mla-deploy: error: ...``:
 
 * a user error (:class:`~mla_deploy.errors.MLADeployError`) or a file that cannot be written or read (``OSError``:
   no space, no permission, not a folder): exit 1;
-* a malformed command line (click's usage errors: unknown option, bad choice, missing argument): exit 2;
-* SIGINT, SIGTERM, SIGHUP: the command stops, its temporaries are removed, exit 128 + the signal number;
+* a malformed command line (click's usage errors: unknown option, bad choice, missing argument; an argument that
+  is not UTF-8): exit 2;
+* SIGINT, SIGTERM, SIGHUP: the command stops, its temporaries are removed, its child processes get the signal too
+  (and are killed if they still run 3 s later), exit 128 + the signal number; a second signal is ignored;
 * anything else is a bug: the line names it and the file where the full traceback was written, exit 70.
 
 :class:`MainGroup` is the command group that keeps it.
@@ -12,6 +14,8 @@ prints exactly one line on stderr, ``mla-deploy: error: ...``:
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -26,26 +30,79 @@ EXIT_BUG = 70
 
 
 def _fail(message: str, status: int) -> "NoReturn":
-    """Print ``mla-deploy: error: <message>`` as one line on stderr and exit with ``status``."""
-    click.echo(f"mla-deploy: error: {' '.join(str(message).split())}", err=True)
+    """Print ``mla-deploy: error: <message>`` as one line on stderr and exit with ``status``. Bytes that are not
+    UTF-8 (a path or an argument decoded with ``surrogateescape``) are shown escaped, ``\\udcff``."""
+    line = " ".join(str(message).split()).encode("utf-8", "backslashreplace").decode("utf-8")
+    click.echo(f"mla-deploy: error: {line}", err=True)
     sys.exit(status)
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGHUP arrived (SIGINT is Python's KeyboardInterrupt): unwinds like it, so every temporary
-    folder and file is removed on the way out."""
+    """SIGINT, SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt, so every temporary folder and file is
+    removed on the way out. (SIGINT is raised as KeyboardInterrupt inside the command, so that a command may
+    catch it; :class:`MainGroup` turns it into this at the command's boundary.)"""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
 
 
-def _on_signal(signum, frame):
-    import signal
+#: the signals that stop a command (those this platform has)
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
-    for other in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a second signal must not cut the cleanup short
-        signal.signal(other, signal.SIG_IGN)
+
+def _on_signal(signum, frame):
+    """The first stop signal: later ones are ignored (they must not cut the cleanup short), the command's child
+    processes get the same signal, and the command unwinds."""
+    for name in STOP_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal_children(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Interrupted(signum)
+
+
+def child_processes(pid: int | str = "self") -> list[int]:
+    """Every running descendant of ``pid``, children first (Linux's ``/proc/PID/task/*/children``; elsewhere
+    none). A child that has exited but was not waited for yet (a zombie) does not count."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(p) for p in f.read().split()]
+    except OSError:  # no /proc, or the process is gone
+        return []
+    found = [child for child in found if _running(child)]
+    return found + [grandchild for child in found for grandchild in child_processes(child)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state follows the (name)
+    except (OSError, IndexError):
+        return False
+
+
+def signal_children(signum: int) -> None:
+    """Send ``signum`` to every descendant of this process (a bench worker, a graph export)."""
+    for pid in child_processes():
+        try:
+            os.kill(pid, signum)
+        except OSError:  # already gone
+            pass
+
+
+def stop_children(grace_s: float = 3.0) -> None:
+    """Kill the descendants still running ``grace_s`` after the stop signal was passed on to them: a command
+    that was interrupted leaves no process behind."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while child_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signal_children(signal.SIGKILL)
 
 
 def _os_error_line(exc: OSError) -> str:
@@ -73,21 +130,36 @@ def _bug_line(exc: BaseException) -> str:
     return (f"internal error (a bug in mla-deploy, please report it): {type(exc).__name__}: {first}; {where}")
 
 
+def non_utf8_argument(args: list[str]) -> str | None:
+    """What is wrong with the first argument of ``args`` that is not UTF-8 (Linux passes such bytes to Python as
+    ``surrogateescape`` characters, which no tokenizer, path or ONNX Runtime call takes), or None."""
+    for i, arg in enumerate(args):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = arg.encode("utf-8", "surrogateescape")
+            if arg.startswith("-") and "=" in arg:
+                where = f"the value of {arg.split('=', 1)[0]}"
+            elif i and args[i - 1].startswith("-"):
+                where = f"the value of {args[i - 1]}"
+            else:
+                where = f"argument {i + 1}"
+            return f"{where} is not UTF-8 text: {raw!r}; give text and paths as UTF-8"
+    return None
+
+
 class MainGroup(click.Group):
     """The command group with the error contract of the module docstring."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        import signal
-
         if not standalone_mode:  # a caller that handles click's exceptions itself
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        handlers = {}
-        for name in ("SIGTERM", "SIGHUP"):
-            if hasattr(signal, name):
-                try:
-                    handlers[getattr(signal, name)] = signal.signal(getattr(signal, name), _on_signal)
-                except ValueError:  # not the main thread: signals stay as they are
-                    break
+        args = sys.argv[1:] if args is None else list(args)
+        wrong = non_utf8_argument(args)
+        if wrong:
+            command = next((a for a in args if a in self.commands), None)
+            _fail(f"{wrong} (see `mla-deploy{' ' + command if command else ''} --help`)", 2)
+        handlers = _install(_on_signal)
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             sys.exit(result if isinstance(result, int) else 0)  # click returns ctx.exit()'s code here
@@ -96,21 +168,51 @@ class MainGroup(click.Group):
         except click.exceptions.NoArgsIsHelpError as exc:  # `mla-deploy` alone: its help, not an error
             click.echo(exc.ctx.get_help())
             sys.exit(0)
-        except click.UsageError as exc:
-            command = exc.ctx.command_path if exc.ctx is not None else "mla-deploy"
-            _fail(f"{exc.format_message().rstrip('.')} (see `{command} --help`)", 2)
-        except click.ClickException as exc:  # click.FileError and the like
-            _fail(exc.format_message(), 1)
-        except MLADeployError as exc:
-            _fail(str(exc), 1)
-        except OSError as exc:
-            _fail(_os_error_line(exc), 1)
-        except click.Abort:  # click's form of KeyboardInterrupt (and EOF at a prompt)
-            _fail("interrupted (SIGINT); temporary files were removed", 128 + signal.SIGINT)
-        except Interrupted as exc:
-            _fail(f"interrupted ({signal.Signals(exc.signum).name}); temporary files were removed", 128 + exc.signum)
-        except Exception as exc:  # noqa: BLE001 - a bug: one line and the traceback in a file
-            _fail(_bug_line(exc), EXIT_BUG)
+        except (click.Abort, Interrupted) as exc:  # click.Abort: a KeyboardInterrupt while parsing, EOF at a prompt
+            signum = getattr(exc, "signum", signal.SIGINT)
+            stop_children()
+            _fail(f"interrupted ({_signal_name(signum)}); temporary files were removed", 128 + signum)
+        except Exception as exc:  # noqa: BLE001 - every other failure: one line (a bug's names the traceback file)
+            _fail(*_error_line(exc))
         finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            _install(handlers)
+
+    def invoke(self, ctx):
+        """Run the command; a KeyboardInterrupt leaving it is the interrupt of the contract (not click's Abort,
+        which prints a blank line first)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(signal.SIGINT) from None
+
+
+def _error_line(exc: Exception) -> tuple[str, int]:
+    """The line and exit status of a failure (the module docstring's contract)."""
+    if isinstance(exc, click.UsageError):
+        command = exc.ctx.command_path if exc.ctx is not None else "mla-deploy"
+        return f"{exc.format_message().rstrip('.')} (see `{command} --help`)", 2
+    if isinstance(exc, click.ClickException):  # click.FileError and the like
+        return exc.format_message(), 1
+    if isinstance(exc, MLADeployError):
+        return str(exc), 1
+    if isinstance(exc, OSError):
+        return _os_error_line(exc), 1
+    return _bug_line(exc), EXIT_BUG
+
+
+def _signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def _install(handlers) -> dict:
+    """Install ``handlers`` (one callable for every stop signal, or ``{signum: handler}`` as returned here) and
+    return the ones they replace. Outside the main thread signals stay as they are."""
+    if not isinstance(handlers, dict):
+        handlers = {getattr(signal, name): handlers for name in STOP_SIGNALS if hasattr(signal, name)}
+    previous = {}
+    for signum, handler in handlers.items():
+        try:
+            previous[signum] = signal.signal(signum, handler)
+        except ValueError:  # not the main thread
+            break
+    return previous

@@ -4,31 +4,17 @@ from __future__ import annotations
 
 import click
 
-
-def _config_from(preset: str | None, recipe: str | None, hf: str | None):
-    from ..config import from_hf_config
-    from ..errors import ConfigError
-    from ..recipe import load_recipe
-
-    given = [x for x in (preset, recipe, hf) if x]
-    if len(given) != 1:
-        raise ConfigError("give exactly one of --preset, --recipe, --hf")
-    if hf:
-        return from_hf_config(hf)
-    return load_recipe(preset or recipe).model
-
+from .groups import ModelSource, SourceArgs
 
 
 @click.command()
-@click.option("--preset", metavar="NAME", help="A built-in preset (see `mla-deploy presets`).")
-@click.option("--recipe", type=click.Path(dir_okay=False), help="A recipe TOML file.")
-@click.option("--hf", type=click.Path(), help="A Hugging Face checkpoint folder or config.json.")
-def inspect(preset, recipe, hf):
+@SourceArgs()
+def inspect(source: ModelSource):
     """Print a model's dimensions and its cache size per token per layer (MHA, CD, latent)."""
     from ..cache_table import format_inspect
 
-    kind = "checkpoint" if hf else "recipe" if recipe else "preset"
-    click.echo(format_inspect(_config_from(preset, recipe, hf), kind))
+    kind = {"hf": "checkpoint", "recipe": "recipe", "preset": "preset"}[source.kind]
+    click.echo(format_inspect(source.config(), kind))
 
 
 @click.command()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from ..bench.options import Int
-from .output import log_line, report_validation
+from .groups import Progress, ProgressArgs, Runtime, RuntimeArgs
+from .options import Int
+from .output import report_validation
 
 
 @click.command()
@@ -16,14 +15,10 @@ from .output import log_line, report_validation
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: ARTIFACT_DIR/validation).")
 @click.option("--load-results", type=click.Path(dir_okay=False),
               help="Compare a saved run_results.json again instead of running.")
-@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="ONNX Runtime execution provider.")
-@click.option("--threads", type=Int(), help="ONNX Runtime intra-op threads.")
+@RuntimeArgs()
 @click.option("--trt", "with_trt", is_flag=True, help="Also validate a TensorRT engine (needs mla_deploy.trt).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress lines (they are shown on a terminal only).")
-@click.option("--progress", "force_progress", is_flag=True, help="Progress lines on stderr even when it is no "
-                                                                 "terminal.")
-def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt, quiet, force_progress):
+@ProgressArgs()
+def validate(artifact_dir, steps, out, load_results, runtime: Runtime, with_trt, progress: Progress):
     """Validate an exported artifact against its PyTorch original with Polygraphy; write report.{json,html,md}.
 
     Quantized weights: the graphs against a PyTorch model with the same dequantized weights, and the quantization's
@@ -35,9 +30,8 @@ def validate(artifact_dir, steps, out, load_results, provider, threads, with_trt
 
     from ..validate import validate_artifact
 
-    runtimes = ("onnxrt", "tensorrt") if with_trt else ("onnxrt",)
-    show = force_progress or (not quiet and sys.stderr.isatty())
     result = validate_artifact(artifact_dir, out_dir=out, steps=steps, load_results=load_results,
-                               runtimes=runtimes, provider=provider, threads=threads,
-                               log=log_line(time.perf_counter()) if show else None)
+                               runtimes=("onnxrt", "tensorrt") if with_trt else ("onnxrt",),
+                               provider=runtime.provider, threads=runtime.threads,
+                               log=progress.log(time.perf_counter()))
     report_validation(result)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..artifact import copy_tokenizer_files
+from ..artifact.manifest import GENAI_CONFIG
 from ..artifact.tokenizer_files import TOKENIZER_FILES
 from ..cache_layout import GENAI
 from ..config import MLAConfig
@@ -55,7 +56,6 @@ from .export import TORCH_DTYPES, Exported, GraphPlan, Log, decode_checks, run_e
 from .onnx_export import cached_dynamic_shapes
 from .weights import WEIGHTS_FILE, Progress, TensorSource
 
-GENAI_CONFIG = "genai_config.json"
 GRAPH_FILE = "model.onnx"
 #: the files a genai export writes (re-exporting replaces these and keeps anything else in the folder)
 GENAI_FILES = (GENAI_CONFIG, GRAPH_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)

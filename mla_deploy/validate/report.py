@@ -1,6 +1,6 @@
 """The validation report: ``report.json`` (every figure), ``report.md`` (a pull-request summary) and
 ``report.html`` (:mod:`.report_html`), beside Polygraphy's ``run_results.json`` and ``inputs.json`` of the run.
-Each file is written under a temporary name and renamed into place (:mod:`mla_deploy.artifact.files`).
+The files are written into a hidden folder and moved into place together (:func:`write_reports`).
 
 ``report.json`` layout::
 
@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..artifact import Manifest, atomic_file, atomic_write_bytes
+from ..artifact import Manifest
+from ..artifact.files import remove_stale, temp_name
 from .metrics import StepFigures, error_figures, severity, step_masks, top1_agreement
 from .trajectory import step_role
 
@@ -137,49 +140,70 @@ def _rate(top1: list[dict]) -> float:
     return sum(t["agree"] for t in top1) / positions if positions else 1.0
 
 
-def _write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` as UTF-8, atomically."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
-
-
 def write_reports(out: Path, report: dict, run_results=None, feeds: list[dict] | None = None) -> dict[str, Path]:
-    """Write ``run_results.json`` and ``inputs.json`` (when given), then the three reports, each atomically.
+    """Write ``run_results.json`` and ``inputs.json`` (when given) and the three reports into ``out``, all or none:
+    they are written into a hidden folder in ``out`` first and moved into place together, with SIGINT, SIGTERM and
+    SIGHUP held back for the moves (a signal then arrives after the last one). On any failure, an interrupt
+    included, nothing in ``out`` changed (and ``out`` is removed again when this call made it).
 
     Returns: ``{file name: path}`` of what was written.
     """
-    from . import compat
-    from .report_html import render_html
-
     out = Path(out)
     missing = [p for p in (out, *out.parents) if not p.exists()]  # created here; removed again if nothing is written
     out.mkdir(parents=True, exist_ok=True)
-    files: dict[str, Path] = {}
+    remove_stale(out / "reports")
+    stage = temp_name(out / "reports")
     try:
-        with compat.quiet():
-            _save_results(out, files, run_results, feeds)
-        report = {**report, "files": {**{k: k for k in files}, **{k: k for k in REPORT_FILES}}}
-        files[REPORT_JSON] = _write_text(out / REPORT_JSON, json.dumps(report, indent=2, default=_json_default) + "\n")
-        files[REPORT_MD] = _write_text(out / REPORT_MD, render_markdown(report))
-        files[REPORT_HTML] = _write_text(out / REPORT_HTML, render_html(report))
+        stage.mkdir()
+        names = _write_all(stage, report, run_results, feeds)
+        with _signals_held():
+            for name in names:
+                os.replace(stage / name, out / name)
     except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
         for folder in missing:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty
         raise
-    return files
+    shutil.rmtree(stage, ignore_errors=True)
+    return {name: out / name for name in names}
 
 
-def _save_results(out: Path, files: dict, run_results, feeds) -> None:
+def _write_all(folder: Path, report: dict, run_results, feeds) -> list[str]:
+    """Write the files of :func:`write_reports` into ``folder``; their names."""
     from . import compat
+    from .report_html import render_html
 
-    if run_results is not None:
-        with atomic_file(out / RESULTS_FILE) as tmp:
-            compat.save_run_results(run_results, tmp)
-        files[RESULTS_FILE] = out / RESULTS_FILE
-    if feeds is not None:
-        with atomic_file(out / INPUTS_FILE) as tmp:
-            compat.save_feed_dicts(feeds, tmp)
-        files[INPUTS_FILE] = out / INPUTS_FILE
+    names = []
+    with compat.quiet():
+        if run_results is not None:
+            compat.save_run_results(run_results, folder / RESULTS_FILE)
+            names.append(RESULTS_FILE)
+        if feeds is not None:
+            compat.save_feed_dicts(feeds, folder / INPUTS_FILE)
+            names.append(INPUTS_FILE)
+    report = {**report, "files": {**{k: k for k in names}, **{k: k for k in REPORT_FILES}}}
+    for name, text in ((REPORT_JSON, json.dumps(report, indent=2, default=_json_default) + "\n"),
+                       (REPORT_MD, render_markdown(report)), (REPORT_HTML, render_html(report))):
+        (folder / name).write_bytes(text.encode("utf-8"))
+        names.append(name)
+    return names
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP back in this thread until the block ends (where the platform can)."""
+    import signal
+
+    held = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _json_default(value):
