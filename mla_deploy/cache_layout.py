@@ -1,4 +1,4 @@
-"""The latent cache layouts: the one place that knows what ``concat`` and ``static`` mean.
+"""The latent cache layouts: the one place that knows what ``concat``, ``static`` and genai's cache mean.
 
 A :class:`CacheLayout` answers, for its mode, every question the rest of the package asks about the cache:
 
@@ -13,7 +13,14 @@ TensorRT (:meth:`~CacheLayout.axis_ranges`)  past and total from ``[build]``    
 host state (:meth:`~CacheLayout.new_state`, ...)  grows; key-valid mask kept      fixed buffers written in place
 ================================ ================================================ ============================================
 
-Everything else asks the layout (``get_layout(mode)``) instead of comparing mode strings. The tensor names and
+A third layout, :data:`GENAI`, is the cache as onnxruntime-genai holds it (``export --target genai``): the latent
+row cut into two equal column halves, genai's "key" and "value" ``[B, 1, capacity, C/2]`` per layer, written in place
+at the slot ``total - S`` of an ``attention_mask [B, total]`` whose zeros mark left padding
+(:class:`~mla_deploy.model.cache.MaskedBlockCache`), under genai's names (``past_key_values.{i}.key``, ...). It is
+no artifact cache mode (not in :data:`CACHE_MODES`): genai runs it, so it answers the graph and tracing
+questions and refuses the host-side ones.
+
+Everything else asks the layout (``get_layout(mode)``, or :data:`GENAI`) instead of comparing mode strings. The tensor names and
 axis names themselves are in :mod:`mla_deploy.io_spec`.
 
 Host-side state is array-agnostic: an engine passes its own ``allocate(shape)`` (NumPy, an ``OrtValue``, a
@@ -158,6 +165,14 @@ class CacheLayout:
     def policy(self, control):
         """The PyTorch cache policy for one step, given the control tensor (mask or write indices)."""
         raise NotImplementedError
+
+    def layer_caches(self, flat: Sequence) -> list:
+        """The graph's cache inputs (:meth:`io`'s order) as one entry per layer, as the model takes them."""
+        return list(flat)
+
+    def flat_caches(self, presents: Sequence) -> list:
+        """The model's present caches (one entry per layer) as the graph's cache outputs, in :meth:`io`'s order."""
+        return list(presents)
 
     def empty(self, batch: int, length: int, width: int, layers: int, dtype=None, device=None) -> list:
         """Zero torch caches: ``layers`` tensors of :meth:`cache_shape` ``(batch, length, width)``."""
@@ -349,8 +364,94 @@ class StaticLayout(CacheLayout):
         return np.arange(slots)[None, :] < np.asarray(state.lengths)[:, None]
 
 
+class GenaiLayout(CacheLayout):
+    """onnxruntime-genai's cache: per layer a "key" and a "value" buffer ``[B, 1, capacity, C/2]``, the two column
+    halves of the latent row (genai gives both the same width), written in place at ``total - S`` of the mask.
+
+    The graph's I/O (:meth:`io`) is genai's decoder-only contract: ``input_ids [B, S]``, ``attention_mask [B, total]``
+    (1 a real token, 0 left padding; genai grows it by one column per step), the halves per layer, then ``logits
+    [B, S, V]`` (every position) and the presents (the same buffers: ``past_present_share_buffer``).
+    """
+
+    mode, control, in_place, has_capacity, min_opset = "genai", "attention_mask", True, True, 24
+    past_key_names, past_value_names = "past_key_values.%d.key", "past_key_values.%d.value"
+    present_key_names, present_value_names = "present.%d.key", "present.%d.value"
+
+    def block_widths(self, latent_dim: int) -> tuple[int, int]:
+        """The key and value halves of the latent row.
+
+        Raises:
+            ConfigError: an odd latent width (genai needs the halves equal).
+        """
+        if latent_dim % 2:
+            raise ConfigError(f"the genai target splits the latent row in two equal halves; {latent_dim} is odd")
+        return latent_dim // 2, latent_dim // 2
+
+    def control_spec(self) -> TensorSpec:
+        return TensorSpec(self.control, "int64", (BATCH, TOTAL))
+
+    def cache_shapes(self, width: int) -> tuple[tuple, tuple]:
+        shape = (BATCH, 1, CAPACITY, self.block_widths(width)[0])
+        return shape, shape
+
+    def io(self, config, precision, head_inputs=None, head_outputs=None, layers=None):
+        """genai's inputs and outputs, in graph order (the heads are genai's: ``input_ids``; ``logits [B, S, V]``)."""
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        dtype, past = PRECISIONS[precision], self.cache_shapes(config.latent_dim)[0]
+        layers = config.num_hidden_layers if layers is None else layers
+        inputs = [*(head_inputs or [TensorSpec("input_ids", "int64", (BATCH, SEQ))]), self.control_spec()]
+        outputs = list(head_outputs or [TensorSpec("logits", dtype, (BATCH, SEQ, config.vocab_size))])
+        for i in range(layers):
+            inputs += [TensorSpec(self.past_key_names % i, dtype, past), TensorSpec(self.past_value_names % i, dtype, past)]
+            outputs += [TensorSpec(self.present_key_names % i, dtype, past),
+                        TensorSpec(self.present_value_names % i, dtype, past)]
+        return inputs, outputs
+
+    def describe(self, config: MLAConfig) -> dict[str, Any]:
+        """The layout in words: the halves' channels and per-layer names."""
+        half, c = self.block_widths(config.latent_dim)[0], config.latent_dim
+        return {"mode": self.mode, "width": c, "blocks": [[0, half], [half, c]], "sequence_axis": -2,
+                "layers": [{"past": [self.past_key_names % i, self.past_value_names % i],
+                            "present": [self.present_key_names % i, self.present_value_names % i]}
+                           for i in range(config.num_hidden_layers)], "aliased": True}
+
+    def dynamic_shapes(self, layers: int, batch, steps: int | None = None):
+        from torch.export import Dim
+
+        capacity = Dim(CAPACITY, min=2, max=1 << 22)
+        return {0: batch, 1: Dim.DYNAMIC}, tuple({0: batch, 2: capacity} for _ in range(2 * layers))
+
+    def example_state(self, batch, past, steps, width, layers, capacity, dtype):
+        import torch
+
+        mask = torch.ones(batch, past + steps, dtype=torch.long)
+        slots = max(capacity, past + steps + 1)  # the capacity axis traced apart from the mask's
+        caches = [torch.zeros(batch, 1, slots, self.block_widths(width)[0], dtype=dtype) for _ in range(2 * layers)]
+        return mask, caches
+
+    def policy(self, control):
+        from .model.cache import MaskedBlockCache
+
+        return MaskedBlockCache(control)
+
+    def layer_caches(self, flat):
+        return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(flat) // 2)]
+
+    def flat_caches(self, presents):
+        return [half for present in presents for half in present]
+
+    def _runs_in_genai(self, *args, **kwargs):
+        raise ConfigError("the genai cache is held by onnxruntime-genai; mla-deploy's engines and TensorRT builds "
+                          "take an artifact (export without --target genai)")
+
+    _cache_ranges = cache_shape = new_state = control_input = held = slot_valid = _runs_in_genai
+
+
 CONCAT = ConcatLayout()
 STATIC = StaticLayout()
+#: the onnxruntime-genai target's layout (no artifact cache mode)
+GENAI = GenaiLayout()
 _LAYOUTS = {layout.mode: layout for layout in (CONCAT, STATIC)}
 assert tuple(_LAYOUTS) == CACHE_MODES
 

@@ -6,8 +6,9 @@ import torch
 
 
 def hf_config(version: int, q_lora_rank: int | None = 32, yarn: bool = False, moe: bool = True, layers: int = 2,
-              vocab_size: int = 128):
-    """A tiny transformers DeepseekV{2,3}Config (num_key_value_heads set to the head count, EOS disabled)."""
+              vocab_size: int = 128, **overrides):
+    """A tiny transformers DeepseekV{2,3}Config (num_key_value_heads set to the head count, EOS disabled);
+    ``overrides`` replace any of its dimensions (``kv_lora_rank=32``, ``n_routed_experts=4``, ...)."""
     import transformers
 
     common = dict(
@@ -17,6 +18,7 @@ def hf_config(version: int, q_lora_rank: int | None = 32, yarn: bool = False, mo
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         first_k_dense_replace=1 if moe else layers, n_group=4, topk_group=2, tie_word_embeddings=False,
     )
+    common.update(overrides)
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if yarn:
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,

@@ -1,6 +1,7 @@
 """The package's structure, checked from its source: no import cycle, one owner for the cache mode and one for
 quantization, the TensorRT engine independent of the ONNX Runtime one, the engines independent of the exporter,
-bench on public names only, the two benches independent of each other over their shared harness.
+bench on public names only, the two benches independent of each other over their shared harness, no private name
+imported across modules, every export target through the one export pipeline.
 
 Every check reads the real source files with ``ast`` (imports inside functions included) and is shown to fail
 on a planted violation first, so none of them passes vacuously.
@@ -211,7 +212,7 @@ QUANT_IDS = {"FLOAT", "WEIGHTS", "FORMATS", "SCHEMES", "BLOCK_SIZES", "QDQ", "MA
 #: weights or a byte count as often as a scheme: it counts beside one of these constants (``weights == "float"``)
 QUANT_CONSTANTS = {"float", "int8", "int4", "matmulnbits", "qdq"}
 FORMAT_NAMES = {"matmulnbits", "qdq"}
-#: the issue's bound (main at 2c7fb74 had 56 such sites in 15 files by this count)
+#: the issue's bound (main at 2c7fb74 had 58 such sites in 15 files by this count)
 MAX_QUANT_CONDITIONS = 12
 
 
@@ -296,6 +297,57 @@ def test_quantization_is_branched_on_only_by_its_owner():
 def test_format_names_are_spelled_only_by_their_owner():
     found = [hit for path in _outside_the_owner() for hit in format_literals(path)]
     assert not found, f"weight format names spelled outside mla_deploy/quant/: {found}"
+
+
+def private_imports(path: Path, root: Path = PACKAGE) -> list[str]:
+    """``module:name`` of every name with a leading underscore that ``path`` imports from the package."""
+    return [item for item in imports_from(path, "mla_deploy", root)
+            if item.partition(":")[2].startswith("_") and item.partition(":")[2] != "__version__"]
+
+
+def test_private_import_detector_finds_a_planted_import(tmp_path):
+    planted = tmp_path / "mla_deploy" / "exporter" / "genai.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from .export import _save, run_export\ndef f():\n    from ..quant import _layout\n")
+    assert private_imports(planted, tmp_path / "mla_deploy") == ["mla_deploy.exporter.export:_save",
+                                                                 "mla_deploy.quant:_layout"]
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = [f"{path.relative_to(PACKAGE)}: {item}" for path in sorted(PACKAGE.rglob("*.py"))
+             for item in private_imports(path)]
+    assert not found, f"private names imported across modules: {found}"
+
+
+#: the steps only the one export pipeline (exporter/export.py) runs: every target goes through run_export
+PIPELINE_STEPS = {"atomic_dir", "make_weights", "save_graph", "quantize_graph_weights", "trace_meta_graph"}
+#: where they may be called: the pipeline, and the tracing pieces it is built from (trace_to_onnx saves an
+#: in-memory module's graph for the bench)
+PIPELINE_OWNERS = {"export.py", "onnx_export.py"}
+
+
+def pipeline_bypasses(path: Path) -> list[str]:
+    """Calls in ``path`` of a step of the export pipeline (``name:line``)."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in PIPELINE_STEPS:
+                hits.append(f"{path.name}:{name}:{node.lineno}")
+    return hits
+
+
+def test_pipeline_bypass_detector_finds_a_planted_call(tmp_path):
+    planted = tmp_path / "genai.py"
+    planted.write_text("def export(out):\n    with atomic_dir(out) as tmp:\n        files.save_graph(tmp)\n")
+    assert pipeline_bypasses(planted) == ["genai.py:atomic_dir:2", "genai.py:save_graph:3"]
+
+
+def test_every_export_target_goes_through_the_one_pipeline():
+    found = [hit for path in sorted((PACKAGE / "exporter").glob("*.py")) if path.name not in PIPELINE_OWNERS
+             for hit in pipeline_bypasses(path)]
+    assert not found, f"export steps called outside exporter/export.py's run_export: {found}"
 
 
 #: the bench's two benches: each imports the shared modules of ``mla_deploy.bench`` (the process harness, the

@@ -5,24 +5,32 @@ Perceiver-style latent cross-attention (no cache). Sized from an :class:`~mla_de
   ``past_key``/``past_value [batch_size, H, past_sequence_length, v_head_dim]`` ->
   ``output [batch_size, sequence_length, D]``, ``present_key``/``present_value [batch_size, H, total_sequence_length, v_head_dim]``.
 * ``latent-cross-attention``: ``inputs [batch_size, sequence_length, D]`` -> ``latents [batch_size, n_latents, D]``.
+
+Written by the one export pipeline (:func:`~.export.run_export`) as the :class:`BlockTarget`: traced on the meta
+device, the weights streamed from the block in memory (inline in the graph; ``weights.data`` past ``[export]``'s
+default threshold), the folder written atomically; re-exporting with ``overwrite`` keeps the user's other files.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..artifact import MANIFEST, REFERENCE_WEIGHTS, atomic_dir
+from ..artifact import MANIFEST, REFERENCE_WEIGHTS
 from ..config import MLAConfig
 from ..errors import ExportError
 from ..io_spec import BATCH, PAST, SEQ, TOTAL, TensorSpec
 from ..model.baselines import LatentCrossAttention, MultiHeadAttention
 from ..model.decoder import init_random_
-from .export import versions
+from ..quant import FLOAT
+from ..recipe import ExportSettings
+from .export import Exported, GraphPlan, run_export, versions
 from .graphs import LatentCrossAttentionGraph, MHAGraph
-from .onnx_export import trace_to_onnx
+from .weights import WEIGHTS_FILE, ModuleTensors
 
 BLOCKS = ("mha", "latent-cross-attention")
 
@@ -53,34 +61,75 @@ def block_io(kind: str, config: MLAConfig, n_latents: int = 16) -> tuple[list[Te
 def export_block(kind: str, config: MLAConfig, out: str | Path, n_latents: int = 16, seed: int = 0,
                  overwrite: bool = False) -> dict:
     """Export the ``kind`` block to ``out/<kind>.onnx`` with its reference weights and a manifest (a plain dict, format
-    ``mla-deploy-block``), written with :func:`~mla_deploy.artifact.atomic_dir`."""
-    from torch.export import Dim
+    ``mla-deploy-block``), through the one export pipeline (:func:`~.export.run_export`).
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} is not empty; choose another --out or pass --overwrite")
-    block = build_block(kind, config, n_latents, seed=seed)
-    inputs, outputs = block_io(kind, config, n_latents)
-    batch, seq = Dim(BATCH, min=1, max=4096), Dim(SEQ, min=1, max=1 << 20)
-    if kind == "mha":
-        past = Dim(PAST, min=0, max=1 << 20)
-        h, dv = config.num_attention_heads, config.v_head_dim
-        args = (torch.randn(2, 3, config.hidden_size), torch.arange(5, 8).expand(2, 3).contiguous(),
-                torch.zeros(2, h, 5, dv), torch.zeros(2, h, 5, dv))
-        shapes = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 2: past}, {0: batch, 2: past})
-        wrapper = MHAGraph(block)
-    else:
-        args = (torch.randn(2, 3, config.hidden_size),)
-        shapes = ({0: batch, 1: seq},)
-        wrapper = LatentCrossAttentionGraph(block)
-    with atomic_dir(out) as tmp:
-        with torch.no_grad():
-            trace_to_onnx(wrapper.eval(), args, tmp / f"{kind}.onnx", inputs, outputs, shapes, 18)
+    Raises:
+        ExportError: an unknown ``kind``, ``out`` is not empty (and not ``overwrite``), or the export fails.
+    """
+    target = BlockTarget(kind, config, build_block(kind, config, n_latents, seed=seed), n_latents, seed)
+    return run_export(target, out, ModuleTensors(target.wrapper()), overwrite)
+
+
+@dataclass(frozen=True)
+class BlockTarget:
+    """A comparison block: one fp32 graph, its weights inline, ``reference.safetensors`` and a small manifest.
+
+    Attributes:
+        kind: ``mha`` or ``latent-cross-attention``.
+        config: the model whose attention the block is sized like.
+        block: the block with its weights (:func:`build_block`).
+        n_latents, seed: as :func:`build_block` made it (recorded).
+    """
+
+    kind: str
+    config: MLAConfig
+    block: torch.nn.Module
+    n_latents: int
+    seed: int
+    quantization = FLOAT
+    external_data_threshold = ExportSettings.external_data_threshold
+
+    def wrapper(self) -> torch.nn.Module:
+        """The graph module around :attr:`block` (parameters named ``block.*``)."""
+        return (MHAGraph if self.kind == "mha" else LatentCrossAttentionGraph)(self.block).eval()
+
+    def files(self) -> tuple[str, ...]:
+        return MANIFEST, f"{self.kind}.onnx", REFERENCE_WEIGHTS, WEIGHTS_FILE
+
+    def prepare(self, out: Path, overwrite: bool) -> list[str]:
+        names = sorted(entry.name for entry in out.iterdir()) if out.is_dir() else []
+        if out.exists() and not out.is_dir():
+            raise ExportError(f"{out} exists and is not a directory")
+        if names and not overwrite:
+            raise ExportError(f"{out} is not empty; choose another --out or pass --overwrite")
+        return [name for name in names if name not in self.files()]
+
+    def graphs(self) -> list[GraphPlan]:
+        from torch.export import Dim
+
+        inputs, outputs = block_io(self.kind, self.config, self.n_latents)
+        batch, seq = Dim(BATCH, min=1, max=4096), Dim(SEQ, min=1, max=1 << 20)
+        if self.kind == "mha":
+            past = Dim(PAST, min=0, max=1 << 20)
+            h, dv = self.config.num_attention_heads, self.config.v_head_dim
+            args = (torch.zeros(2, 3, self.config.hidden_size), torch.arange(5, 8).expand(2, 3).contiguous(),
+                    torch.zeros(2, h, 5, dv), torch.zeros(2, h, 5, dv))
+            shapes = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 2: past}, {0: batch, 2: past})
+        else:
+            args = (torch.zeros(2, 3, self.config.hidden_size),)
+            shapes = ({0: batch, 1: seq},)
+        module = copy.deepcopy(self.wrapper()).to("meta")
+        return [GraphPlan(f"{self.kind}.onnx", f"the {self.kind} block", module, tuple(a.to("meta") for a in args),
+                          shapes, inputs, outputs, 18)]
+
+    def finish(self, tmp: Path, exported: Exported) -> dict:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(tmp / REFERENCE_WEIGHTS))
-        manifest = {"format": "mla-deploy-block", "block": kind, "model": config.to_dict(), "n_latents": n_latents,
-                    "seed": seed, "file": f"{kind}.onnx", "inputs": [t.to_dict() for t in inputs],
-                    "outputs": [t.to_dict() for t in outputs], "versions": versions()}
+        save_file({k: v.contiguous() for k, v in self.block.state_dict().items()}, str(tmp / REFERENCE_WEIGHTS))
+        inputs, outputs = block_io(self.kind, self.config, self.n_latents)
+        manifest = {"format": "mla-deploy-block", "block": self.kind, "model": self.config.to_dict(),
+                    "n_latents": self.n_latents, "seed": self.seed, "file": f"{self.kind}.onnx",
+                    "inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs],
+                    "weights_data": exported.weights_data, "versions": versions()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+        return manifest

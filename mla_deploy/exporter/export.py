@@ -1,66 +1,57 @@
-"""Export a recipe to an artifact directory: the graph(s), one weights file, ``manifest.json``.
+"""The one export pipeline: every target (:mod:`.artifact`, :mod:`.genai`, :mod:`.blocks`) goes through it.
 
-The export never holds the model. Each graph is traced from a model on the ``meta`` device (shapes only);
-its initializers are then made one at a time from the weights' source (a checkpoint read tensor by tensor,
-a preset's seeded random weights, or a model in memory: :mod:`.weights`) and streamed into one
-``weights.data`` that every graph references, so memory stays near the largest tensor whatever the model's
-size, and the weights exist once on disk. When the prefill and decode forms are the same (the default,
-``A_CC``), prefill and decode are one graph, ``model.onnx``, so a runtime also holds the weights once;
-with a ``CC`` prefill there are two graphs over the same ``weights.data``. Small models (weights at most
-``[export] external_data_threshold`` bytes) keep their weights inside the graph file(s) instead.
+A target (:class:`ExportTarget`) is a small declaration: which folder it may write (``prepare``), which graphs
+(:class:`GraphPlan`: the module, its example inputs and dynamic shapes, its I/O, its opset and its checks) and
+what metadata it writes once they are saved (``finish``). :func:`run_export` does the rest, the same for all:
 
-A checkpoint export also copies the checkpoint's tokenizer files into the artifact
-(:func:`~mla_deploy.artifact.copy_tokenizer_files`, recorded in the manifest).
+1. ``prepare`` checks the folder; temporaries of a killed export are removed;
+2. each graph is traced from a module on the ``meta`` device (shapes only), its weights left as placeholders
+   whose source is recorded (:class:`~.weights.WeightSpec`; :func:`trace_meta_graph`);
+3. the target's weight quantization (:class:`mla_deploy.quant.Quantization`; :data:`~mla_deploy.quant.FLOAT`
+   changes nothing) is applied to all graphs as one unit;
+4. every initializer is made one at a time from the weights' source (a checkpoint read tensor by tensor, a preset's
+   seeded random weights, a module in memory) and streamed into one ``weights.data`` that every graph references
+   (:func:`make_weights`), so memory stays near the largest tensor whatever the model's size; small models
+   (weights at most the target's ``external_data_threshold`` bytes) keep them inside the graph file(s). Every
+   weight is checked finite as it is written;
+5. each graph is saved, checked (``onnx.checker``, its I/O contract) and put through its plan's checks
+   (:func:`decode_checks`: no per-head K/V over the cache, no expert computed for every token);
+6. ``finish`` writes the target's metadata.
 
-The directory is built with :func:`~mla_deploy.artifact.atomic_dir` (under a temporary name beside the
-target, swapped into place at the end), so a failed or interrupted export never leaves a half-written
-artifact, and temporaries left by a killed export are removed by the next one. Re-exporting into an artifact
-directory replaces only the artifact's own files (manifest, graphs, weights); anything else there (``validation/``,
-``trt/``, the user's files) is kept. Every weight is checked finite as it is written. The cache layout
-(:mod:`mla_deploy.cache_layout`) decides the graphs' I/O, traced shapes and capacity.
+All of it happens in a folder built with :func:`~mla_deploy.artifact.atomic_dir` (a temporary name beside the
+target, swapped into place at the end), so a failed or interrupted export never leaves a half-written folder; the
+names ``prepare`` returns (the user's files already there) are kept.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import platform
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .. import __version__
-from ..artifact import GraphEntry, Manifest, WeightsSource, atomic_dir, copy_tokenizer_files, now, sha256_file
+from ..artifact import atomic_dir, sha256_file
 from ..artifact.files import remove_stale
-from ..artifact.target import check_export_target
+from ..config import MLAConfig
 from ..errors import ExportError
-from ..model import MLAForCausalLM
-from ..quant import pack_int4
-from ..recipe import Recipe
-from .graphs import CausalLMGraph, example_decoder_inputs
-from .moe_onnx import all_expert_tensors
-from .onnx_export import (bind_initializers, decoder_dynamic_shapes, fold_weight_views, per_head_kv_tensors,
-                          save_graph, trace_graph)
-from .weights import WEIGHTS_FILE, ModuleTensors, Progress, RandomTensors, TensorSource, WeightsFile, WeightSpec
+from ..io_spec import TensorSpec
+from ..model.layers import routed_expert_parameters
+from ..quant import Quantization, pack_int4
+from .moe_onnx import dense_expert_products
+from .onnx_export import bind_initializers, fold_weight_views, per_head_kv_tensors, save_graph, trace_graph
+from .weights import WEIGHTS_FILE, Progress, TensorSource, WeightsFile, WeightSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 Log = Callable[[str], None]
 
 
-def fingerprint(recipe: Recipe, weights: WeightsSource) -> str:
-    """Identity of the model an artifact holds: its dimensions and where its weights came from (16 hex digits)."""
-    identity = {"model": recipe.model.to_dict(), "weights": weights.to_dict(),
-                **recipe.export.quantization.fingerprint()}  # a quantized model is another model (float ones: none)
-    blob = json.dumps(identity, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def versions() -> dict[str, str]:
-    """Versions of what produced an artifact."""
+    """Versions of what produced an export."""
     import onnx
 
     out = {"mla_deploy": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
@@ -74,98 +65,183 @@ def versions() -> dict[str, str]:
     return out
 
 
-def export_recipe(recipe: Recipe, out: str | Path, model: MLAForCausalLM | None = None,
-                  weights: WeightsSource | Mapping[str, Any] | None = None, overwrite: bool = False,
-                  source: TensorSource | None = None, progress: Progress | None = None,
-                  log: Log | None = None) -> Manifest:
-    """Export ``recipe``'s model to ``out`` and return its manifest.
+@dataclass(frozen=True)
+class SavedGraph:
+    """One graph as saved: its file, the shape-inferred model (no weights), digest and size, and the names of its
+    routed-expert weight initializers (what :func:`~.moe_onnx.dense_expert_products` follows)."""
+
+    file: str
+    proto: Any  # onnx.ModelProto
+    sha256: str
+    bytes: int
+    experts: frozenset[str] = frozenset()
+
+
+#: a check of a saved graph: raises :class:`~mla_deploy.errors.ExportError` naming what it refuses
+GraphCheck = Callable[[SavedGraph], None]
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """One graph a target writes.
+
+    Attributes:
+        file: its file name in the folder.
+        label: what it serves, for the log (``prefill + decode, form A_CC``).
+        module: the graph module on the ``meta`` device; its parameters named ``model.<source key>`` (a wrapper
+            around the model as ``.model``) or as the weights' source names them.
+        args: example inputs on the ``meta`` device, every dynamic axis traced at >= 2 (an axis traced at 1 is frozen).
+        dynamic_shapes: ``torch.export`` dynamic shapes of ``args``.
+        inputs, outputs: the I/O contract, in graph order.
+        opset: the ONNX opset.
+        checks: run on the saved graph, in order.
+    """
+
+    file: str
+    label: str
+    module: torch.nn.Module
+    args: tuple
+    dynamic_shapes: tuple
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    opset: int
+    checks: tuple[GraphCheck, ...] = ()
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What the shared steps wrote, handed to the target's ``finish``.
+
+    Attributes:
+        graphs: ``{file: SavedGraph}``, in plan order.
+        specs: ``{initializer: WeightSpec}`` of every graph (an initializer means one tensor in all of them).
+        values: ``{initializer: ir.Value}`` (name, dtype, shape).
+        weights_data: ``weights.data``'s record (``{"file", "bytes", "sha256"}``), or None: weights in the graphs.
+        quantized: the checkpoint keys quantized (empty: none).
+    """
+
+    graphs: dict[str, SavedGraph]
+    specs: dict[str, WeightSpec]
+    values: dict
+    weights_data: dict | None
+    quantized: list[str] = field(default_factory=list)
+
+
+class ExportTarget(Protocol):
+    """What one kind of export declares (:class:`~.artifact.ArtifactTarget`, :class:`~.genai.GenaiTarget`,
+    :class:`~.blocks.BlockTarget`)."""
+
+    config: MLAConfig
+    #: the weights' quantization, scheme and format (:data:`~mla_deploy.quant.FLOAT`: none)
+    quantization: Quantization
+    #: weights above this many bytes go to ``weights.data``
+    external_data_threshold: int
+
+    def prepare(self, out: Path, overwrite: bool) -> list[str]:
+        """Check that ``out`` may take the export; return the names there to keep. Raises ExportError."""
+
+    def graphs(self) -> list[GraphPlan]:
+        """The graphs to write, each file once."""
+
+    def finish(self, tmp: Path, exported: Exported) -> Any:
+        """Write the metadata into the folder ``tmp`` beside what ``exported`` holds; return the export's record."""
+
+
+def run_export(target: ExportTarget, out: str | Path, source: TensorSource, overwrite: bool = False,
+               progress: Progress | None = None, log: Log | None = None) -> Any:
+    """Export ``target`` into the folder ``out`` (see the module docstring) and return what its ``finish`` returns.
 
     Args:
-        recipe: model and ``[export]`` settings.
-        out: the artifact directory to create (or replace, when it holds the same model).
-        model: an original-form model in memory (fp32) to export; None: ``source``, or the preset's random
-            weights from ``[export]``'s seed and init_std (rebuilt from them for validation, not stored twice).
-        weights: where the weights came from (recorded in the manifest), e.g. ``WeightsSource(kind="hf",
-            path=...)`` or the same as a dict; None: ``in-memory`` for ``model``/``source``.
-        overwrite: replace ``out`` even when it holds a different model.
-        source: the original-form state dict served one tensor at a time (e.g.
-            :class:`~mla_deploy.checkpoint.CheckpointTensors`); closed when the export ends.
+        target: what to export.
+        out: the folder to create or replace (the names ``target.prepare`` returns are kept).
+        source: the weights, served one tensor at a time; closed when the export ends.
+        overwrite: passed to ``target.prepare``.
         progress: called as ``progress(bytes_written, total_bytes, seconds)`` while the weights are written.
         log: called with one line per step (tracing each graph, saving it, temporaries of a killed export removed).
-    Returns:
-        the :class:`~mla_deploy.artifact.Manifest` written to ``out/manifest.json``.
     Raises:
-        ExportError: ``out`` holds something else or cannot be written (no space, no permission), a weight is
-            not finite, or the export or a check fails.
+        ExportError: ``out`` cannot take the export or cannot be written (no space, no permission), a weight is
+            not finite, or the trace or a check fails.
     """
-    out = Path(out)
-    settings = recipe.export
-    if model is not None:
-        source = ModuleTensors(model.eval())
-    if source is None:
-        source = RandomTensors(recipe.model, settings.init_std, settings.seed)
-        weights = WeightsSource(kind="random", seed=settings.seed, std=settings.init_std)
-    elif not isinstance(weights, WeightsSource):
-        weights = WeightsSource.from_dict(weights or {"kind": "in-memory"})
-    log = log or (lambda line: None)
+    out, log = Path(out), log or (lambda line: None)
     try:
-        fp = fingerprint(recipe, weights)
-        keep = check_export_target(out, fp, overwrite)
+        keep = target.prepare(out, overwrite)
         for path in remove_stale(out):
             log(f"removed {path}, left by an export that was killed")
         with atomic_dir(out, keep=keep) as tmp:
-            manifest = _write_artifact(recipe, source, weights, fp, tmp, progress, log)
+            return target.finish(tmp, _write_graphs(target, source, tmp, progress, log))
     except OSError as exc:
         raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
         source.close()
-    return manifest
 
 
 @dataclass
 class _Traced:
     """One traced graph before its weights are bound."""
 
-    file: str
-    form: str
-    attention: str
+    plan: GraphPlan
     model: Any  # onnx_ir.Model
     placeholders: dict
     specs: dict[str, WeightSpec]
+    expert_keys: frozenset[str]
+
+    def experts(self) -> frozenset[str]:
+        """The initializers that hold routed-expert weights (quantized parts included)."""
+        return frozenset(name for name, spec in self.specs.items() if spec.key in self.expert_keys)
 
 
-def _trace(recipe: Recipe, file: str, form: str, attention: str) -> _Traced:
-    """Trace the graph of ``form`` from a model on the meta device; its initializers stay placeholders."""
-    settings, config, layout = recipe.export, recipe.model, recipe.export.layout
-    dtype = TORCH_DTYPES[settings.precision]
-    inputs, outputs = layout.io(config, settings.precision)
-    with torch.device("meta"):
-        graph_model = MLAForCausalLM(config, form).to(dtype)
-    if attention == "plugin":
-        from .decode_plugin import use_decode_plugin
+def _write_graphs(target: ExportTarget, source: TensorSource, tmp: Path, progress: Progress | None,
+                  log: Log) -> Exported:
+    """Steps 2 to 5: trace, quantize, stream the weights, save and check every graph of ``target`` into ``tmp``."""
+    traced = []
+    for plan in target.graphs():
+        log(f"tracing {plan.file} ({plan.label}) ...")
+        start = time.perf_counter()
+        traced.append(trace_meta_graph(plan))
+        log(f"traced {plan.file} in {time.perf_counter() - start:.1f} s")
+    quantized = target.quantization.quantize_graphs([(g.model, g.placeholders, g.specs) for g in traced], log)
+    specs: dict[str, WeightSpec] = {}
+    for graph in traced:
+        for name, spec in graph.specs.items():
+            if specs.setdefault(name, spec) != spec:
+                raise ExportError(f"initializer {name} means different tensors in two graphs")
+    values = {name: v for graph in traced for name, v in graph.placeholders.items()}
+    total = sum(nbytes(v) for v in values.values())
+    external = total > target.external_data_threshold
+    size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
+    log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
+    tensors, data = make_weights(specs, values, source, target.config, tmp if external else None, total, progress)
+    graphs = {graph.plan.file: _save(graph, tensors, tmp, log) for graph in traced}
+    return Exported(graphs, specs, values, data, quantized)
 
-        use_decode_plugin(graph_model)
-    wrapper = CausalLMGraph(graph_model, layout).eval()
-    args = tuple(a.to("meta") for a in example_decoder_inputs(graph_model, layout, settings.max_cache_length, dtype))
-    model, placeholders, specs = trace_meta_graph(wrapper, args, inputs, outputs,
-                                                  decoder_dynamic_shapes(layout, config.num_hidden_layers),
-                                                  settings.opset, file)
-    return _Traced(file, form, attention, model, placeholders, specs)
+
+def _save(graph: _Traced, tensors: dict, tmp: Path, log: Log) -> SavedGraph:
+    """Bind ``graph``'s weights, save it into ``tmp`` and run its plan's checks."""
+    plan = graph.plan
+    log(f"checking and saving {plan.file} ...")
+    start = time.perf_counter()
+    bind_initializers(graph.placeholders, tensors)
+    inferred = save_graph(graph.model, tmp / plan.file, plan.inputs, plan.outputs)
+    saved = SavedGraph(plan.file, inferred, sha256_file(tmp / plan.file), (tmp / plan.file).stat().st_size,
+                       graph.experts())
+    for check in plan.checks:
+        check(saved)
+    log(f"saved {plan.file} in {time.perf_counter() - start:.1f} s")
+    return saved
 
 
-def trace_meta_graph(wrapper: torch.nn.Module, args: tuple, inputs, outputs, dynamic_shapes, opset: int,
-                     file: str) -> tuple[Any, dict, dict[str, WeightSpec]]:
-    """Trace ``wrapper`` (a graph wrapper around an :class:`MLAForCausalLM` on the meta device, as ``.model``,
-    called on meta ``args``) and say where each placeholder initializer's data comes from.
+def trace_meta_graph(plan: GraphPlan) -> _Traced:
+    """Trace ``plan.module`` (on the meta device) on ``plan.args`` and say where each placeholder initializer's
+    data comes from: the parameter it is (``model.`` stripped: the source's key), through the views folded into it
+    (:func:`~.onnx_export.fold_weight_views`).
 
-    Returns:
-        ``(onnx_ir model, {initializer: placeholder value}, {initializer: WeightSpec})``; bind the data with
-        :func:`make_weights` and :func:`~mla_deploy.exporter.onnx_export.bind_initializers`.
     Raises:
-        ExportError: the trace failed or an initializer is no parameter of the model.
+        ExportError: the trace failed or an initializer is no parameter of the module.
     """
+    wrapper = plan.module
     with torch.no_grad():
-        model, placeholders = trace_graph(wrapper, args, inputs, outputs, dynamic_shapes, opset, file)
+        model, placeholders = trace_graph(wrapper, plan.args, plan.inputs, plan.outputs, plan.dynamic_shapes,
+                                          plan.opset, plan.file)
     parameters = {name for name, _ in wrapper.named_parameters()} | {name for name, _ in wrapper.named_buffers()}
     derived = fold_weight_views(model, placeholders)
     specs = {}
@@ -175,74 +251,37 @@ def trace_meta_graph(wrapper: torch.nn.Module, args: tuple, inputs, outputs, dyn
             name, op = derived[name]
             ops.append(op)
         if name not in parameters:
-            raise ExportError(f"{file}: initializer {name} is no parameter of the model")
+            raise ExportError(f"{plan.file}: initializer {name} is no parameter of the model")
         spec = WeightSpec.for_parameter(name.removeprefix("model."))
         for op in reversed(ops):
             spec = spec.then(op)
         specs[final] = spec
-    return model, placeholders, specs
+    experts = frozenset(WeightSpec.for_parameter(name.removeprefix("model.")).key
+                        for name in routed_expert_parameters(wrapper))
+    return _Traced(plan, model, placeholders, specs, experts)
 
 
-def _write_artifact(recipe: Recipe, source: TensorSource, weights: WeightsSource, fp: str, tmp: Path,
-                    progress: Progress | None, log: Log) -> Manifest:
-    settings, config, layout = recipe.export, recipe.model, recipe.export.layout
-    single = settings.prefill_form == settings.decode_form
-    roles = {"prefill": settings.prefill_form, "decode": settings.decode_form}
-    traced: dict[str, _Traced] = {}
-    for role, form in roles.items():
-        file = "model.onnx" if single else f"{role}.onnx"
-        if file not in traced:
-            attention = settings.decode_attention if (role == "decode" or single) else "standard"
-            log(f"tracing {file} ({'prefill + decode' if single else role}, form {form}) ...")
-            start = time.perf_counter()
-            traced[file] = _trace(recipe, file, form, attention)
-            log(f"traced {file} in {time.perf_counter() - start:.1f} s")
-    quantization = settings.quantization
-    quantized = quantization.quantize_graphs([(g.model, g.placeholders, g.specs) for g in traced.values()], log)
-    specs: dict[str, WeightSpec] = {}
-    for graph in traced.values():
-        for name, spec in graph.specs.items():
-            if specs.setdefault(name, spec) != spec:
-                raise ExportError(f"initializer {name} means different tensors in two graphs")
-    values = {name: v for graph in traced.values() for name, v in graph.placeholders.items()}
-    total = sum(nbytes(v) for v in values.values())
-    external = total > settings.external_data_threshold
-    size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
-    log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
-    tensors, data = make_weights(specs, values, source, config, tmp if external else None, total, progress)
-    quantization = quantization.recorded(quantized, ((s.quant, nbytes(values[n])) for n, s in specs.items()))
-    inputs, outputs = layout.io(config, settings.precision)
-    entries: dict[str, tuple[Any, Any]] = {}
-    for file, graph in traced.items():
-        log(f"checking and saving {file} ...")
-        start = time.perf_counter()
-        bind_initializers(graph.placeholders, tensors)
-        inferred = save_graph(graph.model, tmp / file, inputs, outputs)
-        entries[file] = (inferred, sha256_file(tmp / file))
-        log(f"saved {file} in {time.perf_counter() - start:.1f} s")
-    graphs = {}
-    for role, form in roles.items():
-        file = "model.onnx" if single else f"{role}.onnx"
-        inferred, digest = entries[file]
-        if role == "decode":
-            offenders = per_head_kv_tensors(inferred, config)
-            if offenders:
-                raise ExportError(f"decode graph holds per-head K/V over the cache: {offenders[0]}")
-            dense = all_expert_tensors(inferred, config)
-            if dense:
-                raise ExportError(f"decode graph computes every expert for every token: {dense[0]}")
-        graphs[role] = GraphEntry(role=role, file=file, form=form, inputs=tuple(inputs), outputs=tuple(outputs),
-                                  attention=traced[file].attention, external_data=WEIGHTS_FILE if external else None,
-                                  bytes=(tmp / file).stat().st_size, sha256=digest)
-    manifest = Manifest(
-        name=recipe.name, fingerprint=fp, model=config, weights=weights, precision=settings.precision,
-        opset=settings.opset, cache=layout.describe(config),
-        max_cache_length=layout.manifest_capacity(settings.max_cache_length), graphs=graphs,
-        recipe=recipe.to_dict(), versions=versions(), created=now(), weights_data=data,
-        tokenizer=copy_tokenizer_files(weights.path, tmp) if weights.kind == "hf" and weights.path else None,
-        quantization=quantization)
-    manifest.save(tmp)
-    return manifest
+def refuse_per_head_kv(config: MLAConfig) -> GraphCheck:
+    """A check that refuses a graph holding per-head keys or values over the cache
+    (:func:`~.onnx_export.per_head_kv_tensors`): the absorbed decode graph attends over the latent rows only."""
+    def check(graph: SavedGraph) -> None:
+        found = per_head_kv_tensors(graph.proto, config)
+        if found:
+            raise ExportError(f"decode graph {graph.file} holds per-head K/V over the cache: {found[0]}")
+    return check
+
+
+def refuse_dense_experts(graph: SavedGraph) -> None:
+    """Refuse a graph that computes a routed expert's weight with every token
+    (:func:`~.moe_onnx.dense_expert_products`, which follows what the expert weights feed)."""
+    found = dense_expert_products(graph.proto, graph.experts)
+    if found:
+        raise ExportError(f"decode graph {graph.file} computes every expert for every token: {found[0]}")
+
+
+def decode_checks(config: MLAConfig) -> tuple[GraphCheck, ...]:
+    """The checks of a graph that serves decode steps, whatever the target."""
+    return refuse_per_head_kv(config), refuse_dense_experts
 
 
 def nbytes(value) -> int:

@@ -3,7 +3,9 @@
 ``mla-deploy export --hf CHECKPOINT --out DIR --target genai`` writes:
 
 * ``model.onnx`` (+ ``weights.data`` for large models): the absorbed decoder (``[export] decode_form``) as genai's
-  decoder-only graph, every genai-specific name decided here:
+  decoder-only graph over the :data:`~mla_deploy.cache_layout.GENAI` cache layout (which owns these names and
+  shapes), written by the one export pipeline (:func:`~.export.run_export`, with the decode checks every target
+  runs):
 
   ================================ ========================================================================
   ``input_ids``                    int64 ``[batch_size, sequence_length]``
@@ -34,61 +36,34 @@ onnxruntime-genai is an optional extra; nothing here imports it.
 from __future__ import annotations
 
 import json
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
-from ..artifact import atomic_dir, copy_tokenizer_files
-from ..artifact.files import remove_stale
+from ..artifact import copy_tokenizer_files
 from ..artifact.manifest import GENAI_CONFIG
 from ..artifact.tokenizer_files import TOKENIZER_FILES
-from ..errors import ConfigError, ExportError
-from ..io_spec import BATCH, CAPACITY, PRECISIONS, SEQ, TOTAL, TensorSpec
+from ..cache_layout import GENAI
+from ..config import MLAConfig
+from ..errors import ExportError
+from ..io_spec import BATCH, SEQ
 from ..model import MLAForCausalLM
-from ..model.cache import MaskedBlockCache
+from ..quant import Quantization
 from ..recipe import Recipe
+from .export import TORCH_DTYPES, Exported, GraphPlan, Log, decode_checks, run_export
+from .onnx_export import cached_dynamic_shapes
+from .weights import WEIGHTS_FILE, Progress, TensorSource
 
 GRAPH_FILE = "model.onnx"
 #: the files a genai export writes (re-exporting replaces these and keeps anything else in the folder)
-GENAI_FILES = (GENAI_CONFIG, GRAPH_FILE, "weights.data", *TOKENIZER_FILES)
-#: the opset of the in-place cache write (``TensorScatter``)
-MIN_OPSET = 24
-PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
-PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
-
-Log = Callable[[str], None]
-
-
-def block_widths(latent_dim: int) -> tuple[int, int]:
-    """The key and value halves of the latent row (genai needs them equal).
-
-    Raises:
-        ConfigError: an odd latent width.
-    """
-    if latent_dim % 2:
-        raise ConfigError(f"the genai target splits the latent row in two equal halves; {latent_dim} is odd")
-    return latent_dim // 2, latent_dim // 2
-
-
-def genai_io(config, precision: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The genai graph's inputs and outputs, in graph order (see the module docstring)."""
-    dtype = PRECISIONS[precision]
-    half = block_widths(config.latent_dim)[0]
-    cache = (BATCH, 1, CAPACITY, half)
-    layers = range(config.num_hidden_layers)
-    inputs = [TensorSpec("input_ids", "int64", (BATCH, SEQ)), TensorSpec("attention_mask", "int64", (BATCH, TOTAL))]
-    outputs = [TensorSpec("logits", dtype, (BATCH, SEQ, config.vocab_size))]
-    for i in layers:
-        inputs += [TensorSpec(PAST_KEY % i, dtype, cache), TensorSpec(PAST_VALUE % i, dtype, cache)]
-        outputs += [TensorSpec(PRESENT_KEY % i, dtype, cache), TensorSpec(PRESENT_VALUE % i, dtype, cache)]
-    return inputs, outputs
+GENAI_FILES = (GENAI_CONFIG, GRAPH_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)
 
 
 class GenaiGraph(nn.Module):
-    """``(input_ids, attention_mask, past key_0, value_0, key_1, ...) -> (logits, present key_0, value_0, ...)``.
+    """``(input_ids, attention_mask, past key_0, value_0, key_1, ...) -> (logits, present key_0, value_0, ...)``:
+    the decoder over the :data:`~mla_deploy.cache_layout.GENAI` layout.
 
     Args:
         model: the absorbed decoder (``A_CC`` or ``A_CC_ME``).
@@ -101,28 +76,9 @@ class GenaiGraph(nn.Module):
     def forward(self, input_ids, attention_mask, *past):
         """input_ids ``[B, S]``; attention_mask ``[B, total]``; past: per layer the key and value halves
         ``[B, 1, T_max, C/2]``. Returns logits ``[B, S, V]`` and the present halves (the same layout)."""
-        cache = MaskedBlockCache(attention_mask)
-        caches = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        logits, presents = self.model(input_ids, cache.positions(input_ids.shape[1]), caches, cache)
-        return (logits, *(half for present in presents for half in present))
-
-
-def _dynamic_shapes(layers: int) -> tuple:
-    from torch.export import Dim
-
-    batch, seq = Dim(BATCH, min=1, max=4096), Dim(SEQ, min=1, max=1 << 20)
-    capacity = Dim(CAPACITY, min=2, max=1 << 22)
-    return ({0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC}, tuple({0: batch, 2: capacity} for _ in range(2 * layers)))
-
-
-def _example_inputs(config, capacity: int, dtype) -> tuple:
-    """Batch 2, 3 new tokens after 5 cached ones (every dynamic axis traced at >= 2), on the meta device."""
-    batch, seq, past = 2, 3, 5
-    half = block_widths(config.latent_dim)[0]
-    caches = [torch.zeros(batch, 1, max(capacity, past + seq + 1), half, dtype=dtype)
-              for _ in range(2 * config.num_hidden_layers)]
-    args = (torch.zeros(batch, seq, dtype=torch.long), torch.ones(batch, past + seq, dtype=torch.long), *caches)
-    return tuple(a.to("meta") for a in args)
+        cache = GENAI.policy(attention_mask)
+        logits, presents = self.model(input_ids, cache.positions(input_ids.shape[1]), GENAI.layer_caches(past), cache)
+        return (logits, *GENAI.flat_caches(presents))
 
 
 def check_genai_target(out: str | Path, overwrite: bool) -> list[str]:
@@ -147,79 +103,93 @@ def check_genai_target(out: str | Path, overwrite: bool) -> list[str]:
     return [name for name in names if name not in GENAI_FILES]
 
 
-def export_genai(recipe: Recipe, out: str | Path, source, checkpoint: str | Path | None, overwrite: bool = False,
-                 progress=None, log: Log | None = None) -> dict:
+def export_genai(recipe: Recipe, out: str | Path, source: TensorSource, checkpoint: str | Path | None,
+                 overwrite: bool = False, progress: Progress | None = None, log: Log | None = None) -> dict:
     """Export ``recipe``'s model as an onnxruntime-genai folder and return its ``genai_config.json`` as a dict.
 
     Args:
         recipe: model and ``[export]`` settings (``precision``, ``max_cache_length`` = genai's context length,
-            ``decode_form``, ``opset`` raised to 24 when older).
+            ``decode_form``, ``opset`` raised to 24 when older, the weights' quantization).
         out: the folder to write (replaced as a whole when it holds a genai export and ``overwrite``; files
             that are not the export's are kept).
         source: the original-form state dict served one tensor at a time (closed when the export ends).
         checkpoint: the checkpoint folder whose tokenizer files and special ids are carried (None: none).
-        progress, log: as :func:`~mla_deploy.exporter.export.export_recipe`'s.
+        progress, log: as :func:`~mla_deploy.exporter.export.run_export`'s.
     Raises:
-        ExportError: ``out`` cannot take the export, the trace fails, or a check fails.
+        ExportError: ``out`` cannot take the export, the trace fails, or a check fails (the decode checks of
+            every target: no per-head K/V over the cache, no expert computed for every token).
         ConfigError: a model the target cannot hold (odd latent width).
     """
-    from .export import TORCH_DTYPES, make_weights, nbytes, trace_meta_graph
-    from .onnx_export import bind_initializers, per_head_kv_tensors, save_graph
-    from .weights import WEIGHTS_FILE
-
-    out = Path(out)
-    log = log or (lambda line: None)
-    settings, config = recipe.export, recipe.model
-    block_widths(config.latent_dim)
-    opset = max(settings.opset, MIN_OPSET)
     try:
-        keep = check_genai_target(out, overwrite)
-        for path in remove_stale(out):
-            log(f"removed {path}, left by an export that was killed")
+        GENAI.block_widths(recipe.model.latent_dim)
+    except BaseException:
+        source.close()
+        raise
+    return run_export(GenaiTarget(recipe, checkpoint), out, source, overwrite, progress, log)
+
+
+@dataclass(frozen=True)
+class GenaiTarget:
+    """The onnxruntime-genai folder: one graph over the :data:`~mla_deploy.cache_layout.GENAI` layout,
+    ``genai_config.json`` and the checkpoint's tokenizer files.
+
+    Attributes:
+        recipe: the model and ``[export]`` settings.
+        checkpoint: the checkpoint folder whose tokenizer files and special ids are carried (None: none).
+    """
+
+    recipe: Recipe
+    checkpoint: str | Path | None = None
+
+    @property
+    def config(self) -> MLAConfig:
+        return self.recipe.model
+
+    @property
+    def quantization(self) -> Quantization:  # genai's sessions run MatMulNBits like ours
+        return self.recipe.export.quantization
+
+    @property
+    def external_data_threshold(self) -> int:
+        return self.recipe.export.external_data_threshold
+
+    def prepare(self, out: Path, overwrite: bool) -> list[str]:
+        return check_genai_target(out, overwrite)
+
+    def graphs(self) -> list[GraphPlan]:
+        settings, config = self.recipe.export, self.recipe.model
         dtype = TORCH_DTYPES[settings.precision]
-        inputs, outputs = genai_io(config, settings.precision)
         with torch.device("meta"):
             decoder = MLAForCausalLM(config, settings.decode_form).to(dtype)
-        log(f"tracing {GRAPH_FILE} (onnxruntime-genai, form {settings.decode_form}) ...")
-        start = time.perf_counter()
-        model, placeholders, specs = trace_meta_graph(
-            GenaiGraph(decoder).eval(), _example_inputs(config, settings.max_cache_length, dtype), inputs, outputs,
-            _dynamic_shapes(config.num_hidden_layers), opset, GRAPH_FILE)
-        log(f"traced {GRAPH_FILE} in {time.perf_counter() - start:.1f} s")
-        settings.quantization.quantize_graphs([(model, placeholders, specs)], log)
-        total = sum(nbytes(v) for v in placeholders.values())
-        external = total > settings.external_data_threshold
-        with atomic_dir(out, keep=keep) as tmp:
-            tensors, _ = make_weights(specs, placeholders, source, config, tmp if external else None, total, progress)
-            bind_initializers(placeholders, tensors)
-            inferred = save_graph(model, tmp / GRAPH_FILE, inputs, outputs)
-            offenders = per_head_kv_tensors(inferred, config)
-            if offenders:
-                raise ExportError(f"the genai graph holds per-head K/V over the cache: {offenders[0]}")
-            carried = copy_tokenizer_files(checkpoint, tmp) if checkpoint else None
-            genai = genai_config(recipe, _special_ids(tmp) if carried else _config_ids(checkpoint))
-            (tmp / GENAI_CONFIG).write_text(json.dumps(genai, indent=2) + "\n")
-            if external:
-                log(f"weights in {WEIGHTS_FILE}")
-    except OSError as exc:
-        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
-    finally:
-        source.close()
-    return genai
+        # batch 2, 3 new tokens after 5 cached ones: every dynamic axis traced at >= 2
+        mask, caches = GENAI.example_state(2, 5, 3, config.latent_dim, config.num_hidden_layers,
+                                           settings.max_cache_length, dtype)
+        args = tuple(a.to("meta") for a in (torch.zeros(2, 3, dtype=torch.long), mask, *caches))
+        inputs, outputs = GENAI.io(config, settings.precision)
+        shapes = cached_dynamic_shapes(GENAI, ({0: BATCH, 1: SEQ},), config.num_hidden_layers)
+        return [GraphPlan(GRAPH_FILE, f"onnxruntime-genai, form {settings.decode_form}", GenaiGraph(decoder).eval(),
+                          args, shapes, inputs, outputs, max(settings.opset, GENAI.min_opset), decode_checks(config))]
+
+    def finish(self, tmp: Path, exported: Exported) -> dict:
+        carried = copy_tokenizer_files(self.checkpoint, tmp) if self.checkpoint else None
+        genai = genai_config(self.recipe, _special_ids(tmp) if carried else _config_ids(self.checkpoint))
+        (tmp / GENAI_CONFIG).write_text(json.dumps(genai, indent=2) + "\n")
+        return genai
 
 
 def genai_config(recipe: Recipe, special: dict) -> dict:
-    """``genai_config.json`` for ``recipe``'s graph (:func:`genai_io`), with ``special``'s bos/eos/pad ids."""
+    """``genai_config.json`` for ``recipe``'s graph (:meth:`GENAI.io <mla_deploy.cache_layout.GenaiLayout.io>`), with ``special``'s bos/eos/pad ids."""
     config, settings = recipe.model, recipe.export
-    half = block_widths(config.latent_dim)[0]
+    half = GENAI.block_widths(config.latent_dim)[0]
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": GRAPH_FILE,
         "head_size": half,
         "hidden_size": config.hidden_size,
-        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                   "past_key_names": PAST_KEY, "past_value_names": PAST_VALUE},
-        "outputs": {"logits": "logits", "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
+        "inputs": {"input_ids": "input_ids", "attention_mask": GENAI.control,
+                   "past_key_names": GENAI.past_key_names, "past_value_names": GENAI.past_value_names},
+        "outputs": {"logits": "logits", "present_key_names": GENAI.present_key_names,
+                    "present_value_names": GENAI.present_value_names},
         "num_attention_heads": config.num_attention_heads,
         "num_hidden_layers": config.num_hidden_layers,
         "num_key_value_heads": 1,

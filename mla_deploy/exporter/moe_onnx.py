@@ -20,12 +20,10 @@ ScatterElements ``add`` is slow). An empty expert (or ``T = 0``) is a branch of 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Collection
 
 if TYPE_CHECKING:
     import onnx
-
-    from ..config import MLAConfig
 
 
 def moe_experts_onnx(x, weights, idx, gate_up_proj, down_proj):
@@ -80,25 +78,90 @@ def translation_table() -> dict:
     return {torch.ops.mla_deploy.moe_experts.default: moe_experts_onnx}
 
 
-def all_expert_tensors(model: onnx.ModelProto, config: MLAConfig) -> list[str]:
-    """Tensors that span all routed experts for every token: the mark of a dense MoE.
+#: ops that pass a weight on as a weight (a layout, a dtype, a part, one expert of a stacked tensor, its dequantized
+#: value, a broadcast): the walk from an expert weight goes through them to the node that computes with it
+_WEIGHT_VIEWS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast", "CastLike", "Identity",
+                           "DequantizeLinear", "Slice", "Split", "Concat", "Expand", "Tile"})
+#: ops that select rows of a tensor by indices (or a condition) computed in the graph
+_SELECTIONS = frozenset({"Gather", "GatherND", "Compress"})
+#: ops whose output holds no token's values, only sizes or constants
+_NO_TOKENS = frozenset({"Constant", "ConstantOfShape", "Shape", "Size", "Range", "EyeLike"})
+_ALL, _SOME = "all", "some"  # a value holds every token's data / only the tokens a selection chose
 
-    A tensor counts when its shape (after shape inference) has an axis of ``n_routed_experts``, another axis of a
-    per-expert width (``moe_intermediate_size`` or twice it) and a dynamic axis (tokens, batch or sequence; named
-    or unknown). The sparse graph has none: its branches are ``[n_e, width]`` and its routing mask ``[T, E]``.
 
-    Returns: ``["name [dims]", ...]``; empty for a model without routed experts.
+def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str]) -> list[str]:
+    """The nodes that compute a routed expert's weight with every token: the mark of a dense MoE.
+
+    The walk follows what the expert weights feed, not the shapes of the tensors. Each value of the graph is
+    classed by the tokens it holds (in graph order): a graph input holds every token; a ``Gather``/``GatherND``/
+    ``Compress`` of token data at indices computed from the tokens holds a chosen subset (an expert's routed
+    tokens: ``Gather(x, NonZero(mask[:, e]))``); constants, sizes and weights hold none; any other node holds
+    every token if one of its inputs does. From each expert weight the walk goes through weight views
+    (transposes, reshapes, one expert of a stacked tensor, dequantization, broadcasts: any of their other inputs
+    holding no token) to the nodes that compute with it; one whose other operand holds every token is dense, unless
+    the weight was gathered per token on the way (``W[idx]``, a selection at token-computed indices: each token's
+    own experts). Only the expert weights are followed, so an attention product whose shape happens to match an
+    expert's (as many heads as experts, ``kv_lora_rank == moe_intermediate_size``) is not mistaken for one.
+
+    Args:
+        model: the graph (nodes in graph order, as ``onnx.checker`` requires; nested graphs are read for the names
+            they use).
+        expert_weights: the initializers holding routed-expert weights (per expert or stacked; quantized parts
+            included).
+    Returns:
+        ``["MatMul node (model.layers.1.mlp.experts.gate_up_proj.0.T with every token of x)", ...]``; empty when
+        every expert product is computed on its routed tokens only (or there is none).
     """
-    c = config
-    if not c.n_routed_experts:
+    if not expert_weights:
         return []
-    widths = {c.moe_intermediate_size, 2 * c.moe_intermediate_size}
+    graph = model.graph
+    tokens = _token_states(graph)
+    # expert-derived value -> (whole | routed: gathered per token, the expert weight it comes from)
+    weight = {name: ("whole", name) for name in expert_weights}
     found = []
-    for value in list(model.graph.value_info) + list(model.graph.output):
-        dims = [d.dim_param or d.dim_value or "?" for d in value.type.tensor_type.shape.dim]
-        experts = [i for i, d in enumerate(dims) if d == c.n_routed_experts]
-        wide = [i for i, d in enumerate(dims) if d in widths]
-        dynamic = any(isinstance(d, str) for d in dims)
-        if dynamic and any(a != b for a in experts for b in wide):
-            found.append(f"{value.name} {dims}")
+    for node in graph.node:
+        used = [name for name in _names_used(node) if name in weight]
+        if not used:
+            continue
+        others = [name for name in node.input if name and name not in weight]
+        derived = bool(node.input) and node.input[0] in weight
+        by_tokens = any(tokens.get(name) for name in others)
+        if derived and node.op_type in _SELECTIONS and by_tokens:  # each token's own experts: W[idx]
+            weight.update({out: ("routed", weight[node.input[0]][1]) for out in node.output if out})
+        elif derived and node.op_type in _WEIGHT_VIEWS | _SELECTIONS and not by_tokens:
+            weight.update({out: weight[node.input[0]] for out in node.output if out})
+        else:
+            whole = [weight[name][1] for name in used if weight[name][0] == "whole"]
+            every = [name for name in others if tokens.get(name) == _ALL]
+            if whole and every:
+                found.append(f"{node.op_type} {node.name or node.output[0]} ({whole[0]} with every token of {every[0]})")
     return found
+
+
+def _token_states(graph) -> dict[str, str]:
+    """``{value: "all" | "some"}`` for the values that hold token data (absent: none)."""
+    states = {value.name: _ALL for value in graph.input}
+    for init in graph.initializer:
+        states.pop(init.name, None)  # an initializer listed as an input too (IR < 4) is a constant
+    for node in graph.node:
+        ins = [states.get(name) for name in node.input if name]
+        if node.op_type in _NO_TOKENS:
+            state = None
+        elif node.op_type in _SELECTIONS and len(ins) > 1 and ins[0] and ins[1]:
+            state = _SOME  # rows chosen by indices computed from the tokens
+        else:
+            state = _ALL if _ALL in ins else _SOME if _SOME in ins else None
+        for out in node.output:
+            if out and state:
+                states[out] = state
+    return states
+
+
+def _names_used(node) -> list[str]:
+    """The node's inputs and the outer names its nested graphs (``If``/``Loop``/``Scan``) read."""
+    names = [name for name in node.input if name]
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+            for inner in sub.node:
+                names += _names_used(inner)
+    return names

@@ -45,10 +45,12 @@ class TensorSource(Protocol):
 
 
 class ModuleTensors:
-    """The state dict of an original-form model in memory (``kv_b_proj``, stacked experts)."""
+    """The state dict of a model in memory (the original form: ``kv_b_proj``, stacked experts), and its buffers
+    that the state dict leaves out (e.g. a block's rope frequencies)."""
 
     def __init__(self, model: torch.nn.Module):
         self._state = model.state_dict()
+        self._state.update({k: v for k, v in model.named_buffers() if k not in self._state})
 
     def keys(self) -> list[str]:
         return list(self._state)

@@ -10,7 +10,7 @@ model built on these exports to ONNX with the cache as explicit inputs and outpu
 * :class:`MaskedBlockCache`: the latent row split into column blocks, each a fixed-capacity
   ``[B, 1, T_max, w]`` buffer written in place (``TensorScatter``) at slot ``total - S`` of an
   ``attention_mask [B, total]`` whose zeros mark (left) padding: the cache as onnxruntime-genai holds it
-  (:mod:`mla_deploy.exporter.genai`).
+  (the policy of :data:`mla_deploy.cache_layout.GENAI`, the layout of :mod:`mla_deploy.exporter.genai`).
 """
 
 from __future__ import annotations

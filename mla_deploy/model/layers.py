@@ -120,7 +120,8 @@ def _moe_experts_fake(x, weights, idx, gate_up_proj, down_proj):
 def dense_experts_reference(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                             down_proj: torch.Tensor) -> torch.Tensor:
     """:func:`moe_experts` computed densely, every expert on every token (standard ops, no loop): a numerical
-    reference for tests, and the formulation the graph scan ``all_expert_tensors`` must flag.
+    reference for tests, and a formulation the export's check
+    (:func:`~mla_deploy.exporter.moe_onnx.dense_expert_products`) must refuse.
 
     Args and returns as :func:`moe_experts`.
     """
@@ -146,6 +147,13 @@ class Experts(nn.Module):
         Args: x ``[T, D]``; weights ``[T, k]`` float32; idx ``[T, k]`` int64. Returns: ``[T, D]`` in x's dtype.
         """
         return moe_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+
+
+def routed_expert_parameters(module: nn.Module) -> set[str]:
+    """The names (as ``module.named_parameters()`` gives them) of the routed experts' weights anywhere in
+    ``module``: the parameters of its :class:`Experts`. What the export's dense-MoE check follows."""
+    return {f"{path}.{name}" if path else name for path, sub in module.named_modules() if isinstance(sub, Experts)
+            for name, _ in sub.named_parameters(recurse=False)}
 
 
 class MoE(nn.Module):

@@ -3,6 +3,7 @@ greedy generation equals transformers' `generate` token for token, logits within
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from cli_run import cli, ok  # noqa: E402
 from hf_oracle import hf_model  # noqa: E402
 from mla_deploy.engines.ort_engine import OrtEngine  # noqa: E402
 
@@ -91,3 +93,55 @@ def test_checkpoint_export_keeps_one_copy_and_refuses_a_changed_checkpoint(tmp_p
     save_file(state, str(shard), metadata={"format": "pt"})
     with pytest.raises(ArtifactError, match="changed since the export"):
         validate_artifact(out, write_reports=False, steps=2, threads=1)
+
+
+#: DeepSeek-V2 MoE whose head count equals its expert count and whose latent width (kv_lora_rank) equals its expert
+#: width (moe_intermediate_size): the absorbed attention's per-head product ``[4, tokens, 32]`` looks like an
+#: expert's output, which a check guessing from shapes refused
+HEADS_AS_EXPERTS = dict(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, kv_lora_rank=32,
+                        moe_intermediate_size=32, hidden_size=64, q_lora_rank=48, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, vocab_size=512, layers=2, first_k_dense_replace=1,
+                        num_experts_per_tok=2, n_shared_experts=1)
+
+
+def test_heads_equal_to_experts_exports_runs_and_validates(tmp_path):
+    """`export`, `run` and `validate` through the real CLI on that checkpoint: `run`'s greedy tokens are
+    transformers' own, and validation passes."""
+    hf = hf_model(2, std=0.15, **HEADS_AS_EXPERTS)
+    c = hf.config
+    assert c.num_attention_heads == c.n_routed_experts and c.kv_lora_rank == c.moe_intermediate_size
+    hf.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "onnx"
+    ok(cli("export", "--hf", tmp_path / "ckpt", "--out", out))
+    prompt = [5, 17, 99, 3, 42, 7]
+    record = json.loads(ok(cli("run", out, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", 12,
+                               "--json", "--threads", 1)))
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert record["sequences"][0]["tokens"] == want
+    validated = ok(cli("validate", out, "--steps", 4, "--threads", 1, "--out", tmp_path / "report"))
+    assert "validation passed" in validated and (tmp_path / "report" / "report.json").is_file()
+
+
+#: a Python process running `mla-deploy ARGS` with the routed experts computed densely, every expert on every token
+_DENSE_MLA_DEPLOY = ("import runpy, sys; from mla_deploy.model import layers as L; "
+                     "L.Experts.forward = lambda self, x, w, idx: L.dense_experts_reference(x, w, idx, "
+                     "self.gate_up_proj, self.down_proj); sys.argv[0] = 'mla-deploy'; "
+                     "runpy.run_module('mla_deploy', run_name='__main__')")
+
+
+@pytest.mark.parametrize("target", ["artifact", "genai"])
+def test_every_target_refuses_a_dense_moe_in_one_line(tmp_path, target):
+    """The same graph checks in every target of the export pipeline: a checkpoint's experts planted dense (every
+    expert computed for every token) are refused by `export` in one line, nothing written; genai included."""
+    hf_model(2, std=0.15).save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", _DENSE_MLA_DEPLOY, "export", "--hf", str(tmp_path / "ckpt"),
+                           "--out", str(out), "--target", target], capture_output=True, text=True, timeout=600,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("mla-deploy: error: decode graph model.onnx computes every expert for every token: ")
+    assert "mlp.experts.gate_up_proj with every token of" in lines[0]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -1,9 +1,12 @@
 """The routed experts in ONNX: one branch per expert with its own 2-D weights, equal to PyTorch in ONNX Runtime,
-and no tensor in the exported graphs spans all experts for every token (``all_expert_tensors``), which the
-dense formulation does."""
+and the export's dense-MoE check (``dense_expert_products``, which follows what the expert weights feed) refuses
+every dense formulation planted in the one export pipeline and passes the sparse ones and attention products shaped
+like an expert's."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +16,13 @@ import torch
 
 from artifacts import tiny_recipe
 from helpers import TOL, rel_err
-from mla_deploy.exporter import all_expert_tensors, check_onnx_file, export_recipe, trace_to_onnx
+from mla_deploy.errors import ExportError
+from mla_deploy.exporter import GraphPlan, check_onnx_file, dense_expert_products, export_recipe, run_export, trace_to_onnx
+from mla_deploy.exporter.export import refuse_dense_experts
+from mla_deploy.exporter.weights import ModuleTensors
 from mla_deploy.io_spec import TensorSpec
-from mla_deploy.model.layers import MoE, dense_experts_reference, moe_experts
+from mla_deploy.model.decoder import init_random_
+from mla_deploy.model.layers import Experts, MoE, dense_experts_reference, moe_experts
 
 K = 2
 TOKENS = "tokens"
@@ -151,13 +158,12 @@ def moe_artifact(tmp_path_factory) -> Path:
     return out
 
 
-def test_exported_decode_graph_holds_no_all_expert_tensor_and_per_expert_weights(moe_artifact):
+def test_exported_decode_graph_computes_experts_on_their_tokens_with_per_expert_weights(moe_artifact):
     from mla_deploy.artifact import load_manifest
 
     manifest = load_manifest(moe_artifact)
     config = manifest.config
     decode = check_onnx_file(moe_artifact / manifest.graph("decode").file)
-    assert all_expert_tensors(decode, config) == []
     shapes = {t.name: list(t.dims) for t in decode.graph.initializer}
     prefix = "model.model.layers.1.mlp.experts"
     d, i = config.hidden_size, config.moe_intermediate_size
@@ -167,31 +173,154 @@ def test_exported_decode_graph_holds_no_all_expert_tensor_and_per_expert_weights
     assert not any(name in shapes for name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))
     matmul_b = {n.input[1] for n in decode.graph.node if n.op_type == "MatMul"}
     assert f"{prefix}.gate_up_proj.0.T" in matmul_b and f"{prefix}.down_proj.7.T" in matmul_b
+    experts = [name for name in shapes if name.startswith(prefix)]
+    assert len(experts) == 2 * config.n_routed_experts
     for role in ("prefill", "decode"):
         graph = check_onnx_file(moe_artifact / manifest.graph(role).file)
-        assert all_expert_tensors(graph, config) == [], role
+        assert dense_expert_products(graph, experts) == [], role
 
 
-def test_the_scan_flags_the_dense_formulation(tmp_path):
-    """Control: the dense formulation, exported the same way, holds ``[T, E, I]`` tensors and is flagged."""
+def _gathered_experts(x, weights, idx, gate_up_proj, down_proj):
+    """Sparse another way: each token's own experts' weights gathered (``W[idx]``), k products per token."""
+    gate, up = torch.einsum("td,tkid->tki", x, gate_up_proj[idx]).chunk(2, dim=-1)  # [T, k, I] each
+    h = torch.einsum("tki,tkdi->tkd", torch.nn.functional.silu(gate) * up, down_proj[idx])  # [T, k, D]
+    return (h * weights.unsqueeze(-1)).sum(1)
+
+
+def _dense_loop(x, weights, idx, gate_up_proj, down_proj):
+    """Dense: each expert's own 2-D weights on every token (quantizable MatMuls), weighted by the routing mask."""
+    mask = torch.zeros(x.shape[0], gate_up_proj.shape[0], dtype=weights.dtype, device=x.device).scatter_add(-1, idx, weights)
+    out = torch.zeros_like(x)
+    for e in range(gate_up_proj.shape[0]):
+        gate, up = torch.nn.functional.linear(x, gate_up_proj[e]).chunk(2, dim=-1)
+        out = out + mask[:, e:e + 1] * torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_proj[e])
+    return out
+
+
+def _dense_broadcast(x, weights, idx, gate_up_proj, down_proj):
+    """Dense: every token times every expert's weights by broadcasting (Mul + ReduceSum, no MatMul)."""
+    mask = torch.zeros(x.shape[0], gate_up_proj.shape[0], dtype=weights.dtype, device=x.device).scatter_add(-1, idx, weights)
+    gate, up = (x[:, None, None, :] * gate_up_proj[None]).sum(-1).chunk(2, dim=-1)  # [T, E, I] each
+    h = (((torch.nn.functional.silu(gate) * up)[:, :, None, :]) * down_proj[None]).sum(-1)  # [T, E, D]
+    return (mask.unsqueeze(-1) * h).sum(1)
+
+
+FORMS = {"sparse-branches": moe_experts, "sparse-gathered-weights": _gathered_experts,
+         "dense-einsum": dense_experts_reference, "dense-loop": _dense_loop, "dense-broadcast": _dense_broadcast}
+
+
+class _PlantedExperts(torch.nn.Module):
+    """``(x [T, D], weights [T, k], idx [T, k]) -> [T, D]``: one of :data:`FORMS` over an ``Experts`` module's
+    stacked weights (which is how the export knows them as routed-expert weights)."""
+
+    def __init__(self, config, form: str):
+        super().__init__()
+        self.experts = init_random_(Experts(config), std=0.1, seed=0)
+        self.form = form
+
+    def forward(self, x, weights, idx):
+        return FORMS[self.form](x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj)
+
+
+@dataclasses.dataclass
+class _ExpertsTarget:
+    """A target of the one export pipeline holding one graph of :class:`_PlantedExperts`, with the dense-MoE check."""
+
+    module: torch.nn.Module
+    config: object
+    quantization: object = None
+    quant_format: str = "matmulnbits"
+    external_data_threshold: int = 1 << 30
+
+    def prepare(self, out, overwrite):
+        return []
+
+    def graphs(self):
+        from torch.export import Dim
+
+        d, tokens = self.config.hidden_size, Dim(TOKENS, min=1, max=4096)
+        inputs = [TensorSpec("x", "float32", (TOKENS, d)), TensorSpec("weights", "float32", (TOKENS, K)),
+                  TensorSpec("idx", "int64", (TOKENS, K))]
+        args = tuple(a.to("meta") for a in _inputs(self.config, 5, seed=0))
+        module = copy.deepcopy(self.module).to("meta").eval()
+        return [GraphPlan("experts.onnx", "planted experts", module, args, ({0: tokens},) * 3, inputs,
+                          [TensorSpec("y", "float32", (TOKENS, d))], 24, (refuse_dense_experts,))]
+
+    def finish(self, tmp, exported):
+        return exported
+
+
+def _export_planted(form: str, out: Path, weights: str = "float", quant_format: str = "matmulnbits"):
     config = _config()
-    dense = check_onnx_file(_export_experts(_Experts(config, dense_experts_reference), tmp_path / "dense.onnx",
-                                            config))
-    flagged = all_expert_tensors(dense, config)
-    assert flagged and all(str(config.n_routed_experts) in f for f in flagged)
-    assert all_expert_tensors(check_onnx_file(_export_experts(_Experts(config), tmp_path / "s.onnx", config)),
-                              config) == []
+    module = _PlantedExperts(config, form)
+    scheme = tiny_recipe(weights=weights).export.quantization
+    target = _ExpertsTarget(module, config, scheme, quant_format)
+    return run_export(target, out, ModuleTensors(module))
 
 
-def test_the_scan_needs_experts_a_width_and_a_token_axis():
-    """Flagged: all experts x a per-expert width x a dynamic axis. Not flagged: the routing mask ``[T, E]`` (no
-    width), the stacked weights ``[E, 2I, D]`` (no token axis), a branch ``[n_e, 2I]`` (no expert axis)."""
-    config = _config()
-    e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-    shapes = {"mask": [TOKENS, e], "stacked": [e, 2 * i, d], "branch": [None, 2 * i], "logits": ["s0", e],
-              "gate": [TOKENS, e, i], "gate_up": ["batch*seq", 2 * i, e], "unnamed": [None, e, 2 * i]}
-    values = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims) for name, dims in shapes.items()]
-    graph = onnx.helper.make_graph([], "scan", [], [], value_info=values)
-    flagged = [f.split()[0] for f in all_expert_tensors(onnx.helper.make_model(graph), config)]
-    assert flagged == ["gate", "gate_up", "unnamed"]
-    assert all_expert_tensors(onnx.helper.make_model(graph), tiny_recipe().model) == []  # no routed experts
+QUANT = {"float": ("float", "matmulnbits"), "int4-matmulnbits": ("int4", "matmulnbits"), "int8-qdq": ("int8", "qdq")}
+
+
+@pytest.mark.parametrize("quant", list(QUANT))
+@pytest.mark.parametrize("form", [f for f in FORMS if f.startswith("dense")])
+def test_a_dense_moe_is_refused_in_every_form(tmp_path, form, quant):
+    """Planted dense formulations through the export pipeline (float, and quantized in both formats where the
+    expert weights are 2-D products): refused in one line naming the product and its expert weight."""
+    with pytest.raises(ExportError) as refused:
+        _export_planted(form, tmp_path / "out", *QUANT[quant])
+    message = str(refused.value)
+    assert "\n" not in message and "computes every expert for every token" in message
+    assert "experts.gate_up_proj" in message and "every token of" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("quant", list(QUANT))
+@pytest.mark.parametrize("form", [f for f in FORMS if f.startswith("sparse")])
+def test_a_sparse_moe_passes(tmp_path, form, quant):
+    """Controls: each expert on its routed tokens (the export's branches), or each token's experts gathered."""
+    exported = _export_planted(form, tmp_path / "out", *QUANT[quant])
+    graph = exported.graphs["experts.onnx"]
+    assert graph.experts and dense_expert_products(graph.proto, graph.experts) == []
+    if quant != "float" and form == "sparse-branches":  # the quantized parts are followed too
+        assert any(name.endswith((".nbits", ".q")) for name in graph.experts)
+
+
+def test_the_scan_follows_expert_weights_not_shapes():
+    """Hand-built graphs: an attention product shaped like an expert's (``[E, T, I]`` with heads == experts) is
+    not an expert; an expert weight reaching every token through views (transpose, dequantize, expand) is; one
+    reaching the tokens its routing chose (``Gather(x, NonZero(...))``) is not."""
+    from onnx import TensorProto, helper
+
+    def graph(nodes, inits):
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8]),
+                  helper.make_tensor_value_info("column", TensorProto.FLOAT, ["T"])]
+        return helper.make_model(helper.make_graph(
+            nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            initializer=[helper.make_tensor(n, TensorProto.FLOAT, [8, 8], [0.0] * 64) for n in inits]))
+
+    attention = graph([helper.make_node("MatMul", ["x", "w_uk"], ["y"])], ["w_uk", "expert"])
+    assert dense_expert_products(attention, ["expert"]) == []
+    dense = graph([helper.make_node("Transpose", ["expert"], ["t"]), helper.make_node("Expand", ["t", "shape"], ["e"]),
+                   helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Mul", ["x", "e"], ["y"])],
+                  ["expert"])
+    assert dense_expert_products(dense, ["expert"]) == ["Mul y (expert with every token of x)"]
+    routed = graph([helper.make_node("NonZero", ["column"], ["nz"]), helper.make_node("Reshape", ["nz", "flat"], ["tok"]),
+                    helper.make_node("Gather", ["x", "tok"], ["x_e"], axis=0),
+                    helper.make_node("MatMul", ["x_e", "expert"], ["y"])], ["expert"])
+    routed.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat"))
+    assert dense_expert_products(routed, ["expert"]) == []
+    assert dense_expert_products(routed, []) == []  # no expert weights: nothing to follow
+
+
+def test_export_refuses_a_dense_moe_and_exports_heads_equal_to_experts(tmp_path, monkeypatch):
+    """Through export_recipe: a model whose head count equals its expert count and whose latent width equals its
+    expert width exports (the absorbed attention's ``[H, T, r]`` product is no expert's), and the same model with
+    its experts computed densely is refused, nothing left behind."""
+    config = _config().replace(n_routed_experts=4, n_group=2, topk_group=1, kv_lora_rank=32)  # 4 heads (tiny)
+    assert config.num_attention_heads == config.n_routed_experts and config.kv_lora_rank == config.moe_intermediate_size
+    export_recipe(tiny_recipe().replace(model=config), tmp_path / "ok")
+    monkeypatch.setattr(Experts, "forward", lambda self, x, w, idx: dense_experts_reference(
+        x, w, idx, self.gate_up_proj, self.down_proj))
+    with pytest.raises(ExportError, match=r"decode graph decode\.onnx computes every expert for every token: \w+ "):
+        export_recipe(tiny_recipe().replace(model=config), tmp_path / "dense")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
