@@ -434,3 +434,50 @@ def test_the_generation_package_drives_engines_through_their_public_interface():
     assert not hits, f"mla_deploy/generate reaches private names: {hits}"
     engines = [f"{path.name}: {i}" for path in files for i in imports_from(path, "mla_deploy.engines")]
     assert not engines, f"mla_deploy/generate imports from mla_deploy.engines: {engines}"
+
+
+#: function size limits (issue 20): at most MAX_LONG functions over LONG_LINES lines, none over MAX_PARAMS
+#: parameters (``self``/``cls`` not counted). plugins/ (the decode kernel's Triton signatures) is not measured.
+LONG_LINES, MAX_LONG, MAX_PARAMS = 50, 8, 10
+
+
+def function_sizes(root: Path = PACKAGE) -> list[tuple[str, int, int]]:
+    """``(module:line name, lines, parameters)`` of every function and method under ``root``."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            if a.args and a.args[0].arg in ("self", "cls"):
+                params = params[1:]
+            where = f"{path.relative_to(root.parent)}:{node.lineno} {node.name}"
+            out.append((where, node.end_lineno - node.lineno + 1, len(params)))
+    return out
+
+
+def size_violations(root: Path = PACKAGE) -> list[str]:
+    sizes = function_sizes(root)
+    long = sorted(f"{w} ({n} lines)" for w, n, _ in sizes if n > LONG_LINES)
+    wide = sorted(f"{w} ({p} parameters)" for w, _, p in sizes if p > MAX_PARAMS)
+    found = [f"{len(long)} functions over {LONG_LINES} lines (at most {MAX_LONG}): {long}"] if len(long) > MAX_LONG else []
+    return found + [f"over {MAX_PARAMS} parameters: {w}" for w in wide]
+
+
+def test_size_detector_finds_planted_violations(tmp_path):
+    pkg = tmp_path / "mla_deploy"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONG_LINES))
+    (pkg / "a.py").write_text("".join(f"def long{i}():\n{body}" for i in range(MAX_LONG)))
+    assert size_violations(pkg) == []  # MAX_LONG long functions are allowed
+    (pkg / "b.py").write_text(f"def one_more():\n{body}\n"
+                              "class C:\n    def m(self, a, b, c, d, e, f, g, h, i, j, *, k=1):\n        pass\n"
+                              "    def ok(self, a, b, c, d, e, f, g, h, i, j):\n        pass\n")
+    found = size_violations(pkg)
+    assert len(found) == 2 and f"{MAX_LONG + 1} functions over" in found[0]
+    assert found[1].startswith("over 10 parameters: mla_deploy/b.py:") and found[1].endswith(" m (11 parameters)")
+
+
+def test_functions_are_short_and_take_few_parameters():
+    assert size_violations() == []

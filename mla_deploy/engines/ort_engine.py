@@ -71,6 +71,24 @@ def session_options(threads: int | None = None, log_severity: int = 4):
     return options
 
 
+def _preload_cuda_libraries(ort) -> None:
+    """Load the CUDA and cuDNN libraries of the ``nvidia-*`` wheels (torch's CUDA build ships them) before a CUDA
+    session: onnxruntime-gpu looks for them only on the loader's path otherwise, and falls back to the CPU. What
+    ``preload_dlls`` prints of libraries it could not find is dropped: a provider that still cannot load is
+    refused below in one line."""
+    import contextlib
+    import io
+
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is None:
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            preload()
+        except OSError:
+            pass
+
+
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
                  quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
@@ -93,6 +111,7 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     wanted = PROVIDERS[provider]
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
+        _preload_cuda_libraries(ort)
     options = session_options(threads, log_severity)
     model, entries = quantization.session(path, quantized_compute)
     for key, value in entries.items():

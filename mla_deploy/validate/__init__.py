@@ -4,6 +4,8 @@ Main entry points (imported lazily: Polygraphy, torch and onnxruntime load on fi
 
     from mla_deploy.validate import validate_artifact
     result = validate_artifact("out/tiny", steps=8)      # -> ValidationResult
+    validate_artifact("out/tiny", options=ValidateOptions(write_reports=False, tolerance=Tolerance(1e-4, 1e-3)))
+    # ValidateOptions: tolerance (mla_deploy.recipe.Tolerance), check_error_stat, prompt_lengths, write_reports, ...
     result.passed, result.worst, result.files["report.html"]
     result.raise_for_failure()                             # AccuracyError naming the worst output and step
 
@@ -24,6 +26,7 @@ from ..lazy import lazy_getattr
 _LAZY = {
     "validate_artifact": "mla_deploy.validate.core",
     "ValidationResult": "mla_deploy.validate.core",
+    "ValidateOptions": "mla_deploy.validate.core",
     "check_artifact": "mla_deploy.artifact",
     "Trajectory": "mla_deploy.validate.trajectory",
     "TrajectoryLoader": "mla_deploy.validate.trajectory",

@@ -22,7 +22,7 @@ from ..artifact import Manifest, check_artifact
 from ..errors import AccuracyError, InputError, OutputError
 from ..recipe import Tolerance, ValidateSettings
 from .quantization import cost_check
-from .report import INPUTS_FILE, REPORT_JSON, build_report, environment
+from .report import INPUTS_FILE, REPORT_JSON, Comparison, RunRecord, build_report, environment
 from .report import write_reports as write_files
 
 RUNTIMES = ("onnxrt", "tensorrt")
@@ -112,13 +112,33 @@ def output_names(layers: int) -> list[str]:
     return ["logits"] + [present_name(i) for i in range(layers)]
 
 
+@dataclass(frozen=True)
+class ValidateOptions:
+    """How :func:`validate_artifact` compares and what it leaves behind, beside the artifact, runtimes and steps.
+
+    Attributes:
+        tolerance: overrides the recipe's: one :class:`Tolerance` for every output, or ``{output: Tolerance}``
+            (key ``""`` = default).
+        check_error_stat: Polygraphy's ``elemwise`` (default), ``max``, ``mean``, ``median`` or ``quantile``.
+        prompt_lengths: explicit prompt lengths (default: the recipe's batch, lengths ``L, L-1, ...``).
+        write_reports: write the files (``False``: only return the result).
+        raise_on_failure: raise :class:`AccuracyError` (after writing the reports) when an output fails.
+        quiet: keep Polygraphy's per-iteration logging off.
+    """
+
+    tolerance: Tolerance | dict[str, Tolerance] | None = None
+    check_error_stat: str = "elemwise"
+    prompt_lengths: Sequence[int] | None = None
+    write_reports: bool = True
+    raise_on_failure: bool = False
+    quiet: bool = True
+
+
 def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = None, steps: int | None = None, *,
                       load_results: str | Path | None = None, runtimes: Sequence[str] = ("onnxrt",),
                       provider: str = "cpu", threads: int | None = None,
-                      tolerance: Tolerance | dict[str, Tolerance] | None = None,
-                      check_error_stat: str = "elemwise", prompt_lengths: Sequence[int] | None = None,
-                      write_reports: bool = True, raise_on_failure: bool = False,
-                      quiet: bool = True, log: Callable[[str], None] | None = None) -> ValidationResult:
+                      options: ValidateOptions = ValidateOptions(),
+                      log: Callable[[str], None] | None = None) -> ValidationResult:
     """Validate an exported artifact against the PyTorch original it was exported from.
 
     Args:
@@ -130,59 +150,60 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
             (``inputs.json`` beside it, when present, restricts the figures to real tokens).
         runtimes: runners compared with the reference: ``onnxrt`` and/or ``tensorrt`` (needs ``mla_deploy.trt``).
         provider, threads: ONNX Runtime execution provider (``cpu``/``cuda``) and intra-op threads.
-        tolerance: overrides the recipe's: one :class:`Tolerance` for every output, or ``{output: Tolerance}``
-            (key ``""`` = default).
-        check_error_stat: Polygraphy's ``elemwise`` (default), ``max``, ``mean``, ``median`` or ``quantile``.
-        prompt_lengths: explicit prompt lengths (default: the recipe's batch, lengths ``L, L-1, ...``).
-        write_reports: write the files (``False``: only return the result).
-        raise_on_failure: raise :class:`AccuracyError` (after writing the reports) when an output fails.
-        quiet: keep Polygraphy's per-iteration logging off.
+        options: tolerances, error statistic, prompt lengths, reports, failure and logging (:class:`ValidateOptions`).
         log: called with one line per step (runners ready, the trajectory run, the comparison, the reports).
     Returns:
         a :class:`ValidationResult`.
     Raises:
-        ArtifactError: a missing, truncated or inconsistent artifact. AccuracyError: see ``raise_on_failure``.
+        ArtifactError: a missing, truncated or inconsistent artifact. AccuracyError: see ``options.raise_on_failure``.
         RuntimeMissingError: Polygraphy, ONNX Runtime (or TensorRT when asked for) is unavailable.
         InputError: bad ``runtimes``/``steps``/``load_results``. CacheCapacityError: the trajectory does not fit.
     """
     from . import compat
+
+    o = options
 
     compat.polygraphy_version()
     root = Path(artifact_dir)
     manifest = check_artifact(root)
     settings = manifest.validate_settings()
     names = output_names(manifest.config.num_hidden_layers)
-    tolerances = _tolerances(tolerance, settings, manifest.precision, names)
+    tolerances = _tolerances(o.tolerance, settings, manifest.precision, names)
     out = Path(out_dir) if out_dir is not None else root / "validation"
-    if write_reports:
+    if o.write_reports:
         check_writable_dir(out)  # before minutes of running, not after
     if load_results is not None:
-        with compat.quiet(quiet):
+        with compat.quiet(o.quiet):
             run_results, feeds, providers, trajectory = _load(Path(load_results), names)
     else:
         run_results, feeds, providers, trajectory = _run(root, manifest, settings, steps, runtimes, provider,
-                                                         threads, prompt_lengths, quiet, log or (lambda line: None))
+                                                         threads, o, log or (lambda line: None))
     cost = cost_check(manifest)
-    reference, others, comparisons = _comparisons(compat.runner_names(run_results), cost.runners)
+    reference, others, pairs = _comparisons(compat.runner_names(run_results), cost.runners)
     compare_func = compat.simple_compare_func({k: t.atol for k, t in tolerances.items()},
-                                              {k: t.rtol for k, t in tolerances.items()}, check_error_stat)
-    with compat.quiet(quiet):
-        accuracy = compat.compare(run_results, comparisons, compare_func)
-    report = build_report(root, manifest, run_results, accuracy, reference, others, names, feeds, tolerances,
-                          check_error_stat, environment(providers), trajectory,
-                          source=str(load_results) if load_results is not None else "run")
+                                              {k: t.rtol for k, t in tolerances.items()}, o.check_error_stat)
+    with compat.quiet(o.quiet):
+        accuracy = compat.compare(run_results, pairs, compare_func)
+    compared = Comparison(reference, tuple(others), tuple(names), tolerances, o.check_error_stat)
+    run = RunRecord(run_results, feeds, trajectory, str(load_results) if load_results is not None else "run")
+    report = build_report(root, manifest, run, accuracy, compared, environment(providers))
     report = cost.judged(report, run_results, feeds, manifest, settings)
     result = ValidationResult(bool(report["passed"]), report)
-    if write_reports:
-        result.out_dir = out
-        try:
-            result.files = write_files(out, report, None if load_results is not None else run_results,
-                                       None if load_results is not None else feeds)
-        except OSError as exc:
-            raise OutputError(f"cannot write the validation reports to {out}: {exc.strerror or exc}") from None
-    if raise_on_failure:
+    if o.write_reports:
+        _write(result, out, report, None if load_results is not None else run)
+    if o.raise_on_failure:
         result.raise_for_failure()
     return result
+
+
+def _write(result: ValidationResult, out: Path, report: dict, run: "RunRecord | None") -> None:
+    """Write the reports (and, for a fresh run, its results and inputs) into ``out``; record them on ``result``."""
+    result.out_dir = out
+    try:
+        result.files = write_files(out, report, None if run is None else run.run_results,
+                                   None if run is None else run.feeds)
+    except OSError as exc:
+        raise OutputError(f"cannot write the validation reports to {out}: {exc.strerror or exc}") from None
 
 
 def _comparisons(runners: list[str], cost: Sequence[str]) -> tuple[str, list[str], list[tuple[int, int]]]:
@@ -232,7 +253,7 @@ def _tolerances(tolerance, settings: ValidateSettings, precision: str, names: li
 
 
 def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runtimes, provider, threads,
-         prompt_lengths, quiet, log):
+         options: ValidateOptions, log):
     from . import compat
     from .runners import OrtRunner, TorchRunner, trt_runner
     from .trajectory import TrajectoryLoader, make_trajectory
@@ -241,6 +262,7 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     if unknown or not runtimes:
         raise InputError(f"runtimes must be among {', '.join(RUNTIMES)}, got {list(runtimes)}")
     cost = cost_check(manifest)
+    prompt_lengths = options.prompt_lengths
     longest = max(prompt_lengths) if prompt_lengths else settings.prompt_length
     decode_steps, clamped = cost.decode_steps(settings.decode_steps if steps is None else int(steps), settings,
                                               longest, manifest.capacity)
@@ -259,7 +281,7 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     runners = [TorchRunner.from_artifact(root, manifest), *engines, *cost.runners_for(root, manifest, provider, threads)]
     loader = TrajectoryLoader(trajectory)
     log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
-    with compat.quiet(quiet):
+    with compat.quiet(options.quiet):
         run_results = compat.run_comparator(runners, loader)
     log("comparing ...")
     providers = {r.name: getattr(r, "provider", None) or "torch-cpu" for r in runners}

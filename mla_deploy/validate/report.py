@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,70 +59,111 @@ def environment(providers: dict[str, str]) -> dict[str, Any]:
             "machine": platform.machine()}
 
 
-def build_report(root: Path, manifest: Manifest, run_results, accuracy, reference: str, others: Sequence[str],
-                 names: Sequence[str], feeds: list[dict] | None, tolerances: dict, check_error_stat: str,
-                 env: dict, trajectory: dict, source: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Comparison:
+    """What a report compares: the reference runner, the runners compared with it, the outputs (``logits``, then
+    ``present_latent.{i}``), their tolerances (``{"": default, output: Tolerance}``) and Polygraphy's statistic."""
+
+    reference: str
+    others: tuple[str, ...]
+    names: tuple[str, ...]
+    tolerances: dict
+    check_error_stat: str
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One trajectory's run: Polygraphy's ``RunResults``, the feeds of each step (None: unknown, figures over whole
+    tensors), the trajectory's description and where the results came from (``run`` or a saved file)."""
+
+    run_results: Any
+    feeds: list[dict] | None
+    trajectory: dict
+    source: str
+
+
+def build_report(root: Path, manifest: Manifest, run: RunRecord, accuracy, compared: Comparison,
+                 env: dict) -> dict[str, Any]:
     """Every figure of a comparison as plain data (see the module docstring)."""
     from . import compat
 
-    ref_steps = compat.iteration_outputs(run_results, reference)
-    if feeds is not None and len(feeds) != len(ref_steps):
-        feeds = None  # inputs.json of another run: figures over whole tensors
+    ref_steps = compat.iteration_outputs(run.run_results, compared.reference)
+    feeds = run.feeds if run.feeds is not None and len(run.feeds) == len(ref_steps) else None  # else another run's
     masks = step_masks(feeds, len(ref_steps))
-    runners: dict[str, Any] = {}
-    candidates = []
-    for runner in others:
-        verdicts = compat.pair_results(accuracy, (runner, reference))
-        out_steps = compat.iteration_outputs(run_results, runner)
-        outputs: dict[str, Any] = {}
-        for name in names:
-            tol = tolerances.get(name, tolerances[""])
-            figures = []
-            for step, (verdict, out, ref, (token_mask, row_mask)) in enumerate(zip(verdicts, out_steps, ref_steps, masks)):
-                mask = token_mask if name == "logits" else row_mask
-                poly = compat.output_figures(verdict[name]) if name in verdict else {"passed": False}
-                fig = error_figures(out[name], ref[name], mask if _fits(mask, out[name]) else None)
-                passed = bool(poly["passed"]) and not fig["nonfinite"]  # NaN never passes, whatever the stat
-                figures.append(StepFigures(step=step, role=step_role(step), passed=passed, polygraphy=poly, **fig))
-                candidates.append((not figures[-1].passed, severity(fig, tol.atol), runner, name, figures[-1], tol))
-            outputs[name] = {
-                "passed": all(f.passed for f in figures),
-                "max_abs": _extreme(max, [f.max_abs for f in figures], 0.0),
-                "max_rel": _extreme(max, [f.max_rel for f in figures], 0.0),
-                "mean_abs": (sum(f.mean_abs for f in figures) / len(figures)) if figures else 0.0,
-                "min_cosine": _extreme(min, [f.cosine for f in figures], 1.0),
-                "failed_steps": [f.step for f in figures if not f.passed],
-                "nonfinite": sum(f.nonfinite for f in figures),
-                "steps": [f.to_dict() for f in figures],
-            }
-        top1 = [{"step": k, "role": step_role(k), **top1_agreement(o["logits"], r["logits"], masks[k][0])}
-                for k, (o, r) in enumerate(zip(out_steps, ref_steps))]
-        runners[runner] = {"passed": all(o["passed"] for o in outputs.values()), "outputs": outputs, "top1": top1,
-                           "top1_rate": _rate(top1)}
-    worst = None
-    if candidates:
-        failed, sev, runner, name, fig, tol = max(candidates, key=lambda c: (c[0], c[1]))
-        worst = {"runner": runner, "reference": reference, "output": name, "step": fig.step, "role": fig.role,
-                 "max_abs": fig.max_abs, "max_rel": fig.max_rel, "mean_abs": fig.mean_abs, "cosine": fig.cosine,
-                 "atol": tol.atol, "rtol": tol.rtol, "passed": not failed, "severity": sev,
-                 "nonfinite": fig.nonfinite}
+    candidates: list = []
+    runners = {runner: _runner_section(run.run_results, accuracy, compared, runner, masks, candidates)
+               for runner in compared.others}
+    tolerances = compared.tolerances
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "passed": all(r["passed"] for r in runners.values()),
         "artifact": {"path": str(root), "name": manifest.name, "fingerprint": manifest.fingerprint,
                      "precision": manifest.precision, "cache_mode": manifest.layout.mode,
-                     "layers": len(names) - 1,
+                     "layers": len(compared.names) - 1,
                      "graphs": {role: {"file": g.file, "form": g.form, "sha256": g.sha256}
                                 for role, g in manifest.graphs.items()}},
         "environment": env,
-        "trajectory": {**trajectory, "source": source, "valid_masks": feeds is not None},
-        "comparison": {"reference": reference, "runners": list(others), "check_error_stat": check_error_stat,
+        "trajectory": {**run.trajectory, "source": run.source, "valid_masks": feeds is not None},
+        "comparison": {"reference": compared.reference, "runners": list(compared.others),
+                       "check_error_stat": compared.check_error_stat,
                        "tolerances": {k: {"atol": t.atol, "rtol": t.rtol} for k, t in tolerances.items() if k}},
         "runners": runners,
         "summary": {"steps": len(ref_steps), "compared": len(candidates),
                     "failed": sum(1 for c in candidates if c[0])},
-        "worst": worst,
+        "worst": _worst(candidates, compared.reference),
     }
+
+
+def _runner_section(run_results, accuracy, compared: Comparison, runner: str, masks: list,
+                    candidates: list) -> dict[str, Any]:
+    """One runner's figures against the reference, per output and step; appends each output-step to
+    ``candidates`` as ``(failed, severity, runner, output, StepFigures, Tolerance)`` for :func:`_worst`."""
+    from . import compat
+
+    reference = compared.reference
+    verdicts = compat.pair_results(accuracy, (runner, reference))
+    out_steps = compat.iteration_outputs(run_results, runner)
+    ref_steps = compat.iteration_outputs(run_results, reference)
+    outputs: dict[str, Any] = {}
+    for name in compared.names:
+        tol = compared.tolerances.get(name, compared.tolerances[""])
+        figures = []
+        for step, (verdict, out, ref, (token_mask, row_mask)) in enumerate(zip(verdicts, out_steps, ref_steps, masks)):
+            mask = token_mask if name == "logits" else row_mask
+            poly = compat.output_figures(verdict[name]) if name in verdict else {"passed": False}
+            fig = error_figures(out[name], ref[name], mask if _fits(mask, out[name]) else None)
+            passed = bool(poly["passed"]) and not fig["nonfinite"]  # NaN never passes, whatever the stat
+            figures.append(StepFigures(step=step, role=step_role(step), passed=passed, polygraphy=poly, **fig))
+            candidates.append((not figures[-1].passed, severity(fig, tol.atol), runner, name, figures[-1], tol))
+        outputs[name] = _output_summary(figures)
+    top1 = [{"step": k, "role": step_role(k), **top1_agreement(o["logits"], r["logits"], masks[k][0])}
+            for k, (o, r) in enumerate(zip(out_steps, ref_steps))]
+    return {"passed": all(o["passed"] for o in outputs.values()), "outputs": outputs, "top1": top1,
+            "top1_rate": _rate(top1)}
+
+
+def _output_summary(figures: list) -> dict[str, Any]:
+    """One output's figures over the steps: verdict, extremes, failing steps, and each step's figures."""
+    return {
+        "passed": all(f.passed for f in figures),
+        "max_abs": _extreme(max, [f.max_abs for f in figures], 0.0),
+        "max_rel": _extreme(max, [f.max_rel for f in figures], 0.0),
+        "mean_abs": (sum(f.mean_abs for f in figures) / len(figures)) if figures else 0.0,
+        "min_cosine": _extreme(min, [f.cosine for f in figures], 1.0),
+        "failed_steps": [f.step for f in figures if not f.passed],
+        "nonfinite": sum(f.nonfinite for f in figures),
+        "steps": [f.to_dict() for f in figures],
+    }
+
+
+def _worst(candidates: list, reference: str) -> dict[str, Any] | None:
+    """The output-step farthest from its tolerance (a failing one first); None when nothing was compared."""
+    if not candidates:
+        return None
+    failed, sev, runner, name, fig, tol = max(candidates, key=lambda c: (c[0], c[1]))
+    return {"runner": runner, "reference": reference, "output": name, "step": fig.step, "role": fig.role,
+            "max_abs": fig.max_abs, "max_rel": fig.max_rel, "mean_abs": fig.mean_abs, "cosine": fig.cosine,
+            "atol": tol.atol, "rtol": tol.rtol, "passed": not failed, "severity": sev, "nonfinite": fig.nonfinite}
 
 
 def _extreme(pick, values: list[float], default: float) -> float:

@@ -63,7 +63,7 @@ def test_exported_checkpoint_generates_what_transformers_generates(tmp_path, cas
     want = torch.cat(ref.logits).numpy()
     assert np.abs(np.stack(got) - want).max() <= 1e-4
     # `mla-deploy validate` on the checkpoint's artifact: the reference is rebuilt from the checkpoint itself
-    from mla_deploy.validate import validate_artifact
+    from mla_deploy.validate import ValidateOptions, validate_artifact
 
     result = validate_artifact(out, out_dir=tmp_path / "report", steps=4, threads=1)
     assert result.passed, result.summary()
@@ -78,21 +78,21 @@ def test_checkpoint_export_keeps_one_copy_and_refuses_a_changed_checkpoint(tmp_p
 
     from mla_deploy.artifact import load_manifest
     from mla_deploy.errors import ArtifactError
-    from mla_deploy.validate import validate_artifact
+    from mla_deploy.validate import ValidateOptions, validate_artifact
 
     _, out = _export(tmp_path, "v2-moe-qlora", "static")
     manifest = load_manifest(out)
     assert {g.file for g in manifest.graphs.values()} == {"model.onnx"}  # prefill and decode: one graph
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx"]  # tiny: weights inline
     assert manifest.weights.kind == "hf" and [f["file"] for f in manifest.weights.files] == ["model.safetensors"]
-    assert validate_artifact(out, write_reports=False, steps=2, threads=1).passed
+    assert validate_artifact(out, steps=2, threads=1, options=ValidateOptions(write_reports=False)).passed
     shard = tmp_path / "ckpt" / "model.safetensors"
     state = load_file(str(shard))
     name = next(k for k in state if k.endswith("kv_b_proj.weight"))
     state[name] = state[name] * 1.01  # same names, shapes and size: only values differ
     save_file(state, str(shard), metadata={"format": "pt"})
     with pytest.raises(ArtifactError, match="changed since the export"):
-        validate_artifact(out, write_reports=False, steps=2, threads=1)
+        validate_artifact(out, steps=2, threads=1, options=ValidateOptions(write_reports=False))
 
 
 #: DeepSeek-V2 MoE whose head count equals its expert count and whose latent width (kv_lora_rank) equals its expert

@@ -17,7 +17,7 @@ from quantized_helpers import blocks_along_n, double_one_scale, edit_graph, scal
 
 from mla_deploy.errors import AccuracyError, CacheCapacityError, ConfigError
 from mla_deploy.recipe import DEFAULT_QUANTIZATION_THRESHOLDS, QuantizationThreshold, ValidateSettings
-from mla_deploy.validate import validate_artifact
+from mla_deploy.validate import ValidateOptions, validate_artifact
 from mla_deploy.validate.quantization import DEPLOYED, EXACT, ORIGINAL, judge, quantization_figures, trajectory_steps
 
 
@@ -130,7 +130,7 @@ def test_a_wrong_block_scale_fails_the_graph_comparison(quantized_artifacts, qua
     artifact = _copy(quantized_artifacts(2, "int8", quant_format), tmp_path)
     _short(artifact)
     edit_graph(artifact, double_one_scale("model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight.T"))
-    result = validate_artifact(artifact, write_reports=False)
+    result = validate_artifact(artifact, options=ValidateOptions(write_reports=False))
     assert not result.passed and not result.graph_passed
     assert result.quantization["passed"]  # the cost against the unquantized original cannot see it: (a) does
     worst = result.worst
@@ -147,7 +147,7 @@ def test_scales_along_the_wrong_axis_fail_the_graph_comparison(quantized_artifac
     artifact = _copy(quantized_artifacts(2, "int8", quant_format), tmp_path)
     _short(artifact)
     edit_graph(artifact, blocks_along_n if quant_format == "qdq" else scales_along_n)
-    result = validate_artifact(artifact, write_reports=False)
+    result = validate_artifact(artifact, options=ValidateOptions(write_reports=False))
     assert not result.graph_passed
     # re-quantizing along N is a small change that (b) cannot see; scrambled MatMulNBits scales are a large one
     assert result.quantization["passed"] == (quant_format == "qdq")

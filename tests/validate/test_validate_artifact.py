@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from mla_deploy.cli import main
 from mla_deploy.errors import AccuracyError
 from mla_deploy.recipe import Tolerance
-from mla_deploy.validate import validate_artifact
+from mla_deploy.validate import ValidateOptions, validate_artifact
 from validate_helpers import rerecord, scale_initializer
 
 OUTPUTS = ["logits", "present_latent.0", "present_latent.1"]
@@ -124,7 +124,7 @@ def test_fp16_tolerance_still_catches_a_small_weight_error(tiny_static_fp16, tmp
     shutil.copytree(tiny_static_fp16, copy, ignore=shutil.ignore_patterns("validation"))
     scale_initializer(copy, "decode", "model.model.layers.0.self_attn.w_uk", 1.05)
     rerecord(copy, "decode")
-    result = validate_artifact(copy, steps=4, threads=1, write_reports=False)
+    result = validate_artifact(copy, steps=4, threads=1, options=ValidateOptions(write_reports=False))
     assert not result.passed and result.worst["output"] == "logits" and result.worst["max_abs"] > 0.4
     outputs = result.report["runners"]["onnxrt"]["outputs"]
     assert outputs["logits"]["steps"][0]["passed"] and not outputs["logits"]["passed"]  # prefill untouched
@@ -149,7 +149,7 @@ def test_saved_results_compare_again_without_running(static_run, tmp_path, monke
     assert not (tmp_path / "again" / "run_results.json").exists()
 
     strict = validate_artifact(artifact, out_dir=tmp_path / "strict", load_results=saved,
-                               tolerance=Tolerance(1e-9, 1e-9))
+                               options=ValidateOptions(tolerance=Tolerance(1e-9, 1e-9)))
     assert not strict.passed
     with pytest.raises(AccuracyError, match=r"validation failed: worst output \S+ at step \d+"):
         strict.raise_for_failure()
