@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import click
 
+from ..bench.parsing import parse_int, parse_int_list  # one parser of option values, shared with the benches' specs
 from ..errors import InputError
 
 
@@ -24,43 +25,6 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
-
-
-def parse_int(text, option: str, minimum: int = 1) -> int:
-    """One integer option >= ``minimum``.
-
-    Raises:
-        InputError: not an integer, or below ``minimum`` (the line names ``option`` and the bound).
-    """
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise InputError(f"{option} takes an integer, got {text!r}") from None
-    if value < minimum:
-        raise InputError(f"{option} must be >= {minimum}, got {value}")
-    return value
-
-
-def parse_int_list(text, option: str, minimum: int = 1) -> tuple[int, ...]:
-    """``"1024,4096"`` -> ``(1024, 4096)`` (duplicates dropped); an empty item (``"1,,2"``) is refused.
-
-    Raises:
-        InputError: naming ``option``.
-    """
-    if isinstance(text, (list, tuple)):
-        items = list(text)
-    else:
-        parts = [p.strip() for p in str(text).split(",")]
-        if any(p == "" for p in parts):
-            raise InputError(f"{option} takes a comma-separated list of integers, got {text!r}")
-        try:
-            items = [int(p) for p in parts]
-        except ValueError:
-            raise InputError(f"{option} takes a comma-separated list of integers, got {text!r}") from None
-    for v in items:
-        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            raise InputError(f"{option} values must be integers >= {minimum}, got {v!r}")
-    return tuple(dict.fromkeys(items))
 
 
 class Int(click.ParamType):
