@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ArtifactError, ConfigError
 from .formats import DEFAULT_FORMAT, FAST_COMPUTE, FORMATS, QDQ, WeightFormat, accuracy_level
+from .formats import session as format_session
 from .graph import GraphQuantization, WeightPart, quantize_graph_weights
 from .scheme import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, fake_quantize
 
@@ -56,7 +57,8 @@ class Quantization:
         weights: ``float``, ``int8`` or ``int4``.
         block_size: input features per scale (None: float).
         keys: the checkpoint tensors held quantized, sorted (an artifact's record; empty otherwise).
-        tensors: the quantized weights in the graphs (each expert of a stacked tensor counts).
+        tensors: the quantized weights in the graphs (each expert of a stacked tensor counts in the branch form; a
+            fused ``QMoE``'s stacked weight counts once).
         bytes: their bytes as stored (integers and scales).
     """
 
@@ -228,7 +230,10 @@ class Quantized(Quantization):
                 state[key].copy_(fake_quantize(state[key], self.scheme))
 
     def session(self, path, compute):
-        return self.format.session(Path(path), compute)
+        return format_session(self.format, Path(path), compute)
+
+    def disagreement(self, graphs):
+        return super().disagreement(graphs.experts_counted_as(self.format.name))
 
     def require_tensorrt(self, where):
         self.format.require_tensorrt(where)
