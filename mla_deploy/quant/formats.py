@@ -310,6 +310,7 @@ class _QMoE(WeightFormat):
             ir.AttrInt64("expert_weight_bits", scheme.bits), ir.AttrInt64("block_size", scheme.block_size),
             ir.AttrInt64("accuracy_level", self.written)]
         node = ir.Node(MS_DOMAIN, "QMoE", inputs=inputs, num_outputs=1, attributes=attrs, name=moe.name)
+        node.metadata_props.update(moe.metadata_props)  # where it comes from (the module scope)
         out, old = node.outputs[0], moe.outputs[0]
         out.shape, out.type, out_name = old.shape, old.type, old.name
         model.graph.insert_before(moe, node)
