@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -222,6 +223,80 @@ def test_exported_decode_graph_computes_experts_on_their_tokens_with_per_expert_
     for role in ("prefill", "decode"):
         graph = check_onnx_file(moe_artifact / manifest.graph(role).file)
         assert dense_expert_products(graph, experts) == [], role
+
+
+#: artifacts of the fused form over each routing method: (routing, weights, quant_format, decoder layers)
+FUSED = {"v2-greedy-float": ({"topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+                              "routed_scaling_factor": 1.0}, "float", "matmulnbits", 2),
+         "v2-group-limited-int4": ({"topk_method": "group_limited_greedy", "scoring_func": "softmax"}, "int4",
+                                   "matmulnbits", 2),
+         "v3-noaux-tc-int8-qdq": ({}, "int8", "qdq", 2)}
+
+
+@pytest.fixture(scope="module", params=list(FUSED))
+def fused_artifact(request, tmp_path_factory) -> Path:
+    """The tiny MoE model (one graph for prefill and decode) with its experts fused, over each routing method and
+    weight type (the qdq case asks for the fused form; ``auto`` gives it in the others)."""
+    routing, weights, quant_format, layers = FUSED[request.param]
+    recipe = tiny_recipe("concat", prefill_form="A_CC", weights=weights, quant_format=quant_format,
+                         experts="fused" if quant_format == "qdq" else "auto")
+    out = tmp_path_factory.mktemp("fused") / "art"
+    export_recipe(recipe.replace(model=_config().replace(num_hidden_layers=layers, **routing)), out)
+    return out
+
+
+def test_the_fused_artifact_holds_one_operator_per_moe_layer(fused_artifact):
+    """Recorded per graph; one MoE (float) or QMoE node per MoE layer and at most 12 nodes for a layer's experts
+    (the branch form: about 11 per expert); the dense-MoE check passes it."""
+    from mla_deploy.artifact import load_manifest
+
+    manifest = load_manifest(fused_artifact)
+    entry = manifest.graph("decode")
+    assert entry.experts == "fused" and json.loads((fused_artifact / "manifest.json").read_text())["graphs"][
+        "decode"]["experts"] == "fused"
+    graph = check_onnx_file(fused_artifact / entry.file)
+    moe_layers = range(manifest.config.first_k_dense_replace, manifest.config.num_hidden_layers)
+    fused = [n for n in graph.graph.node if n.domain == "com.microsoft" and n.op_type in ("MoE", "QMoE")]
+    assert [n.op_type for n in fused] == ["MoE" if manifest.quantization.weights == "float" else "QMoE"] * len(moe_layers)
+    for layer in moe_layers:
+        scope = f"model.model.layers.{layer}.mlp.experts"
+        assert 1 <= sum(scope in _namespace(n) for n in graph.graph.node) <= 12
+    experts = [i.name for i in graph.graph.initializer if ".mlp.experts." in i.name]
+    assert experts and dense_expert_products(graph, experts) == []
+
+
+def _namespace(node) -> str:
+    """The module scope the exporter recorded for ``node``."""
+    return next((p.value for p in node.metadata_props if p.key == "namespace"), "")
+
+
+def test_the_fused_artifact_equals_pytorch(fused_artifact):
+    """Prefill and a decode step, fp32 compute on the (dequantized) weights, against PyTorch with the same weights."""
+    from mla_deploy.artifact import load_manifest
+    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.validate.reference import load_reference_model
+
+    manifest = load_manifest(fused_artifact)
+    ids = torch.randint(0, manifest.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(10).expand(2, 10)
+    engine = OrtEngine(fused_artifact, threads=1, quantized_compute="fp32")
+    state = engine.new_state(2)
+    prefill = engine.forward("prefill", ids[:, :9].numpy(), pos[:, :9].numpy(), state)["logits"]
+    decode = engine.forward("decode", ids[:, 9:].numpy(), pos[:, 9:].numpy(), state)["logits"]
+    model = load_reference_model(fused_artifact, manifest, quantized=manifest.quantization.quantized)
+    with torch.no_grad():
+        want = model(ids, pos, model.empty_cache(2, 0))[0]
+    got = torch.from_numpy(np.concatenate([prefill, decode], axis=1))
+    assert rel_err(got, want) <= TOL
+
+
+def test_tensorrt_build_refuses_the_fused_form_in_one_line(fused_artifact):
+    """Before TensorRT is looked for: its parser cannot read ONNX Runtime's MoE/QMoE."""
+    from cli_run import cli
+
+    result = cli("build", str(fused_artifact))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "MoE/QMoE operators, which TensorRT cannot parse; re-export with --experts branches" in result.stderr
 
 
 def _gathered_experts(x, weights, idx, gate_up_proj, down_proj):
