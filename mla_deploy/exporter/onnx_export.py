@@ -165,15 +165,7 @@ def fold_weight_views(model, placeholders: dict) -> dict[str, tuple[str, tuple]]
         if not users or any(v is None for v in views):
             continue
         for node, op in zip(users, views):
-            if op[0] == "perm":
-                shape = [value.shape[p] for p in op[1]]
-                new_name = f"{name}.T" if op[1] == (1, 0) else f"{name}.perm{''.join(map(str, op[1]))}"
-            elif op[0] == "shape":
-                shape = list(op[1])
-                new_name = f"{name}.shape{'x'.join(map(str, shape))}"
-            else:
-                shape = list(value.shape)[1:]
-                new_name = f"{name}.{op[1]}"
+            new_name, shape = _view_of(name, value, op)
             new = placeholders.get(new_name)
             if new is None:
                 new = ir.Value(name=new_name, shape=ir.Shape(shape), type=value.type)
@@ -189,6 +181,17 @@ def fold_weight_views(model, placeholders: dict) -> dict[str, tuple[str, tuple]]
         if name not in placeholders and not value.uses() and not value.is_graph_input() and not value.is_graph_output():
             del model.graph.initializers[name]
     return derived
+
+
+def _view_of(name: str, value, op: tuple) -> tuple[str, list]:
+    """The name and shape of the view ``op`` of the weight ``name`` (its ``value``): ``W.T``, ``W.perm021``,
+    ``W.3`` (one expert), ``W.shape8x2x32x64``."""
+    if op[0] == "perm":
+        return (f"{name}.T" if op[1] == (1, 0) else f"{name}.perm{''.join(map(str, op[1]))}",
+                [value.shape[p] for p in op[1]])
+    if op[0] == "shape":
+        return f"{name}.shape{'x'.join(map(str, op[1]))}", list(op[1])
+    return f"{name}.{op[1]}", list(value.shape)[1:]
 
 
 def _weight_view(node, value) -> tuple | None:
