@@ -129,7 +129,8 @@ def _moe_schema():
     return OpSchema(
         "MoE", MS_DOMAIN, 1, "ONNX Runtime's mixture of experts (contrib op).",
         inputs=[param("input", "T", "[T, D]"), param("router_probs", "T", "[T, E]"),
-                param("fc1_experts_weights", "T", "[E, 2I, D]"), param("fc1_experts_bias", "T", "", param_option=optional),
+                param("fc1_experts_weights", "T", "[E, 2I, D]"),
+                param("fc1_experts_bias", "T", "", param_option=optional),
                 param("fc2_experts_weights", "T", "[E, D, I]")],
         outputs=[param("output", "T", "[T, D]")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "one float type")],

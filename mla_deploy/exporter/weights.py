@@ -130,7 +130,10 @@ class WeightSpec:
 
             tensor = split_kv_b(tensor, config)[0 if self.part == "w_uk" else 1]
         for kind, arg in self.ops:
-            tensor = tensor[arg] if kind == "index" else tensor.reshape(arg) if kind == "shape" else tensor.permute(*arg)
+            if kind == "index":
+                tensor = tensor[arg]
+            else:
+                tensor = tensor.reshape(arg) if kind == "shape" else tensor.permute(*arg)
         return tensor
 
 

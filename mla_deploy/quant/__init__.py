@@ -28,7 +28,8 @@ from .scheme import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantizatio
 BLOCK_SIZE_CHOICES = tuple(str(b) for b in BLOCK_SIZES)
 
 __all__ = ["BLOCK_SIZES", "BLOCK_SIZE_CHOICES", "COMPUTE", "DEFAULT_BLOCK_SIZE", "DEFAULT_FORMAT", "EXACT_COMPUTE",
-           "FAST_COMPUTE", "FLOAT", "FORMATS", "GraphQuantization", "MATMULNBITS", "QDQ", "QMOE", "Quantization", "Quantized",
+           "FAST_COMPUTE", "FLOAT", "FORMATS", "GraphQuantization", "MATMULNBITS", "QDQ", "QMOE", "Quantization",
+           "Quantized",
            "SCHEMES", "WEIGHTS", "WHOLE", "WeightFormat", "WeightPart", "WeightQuantization", "accuracy_level",
            "dequantize", "fake_quantize", "from_manifest", "matmulnbits_layout", "observe_graphs", "pack_int4",
            "parse_block_size", "plan", "plans", "quantize", "quantize_graph_weights", "require_quantized", "weights_list"]

@@ -257,7 +257,8 @@ def test_the_fused_artifact_holds_one_operator_per_moe_layer(fused_artifact):
     graph = check_onnx_file(fused_artifact / entry.file)
     moe_layers = range(manifest.config.first_k_dense_replace, manifest.config.num_hidden_layers)
     fused = [n for n in graph.graph.node if n.domain == "com.microsoft" and n.op_type in ("MoE", "QMoE")]
-    assert [n.op_type for n in fused] == ["MoE" if manifest.quantization.weights == "float" else "QMoE"] * len(moe_layers)
+    op = "MoE" if manifest.quantization.weights == "float" else "QMoE"
+    assert [n.op_type for n in fused] == [op] * len(moe_layers)
     for layer in moe_layers:
         scope = f"model.model.layers.{layer}.mlp.experts"
         assert 1 <= sum(scope in _namespace(n) for n in graph.graph.node) <= 12

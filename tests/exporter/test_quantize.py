@@ -98,7 +98,8 @@ def _check_qmoe(model, weights: str, block: int, fused: bool) -> list:
         assert (attrs["expert_weight_bits"], attrs["block_size"], attrs["accuracy_level"], attrs["swiglu_fusion"]) == (
             bits, block, 4, 1)
         for slot, (n, k) in ((2, (64, 64)), (5, (64, 32))):  # fc1 [E, 2I, D], fc2 [E, D, I]
-            assert inits[node.input[slot]] == [8, n, k * bits // 8] and inits[node.input[slot + 1]] == [8, n, k // block]
+            assert inits[node.input[slot]] == [8, n, k * bits // 8]
+            assert inits[node.input[slot + 1]] == [8, n, k // block]
     return qmoe
 
 
