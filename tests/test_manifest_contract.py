@@ -1,7 +1,7 @@
 """A manifest that no longer describes its graphs is refused by `run` and `validate`, through the real command, in
 one line naming the manifest, before anything runs or is written: a quantization record edited (scheme, block size,
-format), deleted, added to a float artifact or malformed, a graph's experts form malformed, and a static cache's
-capacity edited.
+format), deleted, added to a float artifact or malformed, and a static cache's capacity edited; and a graph
+entry's experts form round-trips.
 
 Without these checks `validate` blamed an edited record on the numbers (a 5.3 max abs error against a reference
 quantized the wrong way, and a made-up cost) and `run` exited 0 computing with weights the manifest misnamed.
@@ -41,8 +41,6 @@ EDITS = [
                                                                "keys": ["lm_head.weight"]}),
      ["15 x int8 weights in blocks of 32 (matmulnbits)", "the graphs hold no quantized weights"]),
     ("record_malformed", "int8", lambda m: _record(m).update(format="nbits2"), ["quantization: format must be"]),
-    ("experts_malformed", "float", lambda m: m["graphs"]["decode"].update(experts="fusd"),
-     ["the decode graph's experts must be fused or branches, got 'fusd'"]),
     ("capacity_edited", "float", lambda m: m.update(max_cache_length=m["max_cache_length"] + 100),
      ["max_cache_length", "is not the", "exported with"]),
 ]
@@ -104,11 +102,16 @@ def test_the_unedited_artifacts_run(ws):
 
 
 def test_the_experts_form_round_trips_and_old_entries_read_as_branches():
-    """Each graph entry records its experts' form; an entry written before the choice existed holds branches."""
+    """Each graph entry records its experts' form; an entry written before the choice existed holds branches; an
+    unknown form is refused in one line, like any malformed entry."""
     from mla_deploy.artifact.manifest import GraphEntry
+    from mla_deploy.errors import ArtifactError
 
     for form in ("fused", "branches"):
         entry = GraphEntry(role="decode", file="model.onnx", form="A_CC", inputs=(), outputs=(), experts=form)
         assert entry.to_dict()["experts"] == form and GraphEntry.from_dict("decode", entry.to_dict()) == entry
     old = {k: v for k, v in entry.to_dict().items() if k != "experts"}
     assert GraphEntry.from_dict("decode", old).experts == "branches"
+    with pytest.raises(ArtifactError, match=r"^manifest.json: the decode graph's experts must be fused or branches, "
+                                            r"got 'fusd'$"):
+        GraphEntry.from_dict("decode", {**old, "experts": "fusd"})
