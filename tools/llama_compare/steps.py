@@ -27,18 +27,26 @@ NETWORK_SIGNS = ("NewConnectionError", "Failed to establish", "Temporary failure
 @dataclass(frozen=True)
 class Step:
     """One command. Attributes: name (also its log file's name); argv; done: what it makes is cached (the step is
-    skipped); stdout: the file its standard output goes to (None: the log); env: variables added."""
+    skipped); stdout: the file its standard output goes to (None: the log); env: variables added; makes: the file
+    it writes under a temporary name (:func:`partial`), renamed to this one once the command succeeded, so an
+    interrupted step leaves nothing a later run would take as cached."""
 
     name: str
     argv: tuple[str, ...]
     done: bool = False
     stdout: Path | None = None
     env: dict = field(default_factory=dict)
+    makes: Path | None = None
 
     def line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         text = (env + " " if env else "") + shlex.join(self.argv) + (f" > {self.stdout}" if self.stdout else "")
         return f"{'[cached] ' if self.done else ''}{self.name}: {text}"
+
+
+def partial(path: Path) -> Path:
+    """Where a step writes ``path`` until it has succeeded."""
+    return path.with_name(path.name + ".partial")
 
 
 def download(s: Settings, pip: list[str]) -> Step:
@@ -93,15 +101,17 @@ def convert(s: Settings, key: str, kind: str) -> Step:
     """F32 or Q8_0 straight from the checkpoint with llama.cpp's converter (:mod:`.convert_entry`)."""
     out = s.gguf(key, kind)
     argv = (sys.executable, str(HERE / "convert_entry.py"), str(s.vendored), str(s.checkpoint), "--outfile",
-            str(out), "--outtype", CONVERTER_TYPES[kind])
+            str(partial(out)), "--outtype", CONVERTER_TYPES[kind])
     path = os.pathsep.join([str(s.vendored / "gguf-py"), str(s.converter_deps)])
-    return Step(f"convert-{kind}", argv, done=out.is_file(), env={"PYTHONPATH": path, "NO_LOCAL_GGUF": "1"})
+    return Step(f"convert-{kind}", argv, done=out.is_file(), env={"PYTHONPATH": path, "NO_LOCAL_GGUF": "1"},
+                makes=out)
 
 
 def quantize(s: Settings, key: str, kind: str) -> Step:
     """Other types from the F32 file with ``llama-quantize``."""
-    argv = (str(s.tool("llama-quantize")), str(s.gguf(key, "F32")), str(s.gguf(key, kind)), kind, str(s.threads))
-    return Step(f"quantize-{kind}", argv, done=s.gguf(key, kind).is_file())
+    out = s.gguf(key, kind)
+    argv = (str(s.tool("llama-quantize")), str(s.gguf(key, "F32")), str(partial(out)), kind, str(s.threads))
+    return Step(f"quantize-{kind}", argv, done=out.is_file(), makes=out)
 
 
 def mla_bench(s: Settings) -> Step:
@@ -151,6 +161,8 @@ def run(step: Step, logs: Path, echo) -> None:
                 out.close()
     if code != 0:
         raise CompareError(failure(step, code, log.read_text(errors="replace")) + f"; log: {log}")
+    if step.makes is not None:
+        partial(step.makes).replace(step.makes)
 
 
 def failure(step: Step, code: int, log: str) -> str:
