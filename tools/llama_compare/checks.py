@@ -15,6 +15,8 @@ from .settings import ARCHITECTURES, CompareError
 
 #: bytes of each weight file's end that go into the fingerprint beside its safetensors header
 SAMPLE_BYTES = 1 << 20
+#: changes with what :mod:`.convert_entry` writes, so GGUF files of an older revision are not reused
+CONVERTER_REVISION = "2"
 #: files whose presence means the checkpoint has a tokenizer llama.cpp's converter can read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -51,8 +53,8 @@ def has_tokenizer(folder: Path) -> bool:
 def fingerprint(folder: Path, version: str) -> str:
     """16 hex digits naming the checkpoint's GGUF files: its config, each weight file's name, size, safetensors
     header and last :data:`SAMPLE_BYTES` (two random checkpoints of one shape differ there), the tokenizer files,
-    and the llama.cpp version converting them."""
-    digest = hashlib.sha256(version.encode())
+    the llama.cpp version converting them and :data:`CONVERTER_REVISION`."""
+    digest = hashlib.sha256(f"{version} {CONVERTER_REVISION}".encode())
     for name in ("config.json",) + TOKENIZER_FILES:
         if (folder / name).is_file():
             digest.update(name.encode() + (folder / name).read_bytes())

@@ -3,11 +3,16 @@ that runs the comparison, with the vendored ``gguf-py`` on its path):
 
     python convert_entry.py LLAMA_CPP_DIR CHECKPOINT [converter options ...]
 
-The converter reads the vocabulary from the checkpoint's tokenizer files. A checkpoint without any (the random
-ones `samples/03_random_checkpoint` writes) gets a GGUF whose tokenizer model is ``none`` with the config's
-vocabulary size (llama.cpp then holds that many placeholder tokens): the converter's class for the
-checkpoint's architecture is subclassed with a ``set_vocab`` that writes just that. llama-bench feeds random
-token ids, so the timings do not depend on the vocabulary.
+Two adaptations, both in a subclass of the converter's own class for the checkpoint's architecture, neither
+touching a weight:
+
+* A checkpoint without tokenizer files (the random ones `samples/03_random_checkpoint` writes) gets a GGUF whose
+  tokenizer model is ``none`` with the config's vocabulary size (llama.cpp then holds that many placeholder
+  tokens). llama-bench feeds random token ids, so the timings do not depend on the vocabulary.
+* A checkpoint without a query compression (``q_lora_rank`` null, as DeepSeek-V2-Lite) gets
+  ``attention.q_lora_rank = 0``: llama.cpp takes a model without that key for the "lite" layout only at 26 or 27
+  layers, so the first N layers of V2-Lite would not load without it; with 0 it builds the same plain query
+  projection it builds for the whole V2-Lite.
 """
 
 from __future__ import annotations
@@ -19,19 +24,27 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-def _vocabless(architecture: str) -> None:
-    """Register, for ``architecture``, the converter's own class with a vocabulary-less ``set_vocab``."""
+def _adapt(architecture: str, vocabless: bool) -> None:
+    """Register, for ``architecture``, the converter's own class with the adaptations of the module docstring."""
     from conversion import ModelBase, get_model_class
 
     base = get_model_class(architecture)
 
-    class Vocabless(base):  # type: ignore[misc, valid-type]
+    class Adapted(base):  # type: ignore[misc, valid-type]
         model_arch = base.model_arch  # the converter requires each class to name it
 
         def set_vocab(self) -> None:
-            self.gguf_writer.add_tokenizer_model("none")
+            if vocabless:
+                self.gguf_writer.add_tokenizer_model("none")
+            else:
+                super().set_vocab()
 
-    ModelBase.register(architecture)(Vocabless)
+        def set_gguf_parameters(self) -> None:
+            super().set_gguf_parameters()
+            if "q_lora_rank" in self.hparams and self.hparams["q_lora_rank"] is None:
+                self.gguf_writer.add_q_lora_rank(0)
+
+    ModelBase.register(architecture)(Adapted)
 
 
 def main(argv: list[str]) -> None:
@@ -40,9 +53,9 @@ def main(argv: list[str]) -> None:
     import convert_hf_to_gguf
 
     folder = Path(checkpoint)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        for architecture in json.loads((folder / "config.json").read_text()).get("architectures") or []:
-            _vocabless(architecture)
+    vocabless = not any((folder / name).is_file() for name in TOKENIZER_FILES)
+    for architecture in json.loads((folder / "config.json").read_text()).get("architectures") or []:
+        _adapt(architecture, vocabless)
     sys.argv = ["convert_hf_to_gguf.py", checkpoint, *options]
     convert_hf_to_gguf.main()
 
