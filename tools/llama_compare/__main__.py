@@ -121,7 +121,8 @@ def collect(s: Settings, key: str, probes: list[dict], commands: list[str]) -> t
              f"llama.cpp {commit} (llama-cpp-python {s.version}); decode tokens/s after each context")
     data = {"title": title, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(s).items()},
             "rows": rows, "bound": bound, "gguf": {k: gguf.summary(m) for k, m in models.items()},
-            "llama_bench": llama, "machine": report.get("machine"), "commands": commands}
+            "llama_bench": llama, "machine": report.get("machine"), "probes_beside_llama_bench": probes,
+            "commands": commands}
     return data, table.text(rows, bound, title), table.markdown(rows, bound, title, commands)
 
 

@@ -90,7 +90,9 @@ def bound(report: dict, probes: list[dict], table: list[dict]) -> dict:
             if r[key]:
                 achieved[f"{engine} {r['llama_type']} decode @ {r['context']}"] = (r[key], 0.0)
     check = check_bound(achieved, max(best), None)
-    return {"read_gbps": max(best), "probes": len(best), "kernel_beside_llama_bench": kernel, "check": check}
+    ours = machine["read_gbps"]["n"] if machine.get("read_gbps") else 0
+    return {"read_gbps": max(best), "probes_ours": ours, "probes_beside_llama_bench": len(probes),
+            "kernel_beside_llama_bench": kernel, "check": check}
 
 
 def _cell(value, fmt: str) -> str:
@@ -108,9 +110,10 @@ def cells(table: list[dict]) -> list[tuple[str, ...]]:
 def bound_lines(b: dict) -> list[str]:
     if b.get("read_gbps") is None:
         return ["bandwidth bound: not measured"]
-    return [f"bandwidth bound: {b['read_gbps']:.1f} GB/s, the best of {b['probes']} read probes (the mla-deploy "
-            f"bench's and the ones beside llama-bench; several kernels each, threads pinned, huge pages advised); "
-            f"a decode step reading B bytes takes at least B / {b['read_gbps']:.1f} GB/s",
+    return [f"bandwidth bound: {b['read_gbps']:.1f} GB/s, the best of the mla-deploy bench's {b['probes_ours']} "
+            f"read probes and {b['probes_beside_llama_bench']} taken before each llama-bench run (several kernels "
+            f"each, threads pinned, huge pages advised); a decode step reading B bytes takes at least "
+            f"B / {b['read_gbps']:.1f} GB/s",
             bound_check_line(b["check"])]
 
 
@@ -120,7 +123,8 @@ def text(table: list[dict], b: dict, title: str) -> str:
     widths = [max(len(r[i]) for r in body) for i in range(len(HEAD))]
     lines = [title, ""]
     for i, r in enumerate(body):
-        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                     .rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines + [""] + bound_lines(b))
