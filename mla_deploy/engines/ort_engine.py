@@ -90,8 +90,11 @@ def _preload_cuda_libraries(ort) -> None:
 
 
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
-                 quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT):
+                 quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
+
+    ``optimized``: ``path`` is a graph ONNX Runtime already optimised (a CPU engine's,
+    :mod:`~mla_deploy.engines.cpu_build`): opened with graph optimisation disabled (``ORT_DISABLE_ALL``).
 
     ``quantization``: the graph's (its artifact's :attr:`~mla_deploy.artifact.Manifest.quantization`), whose
     quantized products the session computes in ``quantized_compute``: ``int8`` quantizes the activations to int8
@@ -113,6 +116,8 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
         _preload_cuda_libraries(ort)
     options = session_options(threads, log_severity)
+    if optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     model, entries = quantization.session(path, quantized_compute)
     for key, value in entries.items():
         options.add_session_config_entry(key, value)
@@ -138,13 +143,18 @@ class OrtEngine(Engine):
             exceptions, reported as one line).
         quantized_compute: quantized weights: ``int8`` (activations quantized per block, the fast path) or
             ``fp32`` (exact); see :func:`open_session`.
+        use_engine: on the CPU provider with the fast ``quantized_compute``, open the artifact's pre-built CPU engine
+            (``ARTIFACT/cpu``, ``mla-deploy build ARTIFACT --target cpu``) instead of the source graphs when it has
+            one; a stale or foreign engine is refused (:func:`~mla_deploy.engines.cpu_build.find_cpu_engine`).
+            False: always the source graphs. :meth:`info` says which (``graphs``).
 
     The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
     describes its graphs, their I/O and the weights they hold quantized).
     """
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
-                 capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE):
+                 capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
+                 use_engine: bool = True):
         try:
             import onnxruntime as ort
         except ImportError as exc:
@@ -160,6 +170,11 @@ class OrtEngine(Engine):
         self.run_options = ort.RunOptions()
         self.run_options.log_severity_level = log_severity
         self.sessions = {}
+        self.built = None  # the CPU engine's record when its graphs are run
+        if use_engine and provider == "cpu" and quantized_compute == FAST_COMPUTE:
+            from .cpu_build import find_cpu_engine
+
+            self.built = find_cpu_engine(self.root, manifest)
         for role, graph in manifest.graphs.items():
             if graph.uses_plugin:
                 raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
@@ -168,14 +183,29 @@ class OrtEngine(Engine):
             # one session per graph file: a graph serving prefill and decode holds its weights once
             session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
             if session is None:
-                session = open_session(self.root / graph.file, provider, threads, log_severity, quantized_compute,
-                                       manifest.quantization)
+                session = open_session(self._graph_path(graph.file), provider, threads, log_severity,
+                                       quantized_compute, manifest.quantization, optimized=self.built is not None)
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
                                     f"manifest {(graph.input_names, graph.output_names)}")
             self.sessions[role] = session
         self.provider = PROVIDERS[provider]
+
+    def _graph_path(self, file: str) -> Path:
+        """What runs the artifact's graph ``file``: its CPU engine's graph, or the file itself."""
+        if self.built is None:
+            return self.root / file
+        from .cpu_build import engine_path
+
+        return engine_path(self.root, self.built, file)
+
+    def info(self) -> dict:
+        """:meth:`Engine.info` and ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``."""
+        from ..artifact.cpu_engine import CPU_ENGINE_DIR
+
+        graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
+        return {**super().info(), "graphs": graphs}
 
     def _allocate(self, shape):
         array = np.zeros(shape, dtype=self.dtype)

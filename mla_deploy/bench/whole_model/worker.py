@@ -56,7 +56,8 @@ class OursPath:
         self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"])
         self.spec, self.config = spec, self.engine.config
         self.itemsize = np.dtype(self.engine.dtype).itemsize
-        self.info = {"provider": self.engine.provider, "precision": self.engine.precision,
+        self.info = {"provider": self.engine.provider, "graphs": self.engine.info()["graphs"],
+                     "precision": self.engine.precision,
                      **self.engine.manifest.quantization.run_info(),
                      "cache_mode": self.engine.cache_mode, "intra_op_threads": spec.threads,
                      "capacity": "the rows each point needs" if self.engine.layout.has_capacity else None}
