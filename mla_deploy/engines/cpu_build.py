@@ -25,12 +25,13 @@ that validation compares with PyTorch always opens the source graph. What the en
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable
 
-from ..artifact import atomic_dir, check_artifact, now, sha256_file
-from ..artifact.cpu_engine import (CPU_ENGINE_DIR, SESSION, CpuEngineRecord, EngineGraph, check_cpu_engine, host_cpu,
+from ..artifact import atomic_dir, check_artifact, load_manifest, now, sha256_file
+from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph, check_cpu_engine, host_cpu,
                                    write_cpu_engine_record)
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
@@ -67,18 +68,21 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     Raises:
         ArtifactError: not an artifact, or an inconsistent one. RuntimeMissingError: no onnxruntime; a bf16 artifact
             or a graph holding the TensorRT plugin (ONNX Runtime's CPU provider runs neither).
-        ExportError: ``artifact/cpu`` cannot be written, or ONNX Runtime failed to optimise a graph.
+        ExportError: ``artifact/cpu`` cannot be written or is not an engine folder (a user's file there is never
+            replaced), or ONNX Runtime failed to optimise a graph.
     """
     from .ort_engine import check_precision
 
     ort = _onnxruntime()
     root = Path(artifact)
-    manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
+    manifest = load_manifest(root)
     check_precision(manifest.precision, "cpu")
     plugin = next((g.file for g in manifest.graphs.values() if g.uses_plugin), None)
     if plugin is not None:
         raise RuntimeMissingError(f"{plugin} holds the TensorRT MlaDecode plugin node, which ONNX Runtime cannot run; "
                                   f"build it with `mla-deploy build {root} --target tensorrt`")
+    manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
+    _check_replaceable(root / CPU_ENGINE_DIR)
     probe_writable(root / CPU_ENGINE_DIR)
     start = time.perf_counter()
     sources: dict[str, list[str]] = {}
@@ -95,6 +99,19 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
                                  PREPACKED_KEPT, now(), round(time.perf_counter() - start, 3))
         write_cpu_engine_record(tmp, record)
     return record
+
+
+def _check_replaceable(folder: Path) -> None:
+    """An existing ``folder`` must be an engine folder (its files ``engine.json``, ``*.onnx``, ``*.data``): the build
+    replaces it whole. Raises: ExportError: a file, a link, or a folder holding anything else (a user's file)."""
+    if not os.path.lexists(folder):
+        return
+    if folder.is_symlink() or not folder.is_dir():
+        raise ExportError(f"{folder} exists and is not a CPU engine folder; move it away first")
+    foreign = sorted(p.name for p in folder.iterdir() if p.name != CPU_ENGINE_RECORD and p.suffix not in (".onnx", ".data"))
+    if foreign:
+        raise ExportError(f"{folder / foreign[0]} is not a file of a CPU engine and the build would replace it; move it "
+                          f"away first")
 
 
 def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, roles: tuple[str, ...]) -> EngineGraph:
