@@ -133,6 +133,15 @@ class CpuEngineRecord:
         """The engine graph built from the artifact's graph file ``source``."""
         return next((g for g in self.graphs if g.source == source), None)
 
+    def engine_path(self, artifact: str | Path, source: str) -> Path:
+        """The engine graph file that runs the artifact's graph file ``source``.
+
+        Raises: ArtifactError: the engine has none (a fresh engine has one for each: see :meth:`staleness`)."""
+        graph = self.graph_for(source)
+        if graph is None:
+            raise ArtifactError(f"the CPU engine in {Path(artifact) / CPU_ENGINE_DIR} has no graph built from {source}")
+        return Path(artifact) / CPU_ENGINE_DIR / graph.engine
+
     def to_dict(self) -> dict[str, Any]:
         return {"format": RECORD_FORMAT, "format_version": RECORD_VERSION, "onnxruntime": self.host.onnxruntime,
                 "machine": self.host.machine, "cpu_features": list(self.host.features),

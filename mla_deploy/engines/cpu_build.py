@@ -1,5 +1,6 @@
 """The pre-built ONNX Runtime CPU engine of an artifact: ``mla-deploy build ART --target cpu`` writes it once, and
-:class:`~mla_deploy.engines.ort_engine.OrtEngine` opens it instead of the source graphs when it is fresh.
+:class:`~mla_deploy.engines.ort_engine.OrtEngine` opens it instead of the source graphs when it is fresh (its record's
+check, :func:`mla_deploy.artifact.cpu_engine.check_cpu_engine`).
 
 Opening the source graph makes ONNX Runtime optimise it (fusions, constant folding, layout changes) and pack every
 weight for its kernels, at every start. The build does that once per graph file of the artifact, with ONNX Runtime's
@@ -31,11 +32,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..artifact import atomic_dir, check_artifact, load_manifest, now, sha256_file
-from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph, check_cpu_engine, host_cpu,
+from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph, host_cpu,
                                    write_cpu_engine_record)
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
-from ..errors import ArtifactError, ExportError, RuntimeMissingError
+from ..errors import ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
 
 #: the kernels whose saved pre-packed weights ONNX Runtime 1.31.1 reads back bit for bit (fp32 ``MatMul``/``Gemm``)
@@ -53,12 +54,6 @@ def _onnxruntime():
     except ImportError as exc:
         raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
     return ort
-
-
-def find_cpu_engine(artifact: str | Path, manifest: Manifest) -> CpuEngineRecord | None:
-    """The record of ``artifact``'s CPU engine when it is fresh on this machine and ONNX Runtime; None when there is
-    none. Raises: ArtifactError: a stale or foreign engine (one line naming what differs)."""
-    return check_cpu_engine(artifact, manifest, host_cpu(_onnxruntime().__version__))
 
 
 def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = None) -> CpuEngineRecord:
@@ -163,13 +158,3 @@ def keep_prepacked(path: Path, kernels: tuple[str, ...]) -> int:
     if dropped:
         path.write_bytes(model.SerializeToString())
     return dropped
-
-
-def engine_path(artifact: str | Path, record: CpuEngineRecord, source: str) -> Path:
-    """The engine graph built from the artifact's graph file ``source``.
-
-    Raises: ArtifactError: the record names no engine for it (checked fresh before, so only an internal mismatch)."""
-    graph = record.graph_for(source)
-    if graph is None:
-        raise ArtifactError(f"the CPU engine in {Path(artifact) / CPU_ENGINE_DIR} has no graph built from {source}")
-    return Path(artifact) / CPU_ENGINE_DIR / graph.engine

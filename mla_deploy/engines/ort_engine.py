@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact import check_artifact
+from ..artifact.cpu_engine import CPU_ENGINE_DIR, check_cpu_engine, host_cpu
 from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
 from ..io_spec import PRECISIONS, past_name, present_name
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
@@ -145,7 +146,7 @@ class OrtEngine(Engine):
             ``fp32`` (exact); see :func:`open_session`.
         use_engine: on the CPU provider with the fast ``quantized_compute``, open the artifact's pre-built CPU engine
             (``ARTIFACT/cpu``, ``mla-deploy build ARTIFACT --target cpu``) instead of the source graphs when it has
-            one; a stale or foreign engine is refused (:func:`~mla_deploy.engines.cpu_build.find_cpu_engine`).
+            one; a stale or foreign engine is refused (:func:`~mla_deploy.artifact.cpu_engine.check_cpu_engine`).
             False: always the source graphs. :meth:`info` says which (``graphs``).
 
     The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
@@ -172,9 +173,7 @@ class OrtEngine(Engine):
         self.sessions = {}
         self.built = None  # the CPU engine's record when its graphs are run
         if use_engine and provider == "cpu" and quantized_compute == FAST_COMPUTE:
-            from .cpu_build import find_cpu_engine
-
-            self.built = find_cpu_engine(self.root, manifest)
+            self.built = check_cpu_engine(self.root, manifest, host_cpu(ort.__version__))
         for role, graph in manifest.graphs.items():
             if graph.uses_plugin:
                 raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
@@ -194,16 +193,10 @@ class OrtEngine(Engine):
 
     def _graph_path(self, file: str) -> Path:
         """What runs the artifact's graph ``file``: its CPU engine's graph, or the file itself."""
-        if self.built is None:
-            return self.root / file
-        from .cpu_build import engine_path
-
-        return engine_path(self.root, self.built, file)
+        return self.root / file if self.built is None else self.built.engine_path(self.root, file)
 
     def info(self) -> dict:
         """:meth:`Engine.info` and ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``."""
-        from ..artifact.cpu_engine import CPU_ENGINE_DIR
-
         graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
         return {**super().info(), "graphs": graphs}
 
