@@ -75,5 +75,5 @@ def _build_cpu(artifact_dir) -> None:
                    f"{' + '.join(graph.roles)} from {graph.source}")
     host = record.host
     click.echo(f"ONNX Runtime {host.onnxruntime} on {host.machine} ({', '.join(host.features) or 'no listed features'})"
-               f"; built in {record.build_seconds:.1f} s; opened without graph optimisation, pre-packed weights "
-               f"stored for {', '.join(record.prepacked)}")
+               f"; built in {record.build_seconds:.1f} s; opened without graph optimisation; pre-packed weights "
+               f"stored for {', '.join(record.prepacked) or 'no kernel (quantized weights pack at open)'}")

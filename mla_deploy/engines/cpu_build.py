@@ -12,11 +12,13 @@ own session options (``onnxruntime_session_options_config_keys.h``, checked agai
   maps aligned data with ``mmap`` when it opens the graph;
 * ``session.optimized_model_external_initializers_min_size_in_bytes`` = 1024: smaller tensors (shape constants) stay
   inside the graph, where ONNX Runtime's shape inference reads them (it cannot read external ones);
-* ``session.save_external_prepacked_constant_initializers`` = 1: the pre-packed weights go into the data file too, and
-  a session opening the graph reads them back instead of packing again. Kept only for the kernels in
-  :data:`PREPACKED_KEPT`: ONNX Runtime 1.31.1 saves ``MatMulNBits``'s packed buffer before its ``int8``-compute
-  (``accuracy_level`` 4) path packs the scales into it on x86-64, and a session reading it back computes NaN (measured
-  on the tiny preset); :func:`keep_prepacked` drops the record of every other kernel's, which then packs at open.
+* ``session.save_external_prepacked_constant_initializers`` = 1 (float weights only): the pre-packed weights go into
+  the data file too, and a session opening the graph reads them back instead of packing again. ONNX Runtime 1.31.1
+  saves ``MatMulNBits``'s packed buffer before its ``int8``-compute (``accuracy_level`` 4) path packs the scales into
+  it on x86-64, and a session reading it back computes NaN (measured on the tiny preset): an artifact with quantized
+  weights (either format: ``qdq`` is fused into ``MatMulNBits`` by the optimisation) saves none, its kernels pack
+  at open as before. Of a float artifact's, :func:`keep_prepacked` keeps only the kernels in :data:`PREPACKED_KEPT`
+  (checked bit for bit); any other kernel (a fused expert operator, say) packs at open.
 
 The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; the same kernels, so the same numbers:
 checked token for token in the tests). Quantized products are baked in the fast compute (``int8``); the exact compute
@@ -91,7 +93,7 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
             graphs.append(_build_graph(ort, root, manifest, source, tmp, tuple(roles)))
         record = CpuEngineRecord(host_cpu(ort.__version__), manifest.fingerprint,
                                  (manifest.weights_data or {}).get("sha256"), tuple(graphs), dict(SESSION),
-                                 PREPACKED_KEPT, now(), round(time.perf_counter() - start, 3))
+                                 prepacked_kernels(manifest), now(), round(time.perf_counter() - start, 3))
         write_cpu_engine_record(tmp, record)
     return record
 
@@ -118,7 +120,9 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.optimized_model_filepath = str(engine)
-    for key, value in ((EXTERNAL_FILE, data.name), (EXTERNAL_MIN_BYTES, str(DATA_MIN_BYTES)), (SAVE_PREPACKED, "1")):
+    kept = prepacked_kernels(manifest)
+    for key, value in ((EXTERNAL_FILE, data.name), (EXTERNAL_MIN_BYTES, str(DATA_MIN_BYTES)),
+                       (SAVE_PREPACKED, "1" if kept else "0")):
         options.add_session_config_entry(key, value)
     model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
     for key, value in entries.items():
@@ -131,10 +135,16 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     del session  # the files are complete once the session is created; its packed weights are freed here
     if not engine.is_file():
         raise ExportError(f"ONNX Runtime did not write the optimised {source}")
-    keep_prepacked(engine, PREPACKED_KEPT)
+    keep_prepacked(engine, kept)
     graph = next(g for g in manifest.graphs.values() if g.file == source)
     return EngineGraph(source, graph.sha256 or sha256_file(root / source), engine.name, sha256_file(engine),
                        data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0, roles)
+
+
+def prepacked_kernels(manifest: Manifest) -> tuple[str, ...]:
+    """The kernels whose pre-packed weights the engine of ``manifest``'s artifact stores: :data:`PREPACKED_KEPT` for
+    float weights, none for quantized ones (ONNX Runtime 1.31.1 cannot read back ``MatMulNBits``'s)."""
+    return () if manifest.quantization.quantized else PREPACKED_KEPT
 
 
 def keep_prepacked(path: Path, kernels: tuple[str, ...]) -> int:

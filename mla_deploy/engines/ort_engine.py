@@ -117,6 +117,10 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
         _preload_cuda_libraries(ort)
     options = session_options(threads, log_severity)
+    # ONNX Runtime's memory-reuse planning (which activation buffers may share memory) took 6 of the 10-15 s a 4-layer
+    # V2-Lite int4 session needed to open, and grows faster than the graph; without it: open in 7.6-9.3 s, the same
+    # tokens, decode as fast, peak RSS no higher (a 4 x 256 prefill: 2.04 GiB against 2.39), measured on the CPU here
+    options.enable_mem_reuse = provider != "cpu"
     if optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     model, entries = quantization.session(path, quantized_compute)
