@@ -79,9 +79,25 @@ def test_engine_opens_without_graph_optimisation(built):
     assert levels == {"engine": {ort.GraphOptimizationLevel.ORT_DISABLE_ALL},
                       "source": {ort.GraphOptimizationLevel.ORT_ENABLE_ALL},
                       "exact": {ort.GraphOptimizationLevel.ORT_ENABLE_ALL}}
+    assert not any(s.get_session_options().enable_mem_reuse for s in OrtEngine(art, threads=1).sessions.values())
     record = json.loads((art / "cpu" / "engine.json").read_text())
     assert record["onnxruntime"] == ort.__version__ and record["session"]["opened_with"] == "ORT_DISABLE_ALL"
     assert {g["source"] for g in record["graphs"]} == {"prefill.onnx", "decode.onnx"}
+
+
+def test_prepacked_weights_kept_for_float_kernels_only(built):
+    """The fp32 engine stores MatMul's pre-packed weights (the token test above then reads them back); the int4
+    engine stores none (ONNX Runtime 1.31.1 reads MatMulNBits's back as NaN), and says so in its record."""
+    import onnx
+
+    def kernels(art: Path) -> set[str]:
+        model = onnx.load(str(art / "cpu" / "decode.onnx"), load_external_data=False)
+        return {e.value.split("+", 1)[0] for t in model.graph.initializer for e in t.external_data
+                if e.key.startswith("prepacked")}
+
+    records = {kind: json.loads((built[kind] / "cpu" / "engine.json").read_text()) for kind in built}
+    assert records["fp32"]["prepacked"] == ["MatMul", "Gemm"] and "MatMul" in kernels(built["fp32"])
+    assert records["int4"]["prepacked"] == [] and kernels(built["int4"]) == set()
 
 
 def _record(field: str, value):
