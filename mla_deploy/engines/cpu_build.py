@@ -40,6 +40,7 @@ from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
 from ..errors import ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
+from .ort_engine import check_precision, require_onnxruntime, session_options
 
 #: the kernels whose saved pre-packed weights ONNX Runtime 1.31.1 reads back bit for bit (fp32 ``MatMul``/``Gemm``)
 PREPACKED_KEPT = ("MatMul", "Gemm")
@@ -48,14 +49,6 @@ DATA_MIN_BYTES = 1024
 EXTERNAL_FILE = "session.optimized_model_external_initializers_file_name"
 EXTERNAL_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_bytes"
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
-
-
-def _onnxruntime():
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
-    return ort
 
 
 def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = None) -> CpuEngineRecord:
@@ -68,9 +61,7 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
         ExportError: ``artifact/cpu`` cannot be written or is not an engine folder (a user's file there is never
             replaced), or ONNX Runtime failed to optimise a graph.
     """
-    from .ort_engine import check_precision
-
-    ort = _onnxruntime()
+    ort = require_onnxruntime()
     root = Path(artifact)
     manifest = load_manifest(root)
     check_precision(manifest.precision, "cpu")
@@ -113,8 +104,6 @@ def _check_replaceable(folder: Path) -> None:
 
 def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, roles: tuple[str, ...]) -> EngineGraph:
     """Optimise ``root/source`` once into ``tmp/<stem>.onnx`` + ``tmp/<stem>.data``; its :class:`EngineGraph`."""
-    from .ort_engine import session_options
-
     stem = Path(source).stem
     engine, data = tmp / f"{stem}.onnx", tmp / f"{stem}.data"
     options = session_options()

@@ -24,6 +24,15 @@ from .base import Engine
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
+def require_onnxruntime():
+    """The ``onnxruntime`` module. Raises: RuntimeMissingError: it is not installed (one line saying how to install)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
+    return ort
+
+
 def numpy_dtype(precision: str):
     """The NumPy dtype of ``precision`` (bf16 through ``ml_dtypes``)."""
     if precision == "bf16":
@@ -106,10 +115,7 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     Raises:
         RuntimeMissingError: onnxruntime missing, or the provider did not load. ArtifactError: the graph does not load.
     """
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
+    ort = require_onnxruntime()
     if provider not in PROVIDERS:
         raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     wanted = PROVIDERS[provider]
@@ -160,10 +166,7 @@ class OrtEngine(Engine):
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
                  capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
                  use_engine: bool = True):
-        try:
-            import onnxruntime as ort
-        except ImportError as exc:
-            raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
+        ort = require_onnxruntime()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         manifest = check_artifact(artifact, verify_hashes=False)
