@@ -53,7 +53,7 @@ class OursPath:
     def __init__(self, job: dict, spec: WholeModelSpec):
         from ...engines import OrtEngine
 
-        self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"])
+        self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"], use_engine=spec.engine)
         self.spec, self.config = spec, self.engine.config
         self.itemsize = np.dtype(self.engine.dtype).itemsize
         self.info = {"provider": self.engine.provider, "graphs": self.engine.info()["graphs"],
