@@ -1,9 +1,12 @@
 """This machine's limits, measured in the same run as the timings, and process memory bookkeeping.
 
-* Read bandwidth: the fastest of several kernels streaming a large fp32 buffer (default 512 MiB, far beyond the
-  last-level cache) at the run's thread count: ``torch.sum``, ``torch.amax``, ``torch.mv`` (a matrix-vector
-  product, as a batch-1 decode step reads a weight), ``numpy.sum``, ``torch.copy_`` (read plus write bytes);
-  bytes / seconds, and which kernel it was.
+* Read bandwidth: the best the machine reaches, the fastest of several kernels streaming a large fp32 buffer
+  (default 512 MiB, far beyond the last-level cache; anonymous memory advised to transparent huge pages where the
+  kernel offers them) at the run's thread count: ``torch.sum``, ``torch.amax``, ``torch.mv`` (a matrix-vector
+  product, as a batch-1 decode step reads a weight), ``numpy.sum``, ``torch.copy_`` (read plus write bytes), and
+  ``torch.sum`` and ``torch.mv`` with the rows split over the threads, each thread pinned to its own CPU; bytes /
+  the fastest call, and which kernel it was. A bound must not be beaten by an engine, so each kernel counts its
+  fastest call and the reports their best probe (:func:`~.reporting.bound_rates`).
 * Matrix-multiply rate: ``torch.mm`` of two fp32 2048 x 2048 matrices at the same thread count.
 * Peak process memory of one point: the kernel's high-water mark ``VmHWM``, reset before the point by writing
   ``5`` to ``/proc/self/clear_refs`` (Linux); where that is impossible, ``ru_maxrss`` (peak since the process
@@ -23,58 +26,164 @@ GEMM_N = 2048
 READ_COLUMNS = 4096
 
 
-def _read_kernels(buf) -> dict:
+def _region(nbytes: int):
+    """``(fp32 tensor over nbytes of anonymous memory, the mmap behind it, whether huge pages were advised)``:
+    the memory is advised to transparent huge pages (``MADV_HUGEPAGE``) where the platform offers it, then
+    written, so its pages exist before any timing."""
+    import mmap
+
+    import torch
+
+    region = mmap.mmap(-1, nbytes, flags=getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0))
+    huge = False
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+            huge = True
+        except OSError:  # a kernel without transparent huge pages
+            pass
+    buf = torch.frombuffer(region, dtype=torch.float32)
+    buf.fill_(1.0)
+    return buf, region, huge
+
+
+class PinnedThreads:
+    """``n`` threads, thread ``i`` pinned to the ``i``-th CPU this process may use (Linux; elsewhere unpinned):
+    :meth:`run` gives each one call and returns when all have finished."""
+
+    def __init__(self, n: int):
+        import queue
+        import threading
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._jobs = [queue.SimpleQueue() for _ in range(n)]
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            cpu = cpus[i % len(cpus)] if cpus else None
+            threading.Thread(target=self._loop, args=(self._jobs[i], cpu), daemon=True).start()
+
+    def _loop(self, jobs, cpu: int | None) -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # 0: the calling thread
+        while (call := jobs.get()) is not None:
+            try:
+                call()
+                self._done.put(None)
+            except BaseException as error:  # handed to run()'s caller
+                self._done.put(error)
+
+    @property
+    def size(self) -> int:
+        return len(self._jobs)
+
+    def run(self, calls: list) -> None:
+        """Run ``calls[i]`` on thread ``i`` (at most one call per thread); re-raise the first failure."""
+        assert len(calls) <= self.size
+        for jobs, call in zip(self._jobs, calls):
+            jobs.put(call)
+        errors = [self._done.get() for _ in calls]
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise failed
+
+    def close(self) -> None:
+        for jobs in self._jobs:
+            jobs.put(None)
+
+
+def _read_kernels(buf, pool: PinnedThreads | None) -> dict:
     """``{name: (call, bytes it moves)}``: ways to stream ``buf`` (fp32, 1-D) through the cores. A reduction
     reads it once; a matrix-vector product (what a batch-1 decode step does with each weight) reads it as a
-    ``[rows, 4096]`` matrix; a copy reads one half and writes the other (both halves' bytes counted)."""
+    ``[rows, 4096]`` matrix; a copy reads one half and writes the other (both halves' bytes counted). With
+    ``pool``, the sum and the matrix-vector product again with the rows split into one part per pinned thread,
+    each part read by its thread alone (torch's own threads set to 1 meanwhile)."""
     import torch
 
     n = buf.numel() - buf.numel() % (2 * READ_COLUMNS)
     matrix, vector = buf[:n].view(-1, READ_COLUMNS), torch.ones(READ_COLUMNS)
     source, target = buf[: n // 2], buf[n // 2: n]
     array = buf.numpy()
-    return {"torch.sum": (buf.sum, buf.numel() * 4), "torch.amax": (buf.amax, buf.numel() * 4),
-            "torch.mv": (lambda: torch.mv(matrix, vector), n * 4), "numpy.sum": (array.sum, buf.numel() * 4),
-            "torch.copy_": (lambda: target.copy_(source), n * 4)}
+    kernels = {"torch.sum": (buf.sum, buf.numel() * 4), "torch.amax": (buf.amax, buf.numel() * 4),
+               "torch.mv": (lambda: torch.mv(matrix, vector), n * 4),
+               "numpy.sum": (array.sum, buf.numel() * 4), "torch.copy_": (lambda: target.copy_(source), n * 4)}
+    if pool is None:
+        return kernels
+    parts = matrix.chunk(pool.size)
+    for name, reduce in (("torch.sum", torch.sum), ("torch.mv", lambda part: torch.mv(part, vector))):
+        calls = [lambda part=part, reduce=reduce: reduce(part) for part in parts]
+        kernels[f"{name} x{len(parts)} pinned"] = (lambda calls=calls: _one_thread_each(pool, calls), n * 4)
+    return kernels
 
 
-def _seconds(call, reps: int) -> float:
-    """The median time of ``reps`` calls of ``call``, after one untimed."""
+def _one_thread_each(pool: PinnedThreads, calls: list) -> None:
+    """Run ``calls`` on ``pool``'s threads with torch's intra-op threads set to 1 (each thread reads its part)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pool.run(calls)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best_seconds(call, reps: int) -> tuple[float, float]:
+    """``(fastest, median)`` time of ``reps`` calls of ``call``, after one untimed."""
     call()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return _median(times)
+    return min(times), _median(times)
+
+
+def read_bandwidth(threads: int, probe_mib: int = 512, reps: int = 5) -> dict:
+    """The best read bandwidth of :func:`_read_kernels` over a ``probe_mib`` buffer with ``threads`` threads.
+
+    Returns: ``{"read_gbps" (the fastest kernel's fastest call), "read_kernel", "read_kernels",
+    "read_gbps_by_kernel" (each kernel's fastest call), "read_median_gbps_by_kernel", "read_mib",
+    "huge_pages" (whether the buffer was advised to huge pages), "pinned_threads"}`` (1 GB = 1e9 bytes)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buf, region, huge = _region(probe_mib * (1 << 20))
+    pool = PinnedThreads(threads) if threads > 1 else None
+    try:
+        timed = {name: (nbytes, _best_seconds(call, reps)) for name, (call, nbytes) in _read_kernels(buf, pool).items()}
+    finally:
+        if pool is not None:
+            pool.close()
+        del buf
+        region.close()
+    best = {name: nbytes / seconds[0] / 1e9 for name, (nbytes, seconds) in timed.items()}
+    fastest = max(best, key=best.get)
+    return {"read_gbps": best[fastest], "read_kernel": fastest, "read_kernels": list(best),
+            "read_gbps_by_kernel": {k: round(v, 2) for k, v in best.items()},
+            "read_median_gbps_by_kernel": {k: round(nbytes / s[1] / 1e9, 2) for k, (nbytes, s) in timed.items()},
+            "read_mib": probe_mib, "huge_pages": huge, "pinned_threads": pool is not None}
 
 
 def probe(threads: int, probe_mib: int = 512, reps: int = 5) -> dict:
-    """One bandwidth probe and one GEMM probe, after 0.2 s idle, with torch's threads pinned to ``threads``.
+    """One bandwidth probe (:func:`read_bandwidth`) and one GEMM probe, after 0.2 s idle, with torch's threads
+    set to ``threads``.
 
-    The read bandwidth is the fastest of several kernels streaming a ``probe_mib`` buffer (far beyond the
-    last-level cache; each the median of ``reps`` calls; see :func:`_read_kernels`): one kernel alone
-    underestimates what the memory gives (a plain ``torch.sum`` read 26.9 GB/s where llama.cpp streamed 34).
+    The read bandwidth is the best the machine reaches: the fastest call of the fastest of several kernels (one
+    kernel alone underestimates the memory: a plain ``torch.sum`` read 26.9 GB/s where llama.cpp streamed 34).
 
-    Returns: ``{"read_gbps", "read_kernel" (the fastest), "read_kernels", "read_gbps_by_kernel", "read_mib",
-    "gemm_gflops", "gemm_n"}`` (1 GB = 1e9 bytes).
+    Returns: :func:`read_bandwidth`'s fields and ``"gemm_gflops", "gemm_n"``.
     """
     import torch
 
     torch.set_num_threads(threads)
     time.sleep(0.2)
-    buf = torch.ones(probe_mib * (1 << 20) // 4, dtype=torch.float32)
-    rates = {name: nbytes / _seconds(call, reps) / 1e9 for name, (call, nbytes) in _read_kernels(buf).items()}
-    del buf
-    best = max(rates, key=rates.get)
+    read = read_bandwidth(threads, probe_mib, reps)
     n = GEMM_N if probe_mib >= 256 else GEMM_N // 2  # small probes (smoke tests): a quicker GEMM too
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen)
     b = torch.randn(n, n, generator=gen)
-    gemm = 2 * n ** 3 / _seconds(lambda: a @ b, max(3, reps // 2)) / 1e9
-    return {"read_gbps": rates[best], "read_kernel": best, "read_kernels": list(rates),
-            "read_gbps_by_kernel": {k: round(v, 2) for k, v in rates.items()}, "read_mib": probe_mib,
-            "gemm_gflops": gemm, "gemm_n": n}
+    gemm = 2 * n ** 3 / _best_seconds(lambda: a @ b, max(3, reps // 2))[0] / 1e9
+    return {**read, "gemm_gflops": gemm, "gemm_n": n}
 
 
 def summarize(values, unit: str | None = None) -> dict | None:

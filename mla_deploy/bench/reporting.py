@@ -41,12 +41,22 @@ def machine_summary(described: dict, threads: int, probes: list[dict], when: str
     info["loadavg_1min_during_run"] = summarize([p.get("loadavg_1min") for p in probes])
     first = probes[0] if probes else {}
     kernels = sorted({p["read_kernel"] for p in probes if p.get("read_kernel")})
-    info["read_probe"] = (f"the fastest of {', '.join(first.get('read_kernels', ['torch.sum']))} over "
-                          f"{first.get('read_mib', '?')} MiB, {threads} threads, median of 5 calls each "
-                          f"(read_kernel: the fastest, here {', '.join(kernels) or '-'}); {when}")
-    info["gemm_probe"] = f"torch.mm fp32 {first.get('gemm_n', '?')}^3, {threads} threads, median of 3 calls, same times"
+    pages = {"huge pages advised" if p.get("huge_pages") else "normal pages" for p in probes if "huge_pages" in p}
+    info["read_probe"] = (f"the fastest call of the fastest of {', '.join(first.get('read_kernels', ['torch.sum']))} "
+                          f"over {first.get('read_mib', '?')} MiB ({', '.join(sorted(pages)) or 'normal pages'}), "
+                          f"{threads} threads, 5 calls each (read_kernel: the fastest, here "
+                          f"{', '.join(kernels) or '-'}); {when}; the bound takes the best probe (max)")
+    info["gemm_probe"] = (f"torch.mm fp32 {first.get('gemm_n', '?')}^3, {threads} threads, the fastest of 3 calls, "
+                          f"same times; the bound takes the best probe (max)")
     info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return info
+
+
+def bound_rates(machine: dict) -> tuple[float, float] | None:
+    """``(read GB/s, GEMM GFLOP/s)`` a report's bounds use: the best of the run's probes (a bound is the best the
+    machine reaches), from :func:`machine_summary`'s ``machine``; None when no probe ran."""
+    bw, gemm = machine.get("read_gbps"), machine.get("gemm_gflops")
+    return (bw["max"], gemm["max"]) if bw and gemm else None
 
 
 def machine_line(report: dict) -> str:
@@ -55,8 +65,9 @@ def machine_line(report: dict) -> str:
     bw, gemm = m.get("read_gbps"), m.get("gemm_gflops")
     text = f"{m['cpu']}, {m['threads']} threads"
     if bw and gemm:
-        text += (f"; read bandwidth {bw['median']:.1f} GB/s (min {bw['min']:.1f}, max {bw['max']:.1f}, n={bw['n']}); "
-                 f"fp32 GEMM {gemm['median']:.0f} GFLOP/s (min {gemm['min']:.0f}, max {gemm['max']:.0f})")
+        text += (f"; read bandwidth {bw['max']:.1f} GB/s, the best of {bw['n']} probes (median {bw['median']:.1f}, min "
+                 f"{bw['min']:.1f}); fp32 GEMM {gemm['max']:.0f} GFLOP/s (median {gemm['median']:.0f}, min "
+                 f"{gemm['min']:.0f}); the bounds take the best")
     if m.get("loadavg_1min_during_run"):
         load = m["loadavg_1min_during_run"]
         text += (f"; 1-min load average during the run {load['median']:.2f} (min {load['min']:.2f}, max "

@@ -174,21 +174,84 @@ def test_killed_worker_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
 
 
 def test_bandwidth_probe_takes_the_fastest_read_kernel():
-    """The read bandwidth is the best of several kernels (one kernel alone underestimates the memory), and the
-    probe records which one it was and what each read."""
+    """The read bandwidth is the best of several kernels (one kernel alone underestimates the memory), each
+    counted by its fastest call, and the probe records which one it was and what each read."""
     from mla_deploy.bench.machine import probe
 
     result = probe(1, probe_mib=16, reps=3)
     by_kernel = result["read_gbps_by_kernel"]
-    assert set(by_kernel) == set(result["read_kernels"]) and len(by_kernel) >= 4
-    assert {"torch.sum", "torch.mv", "numpy.sum", "torch.copy_"} <= set(by_kernel)
+    assert set(by_kernel) == set(result["read_kernels"]) == set(result["read_median_gbps_by_kernel"])
+    assert {"torch.sum", "torch.amax", "torch.mv", "numpy.sum", "torch.copy_"} == set(by_kernel)  # 1 thread: no split
     assert result["read_kernel"] == max(by_kernel, key=by_kernel.get)
     assert result["read_gbps"] == pytest.approx(max(by_kernel.values()), abs=0.01)
-    assert result["gemm_gflops"] > 0 and result["read_mib"] == 16
+    for name, fastest in by_kernel.items():
+        assert fastest >= result["read_median_gbps_by_kernel"][name]
+    assert result["gemm_gflops"] > 0 and result["read_mib"] == 16 and not result["pinned_threads"]
+    assert isinstance(result["huge_pages"], bool)
+
+
+def test_bandwidth_probe_splits_the_read_over_pinned_threads():
+    """With 2 threads the sum and the matrix-vector product also run split over 2 threads, each pinned to its own
+    CPU (Linux), and the threads' CPUs are the ones this process may use."""
+    import os
+    import threading
+
+    from mla_deploy.bench.machine import PinnedThreads, read_bandwidth
+
+    result = read_bandwidth(2, probe_mib=16, reps=2)
+    assert {"torch.sum x2 pinned", "torch.mv x2 pinned"} <= set(result["read_gbps_by_kernel"])
+    assert result["pinned_threads"]
+    if not hasattr(os, "sched_getaffinity"):
+        return
+    allowed, seen = sorted(os.sched_getaffinity(0)), []
+    pool = PinnedThreads(2)
+    lock = threading.Lock()
+
+    def record():
+        with lock:
+            seen.append(sorted(os.sched_getaffinity(0)))
+
+    pool.run([record, record])
+    pool.close()
+    assert sorted(seen) == sorted([[allowed[0]], [allowed[1 % len(allowed)]]])
+    assert sorted(os.sched_getaffinity(0)) == allowed  # the caller's own affinity is untouched
+
+
+def test_a_failing_call_on_a_pinned_thread_reaches_the_caller():
+    from mla_deploy.bench.machine import PinnedThreads
+
+    pool = PinnedThreads(2)
+
+    def fail():
+        raise ValueError("planted")
+
+    with pytest.raises(ValueError, match="planted"):
+        pool.run([lambda: None, fail])
+    pool.run([lambda: None, lambda: None])  # the threads still serve
+    pool.close()
+
+
+def test_the_bound_check_names_an_engine_faster_than_the_bound():
+    """A step streaming more bytes (or FLOPs) per second than measured means the measurement is no bound: the
+    line says so plainly; below it, the line names the fastest step."""
+    from mla_deploy.bench.bound import bound_check_line, check_bound
+
+    held = check_bound({"ours decode": (20.0, 5.0), "llama.cpp F32": (30.0, 0.0)}, 31.0, 40.0)
+    assert held["holds"] and held["fastest"] == "llama.cpp F32" and held["fastest_gbps"] == 30.0
+    assert bound_check_line(held).startswith("bound check: the measured read bandwidth 31.0 GB/s and GEMM rate 40")
+    broken = check_bound({"ours decode": (20.0, 5.0), "llama.cpp F32": (34.0, 0.0)}, 26.9, None)
+    assert not broken["holds"] and [b["label"] for b in broken["beaten_by"]] == ["llama.cpp F32"]
+    line = bound_check_line(broken)
+    assert line.startswith("THE BOUND DID NOT HOLD in this run: 1 measured step(s)")
+    assert "llama.cpp F32 streamed 34.0 GB/s against the measured 26.9 GB/s" in line and "GEMM" not in line
+    compute = check_bound({"ours prefill": (1.0, 90.0)}, 30.0, 80.0)
+    assert not compute["holds"]
 
 
 def test_report_names_the_read_kernels(smoke):
     _, _, report = smoke
     probe = report["machine"]["read_probe"]
-    assert probe.startswith("the fastest of torch.sum, torch.amax, torch.mv, numpy.sum, torch.copy_ over 16 MiB")
+    assert probe.startswith("the fastest call of the fastest of torch.sum, torch.amax, torch.mv, numpy.sum, "
+                            "torch.copy_, torch.sum x2 pinned, torch.mv x2 pinned over 16 MiB")
+    assert "the bound takes the best probe (max)" in probe
     assert "at the start and the end of every worker process" in probe

@@ -40,6 +40,20 @@ def smoke(checkpoint, tmp_path_factory):
     return result, out, json.loads((out / "bench.json").read_text())
 
 
+def test_the_bound_is_the_best_probe_and_is_checked_against_every_row(smoke):
+    """The bound takes the best probe of the run (max), not the median; the report checks it against the bytes
+    (FLOPs) per second every measured step achieved and says in the printed table whether it held."""
+    result, _, report = smoke
+    machine, check = report["machine"], report["bound_check"]
+    assert check["read_gbps"] == machine["read_gbps"]["max"] and check["gemm_gflops"] == machine["gemm_gflops"]["max"]
+    rows = [r for r in report["rows"] if r["status"] == "ok"]
+    beaten = {f"{r['path']} {r['point']}" for r in rows if r["bound"]["achieved_gbps"] > check["read_gbps"]
+              or r["bound"]["achieved_gflops"] > check["gemm_gflops"]}
+    assert {b["label"] for b in check["beaten_by"]} == beaten and check["holds"] == (not beaten)
+    line = "THE BOUND DID NOT HOLD" if beaten else "bound check: the measured read bandwidth"
+    assert line in result.stdout
+
+
 def test_smoke_writes_the_report_and_keeps_the_export(smoke):
     result, out, _ = smoke
     assert sorted(p.name for p in out.iterdir()) == ["artifact", "bench.json", "bench.md"]  # no work leftovers
@@ -55,6 +69,8 @@ def _check_bound(row, routed):
         assert bound[key] > 0, key
     assert bound["bound_ms"] == pytest.approx(max(bound["t_mem_ms"], bound["t_flop_ms"]))
     assert bound["achieved_over_bound"] == pytest.approx(row["latency_ms"]["median"] / bound["bound_ms"])
+    assert bound["achieved_gbps"] == pytest.approx(bound["bytes"] / row["latency_ms"]["median"] / 1e6)
+    assert bound["achieved_gflops"] == pytest.approx(bound["flops"] / row["latency_ms"]["median"] / 1e6)
     assert bound["routed_experts"] == routed
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..bound import roofline
 from ..machine import describe
-from ..reporting import machine_summary, versions
+from ..reporting import bound_rates, machine_summary, versions
 from .roofline import cache_bytes_per_token, implemented_flops, step_cost
 from .spec import NAIVE_PATHS, PATH_LABELS, BenchSpec, fixed_capacity
 
@@ -71,12 +71,12 @@ def _row(spec: BenchSpec, path: str, context: int, batch: int, records: list[dic
 def _roofline(spec: BenchSpec, path: str, context: int, batch: int, median: float, machine: dict) -> dict | None:
     """The bound of the point at the run's measured rates, and where the median step time (s) stands against it
     (None for TensorRT, whose step runs on another device, or when no probe ran)."""
-    bw, rate = machine.get("read_gbps"), machine.get("gemm_gflops")
-    if not (bw and rate) or path == "trt":
+    rates = bound_rates(machine)
+    if rates is None or path == "trt":
         return None
     c, layers = spec.config, spec.layers
     cost = step_cost(c, layers, context, batch)
-    bound = roofline(cost["bytes"], cost["flops"], bw["median"], rate["median"])
+    bound = roofline(cost["bytes"], cost["flops"], *rates)
     achieved = median * 1e3 / bound["bound_ms"]
     return {**cost, **bound, "bound_over_achieved": 1 / achieved, "achieved_over_bound": achieved,
             "implemented_flops": implemented_flops(c, path, layers, context, batch, context + spec.static_margin)}
@@ -157,7 +157,7 @@ PROTOCOL = {
            "IO binding",
     "ratios": "speedup_vs_naive = faster of hf-eager/hf-sdpa (same point, same run) / this row; "
               "static_speedup_over_concat = ort-concat / ort-static",
-    "roofline": "bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = weights "
+    "roofline": "bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both the best probe of this run; bytes = weights "
                 "+ latent cache, FLOPs = projections + scores (C wide) + weighted sum (r wide) over T+1 rows; "
                 "bound_over_achieved = fraction of the roofline reached, achieved_over_bound = how many times "
                 "slower than the bound",

@@ -21,8 +21,8 @@ import time
 import numpy as np
 
 from ...quant import plan
-from ..bound import roofline
-from ..reporting import format_bytes, format_ms, machine_line, machine_summary, versions
+from ..bound import bound_check_line, check_bound, roofline
+from ..reporting import bound_rates, format_bytes, format_ms, machine_line, machine_summary, versions
 from .cost import CHUNK_BYTES, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
 from .spec import PREFILL, TRANSFORMERS, WholeModelSpec, parse_point, path_label, points, prompt_ids
 
@@ -48,8 +48,7 @@ class _Bounds:
     def __init__(self, spec: WholeModelSpec, config, groups, routing: dict, routing_records: dict, machine: dict):
         self.spec, self.config, self.groups = spec, config, groups
         self.method, self.records = routing["method"], routing_records
-        bw, gemm = machine.get("read_gbps"), machine.get("gemm_gflops")
-        self.rates = (bw["median"], gemm["median"]) if bw and gemm else None
+        self.rates = bound_rates(machine)
 
     def _experts(self, key: str, step: int | None, tokens: int) -> tuple[list[float], str]:
         n = len(self.groups.moe_layers)
@@ -83,18 +82,20 @@ class _Bounds:
     def _summary(self, costs: list[dict], methods: set, times: list[float]) -> dict:
         bounds = [roofline(c["bytes"], c["flops"], *self.rates) for c in costs]
         median_ms = statistics.median(b["bound_ms"] for b in bounds)
+        seconds = statistics.median(times)
         experts = [c["expert_bytes"] / self.groups.expert_bytes if self.groups.expert_bytes else 0 for c in costs]
         out = {key: statistics.median(c[key] for c in costs) for key in ("bytes", "weight_bytes", "expert_bytes",
                                                                            "cache_bytes", "flops")}
         out.update({"t_mem_ms": statistics.median(b["t_mem_ms"] for b in bounds),
                     "t_flop_ms": statistics.median(b["t_flop_ms"] for b in bounds), "bound_ms": median_ms,
                     "bound": statistics.mode(b["bound"] for b in bounds),
-                    "achieved_over_bound": statistics.median(times) * 1e3 / median_ms,
+                    "achieved_over_bound": seconds * 1e3 / median_ms,
                     "routed_experts": " + ".join(sorted(methods)),
                     "distinct_experts_per_step": statistics.mean(experts),
                     "distinct_experts_per_moe_layer": (statistics.mean(experts) / len(self.groups.moe_layers)
                                                        if self.groups.moe_layers else 0.0),
                     "steps": len(costs)})
+        out.update(achieved_gbps=out["bytes"] / seconds / 1e9, achieved_gflops=out["flops"] / seconds / 1e9)
         return out
 
 
@@ -156,6 +157,17 @@ def _compare(rows: list[dict], records: dict, routed: dict, primary: str) -> Non
             theirs["tokens_compared_with"] = primary
 
 
+def bound_check(machine: dict, rows: list[dict]) -> dict | None:
+    """:func:`~..bound.check_bound` over the rows with a bound: did any measured step stream more bytes (or
+    compute more FLOPs) per second than the machine's best probe? None when no probe ran."""
+    rates = bound_rates(machine)
+    if rates is None:
+        return None
+    achieved = {f"{r['path']} {r['point']}": (r["bound"]["achieved_gbps"], r["bound"]["achieved_gflops"])
+                for r in rows if r["status"] == "ok" and r.get("bound")}
+    return check_bound(achieved, *rates)
+
+
 def _weights_protocol(variants) -> str:
     """The protocol's weights: fp32, or what the quantized artifacts hold and how they run."""
     quantized = [v.manifest.quantization for v in variants if v.manifest.quantization.quantized]
@@ -199,14 +211,15 @@ PROTOCOL = {
     "memory": "peak RSS (VmHWM) of the path's process; per point: reset before the point, so it counts the "
               "resident weights and whatever earlier points left resident (allocator arenas); the decode "
               "points run first, smallest first, the prefills last",
-    "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both measured in this run; bytes = "
+    "bound": ("bound = max(bytes / read bandwidth, FLOPs / GEMM rate), both the best probe of this run; bytes = "
               "attention, dense MLP, shared-expert, router, norm and lm_head weights + the routed experts of "
               "the step (per MoE layer, the union over the batch, and over the prompt for a prefill) + one "
               "embedding row per distinct token id + the latent cache held, each tensor as the artifact stores it (a "
               "quantized one: its integers and scales; transformers: fp32); FLOPs = 2 x tokens x (those "
               "matrices, k experts per token) + absorbed attention over the rows attended + the lm_head of "
               "one token per sequence, over the fp32 GEMM rate also for the quantized artifacts; "
-              "achieved_over_bound = median time / median bound"),
+              "achieved_over_bound = median time / median bound; achieved_gbps (achieved_gflops) = the bytes "
+              "(FLOPs) over the median time, checked against the bound's rates (bound_check)"),
 }
 
 
@@ -285,7 +298,8 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
                         f"argmax, transformers: generate(max_new_tokens=1)"),
             **PROTOCOL,
         },
-        "routing": _routing(routing, routed, rows), "machine": machine, "paths": paths, "rows": rows,
+        "routing": _routing(routing, routed, rows), "machine": machine, "bound_check": bound_check(machine, rows),
+        "paths": paths, "rows": rows,
         "versions": versions(VERSIONS),
     }
 
@@ -423,7 +437,9 @@ def _notes(report: dict) -> list[str]:
         if not info["available"]:
             lines.append(f"{path}: not available ({info['reason']})")
         elif info.get("peak_rss_bytes"):
-            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s; peak RSS {format_bytes(info['peak_rss_bytes'])}")
+            graphs = (info.get("runtime") or {}).get("graphs")
+            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s{f' ({graphs})' if graphs else ''}; peak RSS "
+                         f"{format_bytes(info['peak_rss_bytes'])}")
     return lines + [_routing_line(report)] + [line for line in [_agreement_line(report)] if line]
 
 
@@ -436,6 +452,8 @@ def format_table(report: dict) -> str:
     if bench_rows:
         lines += ["", "batch-1 points " + _llama_bench_title(report) + ":"] + _text_table(LLAMA_BENCH_HEAD, bench_rows)
     lines += [""] + _notes(report)
+    if report.get("bound_check"):
+        lines.append(bound_check_line(report["bound_check"]))
     lines.append("achieved/bound: median time / the bound (bytes the step must read over the measured bandwidth, "
                  "or FLOPs over the measured GEMM rate, whichever is longer)")
     return "\n".join(lines)
@@ -471,6 +489,8 @@ def markdown(report: dict) -> str:
                      f"(after loading {format_bytes(info['peak_rss_after_load_bytes'])})")
         lines.append(line)
     lines += ["", "## Bound", "", p["bound"] + ".", "", f"* {_routing_line(report)}"]
+    if report.get("bound_check"):
+        lines.append(f"* {bound_check_line(report['bound_check'])}")
     lines += [f"* {line}" for line in [_agreement_line(report)] if line]
     for path, info in report["paths"].items():
         w = info["weights"]

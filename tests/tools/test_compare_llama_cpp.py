@@ -1,0 +1,210 @@
+"""tools/compare_llama_cpp.sh, the parts that run without llama.cpp: a GGUF file written by llama.cpp's own
+converter read and its decode bytes counted, llama-bench's JSON from a real run parsed, the table and the bound
+check of that run, the plan a --dry-run prints (nothing made), and the one-line refusals (no checkpoint, not a
+DeepSeek one, no cmake or compiler, no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "compare_llama_cpp.sh"
+DATA = Path(__file__).resolve().parent / "data" / "llama_compare"
+sys.path.insert(0, str(ROOT / "tools"))
+
+from llama_compare import gguf, table  # noqa: E402
+from llama_compare.settings import CompareError  # noqa: E402
+
+#: llama.cpp's converter on hf_oracle.hf_model(2) (2 layers, 8 experts, top-2, vocabulary 128), --outtype q8_0
+TINY_GGUF = DATA / "tiny-deepseek2-q8_0.gguf"
+
+
+def compare(*args: str, env: dict | None = None, path: str | None = None) -> subprocess.CompletedProcess:
+    """The tool as a module of this interpreter (``path``: the PATH it sees)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("CXX", "MLA_DEPLOY_CACHE")}
+    environ.update(PYTHONPATH=str(ROOT / "tools"), OMP_NUM_THREADS="1", **(env or {}))
+    if path is not None:
+        environ["PATH"] = path
+    return subprocess.run([sys.executable, "-m", "llama_compare", *args], capture_output=True, text=True,
+                          env=environ, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """transformers' own tiny DeepSeek-V2 checkpoint (no tokenizer files, as the random ones)."""
+    from hf_oracle import hf_model
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    hf_model(2).save_pretrained(folder)
+    return folder
+
+
+# GGUF ---------------------------------------------------------------------------------------------------------------
+
+
+def test_reads_the_tensors_of_a_gguf_written_by_llama_cpps_converter():
+    model = gguf.read_gguf(TINY_GGUF)
+    assert model.arch == "deepseek2" and len(model.tensors) == 33
+    assert model.get("expert_used_count") == 2 and model.get("expert_count") == 8 and model.get("block_count") == 2
+    t = {x.name: x for x in model.tensors}
+    assert t["token_embd.weight"].dims == (64, 128) and t["token_embd.weight"].type_name == "Q8_0"
+    assert t["token_embd.weight"].nbytes == 128 * 2 * 34  # 128 rows of 2 blocks of 32: 32 int8 + an fp16 scale
+    assert t["blk.1.ffn_gate_exps.weight"].dims == (64, 32, 8)
+    assert t["blk.0.attn_norm.weight"].type_name == "F32" and t["blk.0.attn_norm.weight"].nbytes == 64 * 4
+    assert sum(x.nbytes for x in model.tensors) <= TINY_GGUF.stat().st_size
+
+
+def test_a_decode_step_reads_k_of_e_experts_one_embedding_row_and_the_latent_cache():
+    model = gguf.read_gguf(TINY_GGUF)
+    t = {x.name: x.nbytes for x in model.tensors}
+    experts = sum(n for name, n in t.items() if "_exps." in name)
+    whole = sum(t.values()) - experts - t["token_embd.weight"]
+    empty, held = gguf.decode_bytes(model, 0), gguf.decode_bytes(model, 10)
+    assert empty["expert_bytes"] == experts * 2 // 8
+    assert empty["bytes"] == whole + t["token_embd.weight"] // 128 + experts * 2 // 8 and empty["cache_bytes"] == 0
+    assert held["cache_bytes"] == 10 * (16 + 8) * 2 * 2  # rows x (kv_lora_rank + rope) x F16 x layers
+    assert held["bytes"] == empty["bytes"] + held["cache_bytes"]
+
+
+def test_a_file_that_is_no_gguf_or_a_truncated_one_is_one_error(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(CompareError, match="is not a GGUF file"):
+        gguf.read_gguf(tmp_path / "x.gguf")
+    (tmp_path / "cut.gguf").write_bytes(TINY_GGUF.read_bytes()[:1000])
+    with pytest.raises(CompareError, match="damaged GGUF header"):
+        gguf.read_gguf(tmp_path / "cut.gguf")
+
+
+# llama-bench's output, the table, the bound ------------------------------------------------------------------------
+
+
+def test_parses_llama_bench_json_of_a_real_run():
+    tests = table.parse_llama_bench((DATA / "llama-bench-Q4_0.json").read_text())
+    assert [(t["test"], t["n_depth"]) for t in tests] == [("pp512", 0), ("tg32", 0), ("pp512", 1024), ("tg32", 1024)]
+    for t in tests:
+        assert t["tokens_per_s"] > 0 and len(t["samples_ts"]) == 2 and t["n_threads"] == 2
+        assert t["model_type"].startswith("deepseek2") and "Q4_0" in t["model_type"]
+
+
+@pytest.mark.parametrize("text", ["", "{}", "[]", '[{"n_prompt": 1}]', "llama-bench: error"])
+def test_output_that_is_not_llama_benchs_json_is_one_error(text):
+    with pytest.raises(CompareError, match="llama-bench"):
+        table.parse_llama_bench(text, "llama-bench")
+
+
+def _real_run():
+    report = json.loads((DATA / "bench.json").read_text())
+    llama = {k: table.parse_llama_bench((DATA / f"llama-bench-{k}.json").read_text()) for k in ("F32", "Q8_0", "Q4_0")}
+    read = json.loads((DATA / "llama-bytes.json").read_text())
+    return report, llama, {k: {int(c): n for c, n in v.items()} for k, v in read.items()}
+
+
+def test_the_table_of_a_real_run_sets_each_precision_beside_its_llama_cpp_type():
+    report, llama, read = _real_run()
+    rows = table.rows(report, llama, read)
+    assert [(r["weights"], r["llama_type"], r["context"]) for r in rows] == [
+        (w, k, c) for w, k in (("float", "F32"), ("int8", "Q8_0"), ("int4", "Q4_0")) for c in (0, 1024)]
+    for r in rows:
+        ours = next(x for x in report["rows"] if x["weights"] == r["weights"] and x["kind"] == "decode"
+                    and x["context"] == r["context"])
+        theirs = next(t for t in llama[r["llama_type"]] if t["n_gen"] and t["n_depth"] == r["context"])
+        assert r["ours_tokens_per_s"] == ours["tokens_per_s_per_sequence"]
+        assert r["llama_tokens_per_s"] == theirs["tokens_per_s"]
+        assert r["ratio"] == pytest.approx(r["ours_tokens_per_s"] / r["llama_tokens_per_s"])
+        assert r["llama_gbps"] == pytest.approx(read[r["llama_type"]][r["context"]] * theirs["tokens_per_s"] / 1e9)
+        assert (r["ours_prefill_tokens_per_s"] is not None) == (r["context"] == 0)
+    text = table.text(rows, table.bound(report, [], rows), "title")
+    assert "ours / llama.cpp" in text and "int4 / Q4_0" in text and "bandwidth bound:" in text
+
+
+def test_an_engine_faster_than_the_measured_bandwidth_is_said_plainly():
+    """The bound is checked against both engines: a llama.cpp row streaming more than the best probe makes the
+    output say the bound did not hold, never a quiet ratio."""
+    report, llama, read = _real_run()
+    rows = table.rows(report, llama, read)
+    best = max(max(r["ours_gbps"], r["llama_gbps"]) for r in rows)
+    held = table.bound(report, [{"read_gbps": best * 1.01, "read_kernel": "torch.mv"}], rows)
+    assert held["check"]["holds"] and "bound check:" in "\n".join(table.bound_lines(held))
+    low = dict(report, machine=dict(report["machine"], read_gbps=dict(report["machine"]["read_gbps"], max=best / 2)))
+    broken = table.bound(low, [{"read_gbps": best / 2, "read_kernel": "torch.sum"}], rows)
+    assert not broken["check"]["holds"] and broken["check"]["beaten_by"]
+    assert "THE BOUND DID NOT HOLD" in table.text(rows, broken, "title")
+
+
+# the plan and the refusals --------------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_every_command_and_makes_nothing(checkpoint, tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--out", str(out), "--context", "0,1024",
+                   "-r", "2", "-n", "32")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if ":" in line}
+    assert "--no-binary llama-cpp-python --no-deps llama-cpp-python==0.3.36" in lines["download"]
+    assert "-DCMAKE_BUILD_TYPE=Release" in lines["configure"] and "-DGGML_NATIVE=ON" in lines["configure"]
+    assert "--target llama-bench llama-quantize" in lines["build"]
+    assert "model-F32.gguf.partial --outtype f32" in lines["convert-F32"]  # renamed once it succeeded
+    assert "model-Q8_0.gguf.partial --outtype q8_0" in lines["convert-Q8_0"]
+    assert "/model-F32.gguf " in lines["quantize-Q4_0"]
+    assert lines["quantize-Q4_0"].endswith("/model-Q4_0.gguf.partial Q4_0 2")
+    for kind in ("F32", "Q8_0", "Q4_0"):
+        assert f"model-{kind}.gguf -t 2 -r 2 -p 512 -n 32 -d 0,1024 -lm none -o json" in lines[f"llama-bench-{kind}"]
+    assert ("bench model --hf " + str(checkpoint) + " --weights float,int8,int4 --block-size 32 --context 0,1024 "
+            "--batch 1 --threads 2") in lines["mla-deploy-bench"]
+    assert not cache.exists() and not out.exists()
+
+
+def test_dry_run_of_one_precision_with_llama_cpp_built(checkpoint, tmp_path):
+    """int4 alone: F32 converted, Q4_0 quantized from it; a recorded build is not built again."""
+    cache = tmp_path / "cache"
+    (cache / "llama.cpp-0.3.36").mkdir(parents=True)
+    (cache / "llama.cpp-0.3.36" / "build.json").write_text("{}")
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int4")
+    assert proc.returncode == 0, proc.stderr
+    names = [line.split(":", 1)[0] for line in proc.stdout.splitlines()]
+    for cached in ("[cached] download", "[cached] extract", "[cached] configure", "[cached] build"):
+        assert cached in names
+    assert [n for n in names if not n.startswith("[cached]") and n != "converter-deps"] == [
+        "convert-F32", "quantize-Q4_0", "mla-deploy-bench", "llama-bench-Q4_0"]
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, text: str) -> None:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and text in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_no_checkpoint_or_not_a_deepseek_one_is_one_line(tmp_path):
+    _one_line_error(compare(str(tmp_path / "missing")), "no checkpoint folder at")
+    _one_line_error(compare(str(tmp_path)), "has no config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    _one_line_error(compare(str(tmp_path)), "is not a DeepSeek checkpoint: its architectures are ['LlamaForCausalLM']")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV2ForCausalLM"]}))
+    _one_line_error(compare(str(tmp_path)), "has no *.safetensors weights")
+
+
+def test_no_cmake_nor_compiler_is_one_line_before_anything_is_made(checkpoint, tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = compare(str(checkpoint), "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), path=str(empty))
+    _one_line_error(proc, "cannot build llama.cpp here: missing cmake, a C++ compiler")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not shutil.which("cmake") or not (shutil.which("ninja") or shutil.which("make")),
+                    reason="needs cmake to get past the build-tools check")
+def test_no_network_is_one_line(checkpoint, tmp_path):
+    """pip cannot reach the package index: one line saying so, and where its log is."""
+    env = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_CONSTRAINT": ""}
+    proc = compare(str(checkpoint), "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), env=env)
+    _one_line_error(proc, "could not download llama-cpp-python==0.3.36 from the package index (the package index "
+                          "cannot be reached")
+    assert "; log: " in proc.stderr

@@ -1,0 +1,111 @@
+"""What a comparison run measures and where it keeps its files (one owner for every path)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: our ``--weights`` name -> llama.cpp's type of the same precision (both: blocks of 32 with one scale each)
+PRECISIONS = {"float": "F32", "int8": "Q8_0", "int4": "Q4_0"}
+#: the llama-cpp-python release whose vendored llama.cpp the issue's figures came from
+DEFAULT_VERSION = "0.3.36"
+#: the converter's ``--outtype`` for the types it writes itself; the others come from llama-quantize
+CONVERTER_TYPES = {"F32": "f32", "Q8_0": "q8_0"}
+#: Hugging Face architectures both llama.cpp's converter and mla-deploy take
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+#: the llama.cpp tools the comparison needs
+TARGETS = ("llama-bench", "llama-quantize")
+
+
+class CompareError(Exception):
+    """A user error: printed as one line, exit status 1."""
+
+
+def default_cache() -> Path:
+    """``$MLA_DEPLOY_CACHE``, else ``$XDG_CACHE_HOME/mla-deploy``, else ``~/.cache/mla-deploy``."""
+    if os.environ.get("MLA_DEPLOY_CACHE"):
+        return Path(os.environ["MLA_DEPLOY_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mla-deploy"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One comparison.
+
+    Attributes:
+        checkpoint: the Hugging Face DeepSeek checkpoint folder both engines read.
+        out: where the table (compare.json, compare.md), llama-bench's outputs, bench.json and the logs go (our
+            exported artifacts too, reused by a later run).
+        cache: the llama.cpp build and the GGUF files, reused by later runs.
+        version: the llama-cpp-python release whose vendored llama.cpp is built.
+        precisions: our ``--weights`` names (keys of :data:`PRECISIONS`).
+        contexts: cached tokens before the decode steps (llama-bench ``-d``, ours ``--context``).
+        threads: threads of both engines.
+        repetitions: llama-bench ``-r``.
+        prompt: prompt tokens of the prefill (llama-bench ``-p``, ours ``--prompt-length``).
+        generate: tokens llama-bench generates per repetition (``-n``).
+        our_repeat: our timed decode steps per point and timed prefills (``--repeat``).
+    """
+
+    checkpoint: Path
+    out: Path
+    cache: Path
+    version: str = DEFAULT_VERSION
+    precisions: tuple[str, ...] = tuple(PRECISIONS)
+    contexts: tuple[int, ...] = (0, 1024)
+    threads: int = 2
+    repetitions: int = 3
+    prompt: int = 512
+    generate: int = 128
+    our_repeat: int = 10
+
+    @property
+    def llama_dir(self) -> Path:
+        """The sdist, its extracted source and the build of this version."""
+        return self.cache / f"llama.cpp-{self.version}"
+
+    @property
+    def source(self) -> Path:
+        return self.llama_dir / "src"
+
+    @property
+    def vendored(self) -> Path:
+        """llama.cpp inside the sdist."""
+        return self.source / f"llama_cpp_python-{self.version}" / "vendor" / "llama.cpp"
+
+    @property
+    def build(self) -> Path:
+        return self.llama_dir / "build"
+
+    @property
+    def build_record(self) -> Path:
+        """Written after a successful build: a later run reuses the build."""
+        return self.llama_dir / "build.json"
+
+    def tool(self, name: str) -> Path:
+        return self.build / "bin" / name
+
+    @property
+    def converter_deps(self) -> Path:
+        """``pip install --target`` folder of the converter's modules the running interpreter lacks."""
+        return self.cache / "convert-deps"
+
+    def gguf_dir(self, key: str) -> Path:
+        """The GGUF files of the checkpoint whose fingerprint is ``key``."""
+        return self.cache / "gguf" / key
+
+    def gguf(self, key: str, kind: str) -> Path:
+        return self.gguf_dir(key) / f"model-{kind}.gguf"
+
+    @property
+    def logs(self) -> Path:
+        return self.out / "logs"
+
+    @property
+    def bench_out(self) -> Path:
+        """``mla-deploy bench model --out``."""
+        return self.out / "mla-deploy"
+
+    def llama_json(self, kind: str) -> Path:
+        return self.out / f"llama-bench-{kind}.json"

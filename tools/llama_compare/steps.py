@@ -1,0 +1,180 @@
+"""The command lines of a comparison, in the order they run, each skipped when the cache already holds what it
+makes: download the ``llama-cpp-python`` sdist, build its vendored llama.cpp (``llama-bench`` and
+``llama-quantize`` only, Release, native CPU), convert the checkpoint to F32 and Q8_0 with llama.cpp's converter
+and quantize Q4_0, then ``mla-deploy bench model`` and ``llama-bench`` per type."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checks import compilers
+from .settings import CONVERTER_TYPES, PRECISIONS, TARGETS, CompareError, Settings
+
+HERE = Path(__file__).resolve().parent
+#: the converter's modules (import name -> package) besides torch and numpy, which mla-deploy brings
+CONVERTER_MODULES = {"yaml": "pyyaml", "tqdm": "tqdm"}
+#: what pip says when it cannot reach the package index
+NETWORK_SIGNS = ("NewConnectionError", "Failed to establish", "Temporary failure in name resolution",
+                 "Network is unreachable", "Connection refused", "Could not fetch URL", "timed out", "ProxyError")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command. Attributes: name (also its log file's name); argv; done: what it makes is cached (the step is
+    skipped); stdout: the file its standard output goes to (None: the log); env: variables added; makes: the file
+    it writes under a temporary name (:func:`partial`), renamed to this one once the command succeeded, so an
+    interrupted step leaves nothing a later run would take as cached."""
+
+    name: str
+    argv: tuple[str, ...]
+    done: bool = False
+    stdout: Path | None = None
+    env: dict = field(default_factory=dict)
+    makes: Path | None = None
+
+    def line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        text = (env + " " if env else "") + shlex.join(self.argv) + (f" > {self.stdout}" if self.stdout else "")
+        return f"{'[cached] ' if self.done else ''}{self.name}: {text}"
+
+
+def partial(path: Path) -> Path:
+    """Where a step writes ``path`` until it has succeeded."""
+    return path.with_name(path.name + ".partial")
+
+
+def download(s: Settings, pip: list[str]) -> Step:
+    """The sdist from the package index (only llama-cpp-python itself from source: ``--no-binary :all:`` would
+    also build its build dependencies, cmake included, from source)."""
+    argv = (*pip, "download", "--no-binary", "llama-cpp-python", "--no-deps", f"llama-cpp-python=={s.version}",
+            "--dest", str(s.llama_dir / "sdist"))
+    archive = s.llama_dir / "sdist" / f"llama_cpp_python-{s.version}.tar.gz"
+    return Step("download", argv, done=s.build_record.is_file() or archive.is_file())
+
+
+def extract(s: Settings) -> Step:
+    """The sdist unpacked (Python's own tarfile command line) into ``s.source``."""
+    archive = s.llama_dir / "sdist" / f"llama_cpp_python-{s.version}.tar.gz"
+    argv = (sys.executable, "-m", "tarfile", "-e", str(archive), str(s.source))
+    return Step("extract", argv, done=s.build_record.is_file() or s.vendored.is_dir())
+
+
+def configure(s: Settings) -> Step:
+    generator = ("-G", "Ninja") if shutil.which("ninja") else ()
+    compiler = (f"-DCMAKE_CXX_COMPILER={compilers()[0]}",) if os.environ.get("CXX") and compilers() else ()
+    flags = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF",
+             "-DLLAMA_OPENSSL=OFF")
+    argv = ("cmake", "-S", str(s.vendored), "-B", str(s.build), *generator, *compiler, *flags)
+    return Step("configure", argv, done=s.build_record.is_file())
+
+
+def build(s: Settings) -> Step:
+    argv = ("cmake", "--build", str(s.build), "--target", *TARGETS, "-j", str(os.cpu_count() or 1))
+    return Step("build", argv, done=s.build_record.is_file())
+
+
+def missing_converter_modules() -> list[str]:
+    """The converter's packages the running interpreter lacks."""
+    import importlib.util
+
+    return [package for module, package in CONVERTER_MODULES.items() if importlib.util.find_spec(module) is None]
+
+
+def converter_deps(s: Settings, pip: list[str]) -> Step | None:
+    """Install what the converter needs and this interpreter lacks into the cache (never into the user's
+    environment); None when nothing is missing."""
+    missing = missing_converter_modules()
+    if not missing:
+        return None
+    argv = (*pip, "install", "--no-deps", "--target", str(s.converter_deps), *missing)
+    return Step("converter-deps", argv, done=all((s.converter_deps / m).exists() for m in CONVERTER_MODULES))
+
+
+def convert(s: Settings, key: str, kind: str) -> Step:
+    """F32 or Q8_0 straight from the checkpoint with llama.cpp's converter (:mod:`.convert_entry`)."""
+    out = s.gguf(key, kind)
+    argv = (sys.executable, str(HERE / "convert_entry.py"), str(s.vendored), str(s.checkpoint), "--outfile",
+            str(partial(out)), "--outtype", CONVERTER_TYPES[kind])
+    path = os.pathsep.join([str(s.vendored / "gguf-py"), str(s.converter_deps)])
+    return Step(f"convert-{kind}", argv, done=out.is_file(), env={"PYTHONPATH": path, "NO_LOCAL_GGUF": "1"},
+                makes=out)
+
+
+def quantize(s: Settings, key: str, kind: str) -> Step:
+    """Other types from the F32 file with ``llama-quantize``."""
+    out = s.gguf(key, kind)
+    argv = (str(s.tool("llama-quantize")), str(s.gguf(key, "F32")), str(partial(out)), kind, str(s.threads))
+    return Step(f"quantize-{kind}", argv, done=out.is_file(), makes=out)
+
+
+def mla_bench(s: Settings) -> Step:
+    """``mla-deploy bench model`` at batch 1 on the same checkpoint, every precision (its own exports)."""
+    argv = (sys.executable, "-m", "mla_deploy", "bench", "model", "--hf", str(s.checkpoint), "--weights",
+            ",".join(s.precisions), "--block-size", "32", "--context", ",".join(map(str, s.contexts)), "--batch", "1",
+            "--threads", str(s.threads), "--prompt-length", str(s.prompt), "--repeat", str(s.our_repeat),
+            "--no-transformers", "--out", str(s.bench_out))
+    return Step("mla-deploy-bench", argv)
+
+
+def llama_bench(s: Settings, key: str, kind: str) -> Step:
+    """``llama-bench`` on one GGUF file: the prompt at depth 0 and ``generate`` tokens after each context; the
+    weights read into memory (``-lm none``, as ours are), JSON on standard output."""
+    argv = (str(s.tool("llama-bench")), "-m", str(s.gguf(key, kind)), "-t", str(s.threads), "-r", str(s.repetitions),
+            "-p", str(s.prompt), "-n", str(s.generate), "-d", ",".join(map(str, s.contexts)), "-lm", "none",
+            "-o", "json")
+    return Step(f"llama-bench-{kind}", argv, stdout=s.llama_json(kind))
+
+
+def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
+    """Every step of a run, in order (``key``: the checkpoint's fingerprint)."""
+    kinds = [PRECISIONS[p] for p in s.precisions]
+    made = [k for k in kinds if k in CONVERTER_TYPES] + (["F32"] if set(kinds) - set(CONVERTER_TYPES) else [])
+    steps = [download(s, pip), extract(s), configure(s), build(s), converter_deps(s, pip)]
+    steps += [convert(s, key, k) for k in dict.fromkeys(made)]
+    steps += [quantize(s, key, k) for k in kinds if k not in CONVERTER_TYPES]
+    steps += [mla_bench(s)] + [llama_bench(s, key, k) for k in kinds]
+    return [step for step in steps if step is not None]
+
+
+def run(step: Step, logs: Path, echo) -> None:
+    """Run ``step`` with its output in ``logs/NAME.log`` (standard output to ``step.stdout`` when set);
+    :class:`CompareError` naming the log when it fails."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{step.name}.log"
+    echo(f"[compare] {step.name}: {shlex.join(step.argv)}")
+    env = {**os.environ, **step.env}
+    with open(log, "w") as err:
+        out = open(step.stdout, "w") if step.stdout else err
+        try:
+            code = subprocess.run(step.argv, stdout=out, stderr=err, env=env).returncode
+        except OSError as exc:
+            raise CompareError(f"{step.name}: cannot run {step.argv[0]}: {exc.strerror}") from None
+        finally:
+            if step.stdout:
+                out.close()
+    if code != 0:
+        raise CompareError(failure(step, code, log.read_text(errors="replace")) + f"; log: {log}")
+    if step.makes is not None:
+        partial(step.makes).replace(step.makes)
+
+
+def failure(step: Step, code: int, log: str) -> str:
+    """One line saying why ``step`` failed, from its log (a download without network said so)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    last = lines[-1] if lines else "no output"
+    if step.name == "download":
+        if any(sign in log for sign in NETWORK_SIGNS):
+            reason = "the package index cannot be reached"
+        elif "(from versions: none)" in log:  # what pip says when no index answered
+            reason = "the package index cannot be reached, or it has no such release"
+        else:
+            reason = last
+        return f"could not download {step.argv[-3]} from the package index ({reason})"
+    return f"{step.name} failed (exit {code}): {last}"

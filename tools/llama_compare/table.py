@@ -1,0 +1,148 @@
+"""The comparison's one table: per precision and context, decode tokens/s of ours and of llama.cpp and their
+ratio, the bytes per second each streamed, prefill tokens/s of both, and the machine's bandwidth bound, checked
+against what both engines achieved (:func:`mla_deploy.bench.bound.check_bound`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mla_deploy.bench.bound import bound_check_line, check_bound
+
+from .settings import PRECISIONS, CompareError
+
+HEAD = ("weights", "context", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp", "ours GB/s", "llama.cpp GB/s",
+        "ours prefill tok/s", "llama.cpp prefill tok/s")
+
+
+def parse_llama_bench(text: str, source: str = "llama-bench") -> list[dict]:
+    """llama-bench's ``-o json`` output: one entry per test, ``{"test" ("pp512", "tg128"), "n_prompt", "n_gen",
+    "n_depth", "tokens_per_s", "tokens_per_s_std", "samples_ts", "model_type", "model_size", "n_threads",
+    "build_commit"}``; :class:`CompareError` when ``text`` is not that."""
+    try:
+        entries = json.loads(text)
+        tests = []
+        for e in entries:
+            kind = f"pp{e['n_prompt']}" if e["n_prompt"] and not e["n_gen"] else f"tg{e['n_gen']}"
+            tests.append({"test": kind, "n_prompt": int(e["n_prompt"]), "n_gen": int(e["n_gen"]),
+                          "n_depth": int(e.get("n_depth", 0)), "tokens_per_s": float(e["avg_ts"]),
+                          "tokens_per_s_std": float(e["stddev_ts"]), "samples_ts": e.get("samples_ts", []),
+                          "model_type": e.get("model_type"), "model_size": e.get("model_size"),
+                          "n_threads": e.get("n_threads"), "build_commit": e.get("build_commit")})
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CompareError(f"{source} is not llama-bench's JSON output ({type(exc).__name__}: {exc})") from None
+    if not isinstance(entries, list) or not tests:
+        raise CompareError(f"{source} holds no llama-bench test")
+    return tests
+
+
+def _llama(tests: list[dict], depth: int, decode: bool) -> dict | None:
+    return next((t for t in tests if t["n_depth"] == depth and (t["n_gen"] > 0) == decode), None)
+
+
+def _ours(report: dict, weights: str, kind: str, context: int | None) -> dict | None:
+    return next((r for r in report["rows"] if r["weights"] == weights and r["kind"] == kind and r["batch"] == 1
+                 and r["context"] == context and r["status"] == "ok" and r["path"] != "transformers"), None)
+
+
+def rows(report: dict, llama: dict[str, list[dict]], llama_bytes: dict[str, dict[int, int]]) -> list[dict]:
+    """One row per precision and context.
+
+    Args:
+        report: ``mla-deploy bench model``'s bench.json.
+        llama: per llama.cpp type (``F32`` ...), :func:`parse_llama_bench`'s tests.
+        llama_bytes: per type and context, the bytes a decode step reads (:func:`.gguf.decode_bytes`).
+    """
+    out = []
+    for weights, kind in PRECISIONS.items():
+        if kind not in llama:
+            continue
+        for context in sorted({t["n_depth"] for t in llama[kind] if t["n_gen"]}):
+            ours, theirs = _ours(report, weights, "decode", context), _llama(llama[kind], context, True)
+            ours_tps = ours["tokens_per_s_per_sequence"] if ours else None
+            theirs_tps = theirs["tokens_per_s"] if theirs else None
+            prefill = _ours(report, weights, "prefill", None) if context == 0 else None
+            their_prefill = _llama(llama[kind], 0, False) if context == 0 else None
+            read = llama_bytes.get(kind, {}).get(context)
+            out.append({"weights": weights, "llama_type": kind, "context": context, "ours_tokens_per_s": ours_tps,
+                        "llama_tokens_per_s": theirs_tps,
+                        "ratio": ours_tps / theirs_tps if ours_tps and theirs_tps else None,
+                        "ours_bytes_per_token": ours["bound"]["bytes"] if ours and ours.get("bound") else None,
+                        "llama_bytes_per_token": read,
+                        "ours_gbps": ours["bound"]["achieved_gbps"] if ours and ours.get("bound") else None,
+                        "llama_gbps": read * theirs_tps / 1e9 if read and theirs_tps else None,
+                        "ours_prefill_tokens_per_s": prefill["tokens_per_s"] if prefill else None,
+                        "llama_prefill_tokens_per_s": their_prefill["tokens_per_s"] if their_prefill else None})
+    return out
+
+
+def bound(report: dict, probes: list[dict], table: list[dict]) -> dict:
+    """The bandwidth bound: the best read bandwidth of bench.json's probes and of ``probes`` (taken beside
+    llama-bench), checked against the bytes per second of every row of both engines."""
+    machine = report.get("machine", {})
+    best = [p["read_gbps"] for p in probes] + ([machine["read_gbps"]["max"]] if machine.get("read_gbps") else [])
+    if not best:
+        return {"read_gbps": None, "check": None}
+    kernel = max(probes, key=lambda p: p["read_gbps"])["read_kernel"] if probes else None
+    achieved = {}
+    for r in table:
+        for engine, key in (("ours", "ours_gbps"), ("llama.cpp", "llama_gbps")):
+            if r[key]:
+                achieved[f"{engine} {r['llama_type']} decode @ {r['context']}"] = (r[key], 0.0)
+    check = check_bound(achieved, max(best), None)
+    ours = machine["read_gbps"]["n"] if machine.get("read_gbps") else 0
+    return {"read_gbps": max(best), "probes_ours": ours, "probes_beside_llama_bench": len(probes),
+            "kernel_beside_llama_bench": kernel, "check": check}
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def cells(table: list[dict]) -> list[tuple[str, ...]]:
+    return [(f"{r['weights']} / {r['llama_type']}", str(r["context"]), _cell(r["ours_tokens_per_s"], ".1f"),
+             _cell(r["llama_tokens_per_s"], ".1f"), _cell(r["ratio"], ".2f") + ("x" if r["ratio"] else ""),
+             _cell(r["ours_gbps"], ".1f"), _cell(r["llama_gbps"], ".1f"),
+             _cell(r["ours_prefill_tokens_per_s"], ".1f") if r["context"] == 0 else "",
+             _cell(r["llama_prefill_tokens_per_s"], ".1f") if r["context"] == 0 else "") for r in table]
+
+
+def bound_lines(b: dict) -> list[str]:
+    if b.get("read_gbps") is None:
+        return ["bandwidth bound: not measured"]
+    return [f"bandwidth bound: {b['read_gbps']:.1f} GB/s, the best of the mla-deploy bench's {b['probes_ours']} "
+            f"read probes and {b['probes_beside_llama_bench']} taken before each llama-bench run (several kernels "
+            f"each, threads pinned, huge pages advised); a decode step reading B bytes takes at least "
+            f"B / {b['read_gbps']:.1f} GB/s",
+            bound_check_line(b["check"])]
+
+
+def text(table: list[dict], b: dict, title: str) -> str:
+    """The printed table."""
+    body = [HEAD] + cells(table)
+    widths = [max(len(r[i]) for r in body) for i in range(len(HEAD))]
+    lines = [title, ""]
+    for i, r in enumerate(body):
+        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                     .rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines + [""] + bound_lines(b))
+
+
+def markdown(table: list[dict], b: dict, title: str, commands: list[str]) -> str:
+    lines = [f"# {title}", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    lines += ["| " + " | ".join(c or " " for c in r) + " |" for r in cells(table)]
+    lines += [""] + [f"* {line}" for line in bound_lines(b)]
+    lines += ["", "GB/s: the bytes a decode step reads (ours: bench.json's bound bytes; llama.cpp: the GGUF "
+              "file's tensors, k of E routed experts and one embedding row, plus the F16 latent cache) x tokens/s.",
+              "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
+    return "\n".join(lines)
+
+
+def write(out: Path, data: dict, md: str) -> None:
+    """compare.json and compare.md into ``out`` (each to a temporary name, then renamed)."""
+    for name, content in (("compare.json", json.dumps(data, indent=2) + "\n"), ("compare.md", md)):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(content)
+        tmp.replace(out / name)
