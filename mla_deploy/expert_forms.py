@@ -28,10 +28,10 @@ LEGACY = BRANCHES
 FUSED_PRECISIONS = ("fp32",)
 
 
-def resolve(form: str, precision: str, tensorrt: bool, blocks: str | None = None) -> str:
-    """The form a graph is exported in: ``form``, or for ``auto`` the fused form unless ``tensorrt`` (the settings
-    ask for TensorRT: its decode plugin, or quantized weights in the ``qdq`` format), ``precision`` is not fp32, or
-    ``blocks`` says why the quantization blocks do not fit ``QMoE``.
+def resolve(form: str, precision: str, plugin: bool, tensorrt_weights: bool, blocks: str | None = None) -> str:
+    """The form a graph is exported in: ``form``, or for ``auto`` the fused form unless the settings ask for
+    TensorRT (``plugin``: its decode plugin; ``tensorrt_weights``: weights quantized in a format written for it,
+    ``qdq``), ``precision`` is not fp32, or ``blocks`` says why the quantization blocks do not fit ``QMoE``.
 
     Args:
         blocks: None, or why ``QMoE`` cannot hold the experts quantized (its blocks must divide both the hidden and
@@ -45,7 +45,8 @@ def resolve(form: str, precision: str, tensorrt: bool, blocks: str | None = None
                           f"use {BRANCHES} or another block size")
     if form != AUTO:
         return form
-    return FUSED if precision in FUSED_PRECISIONS and not tensorrt and not blocks else BRANCHES
+    for_tensorrt = plugin or tensorrt_weights
+    return FUSED if precision in FUSED_PRECISIONS and not for_tensorrt and not blocks else BRANCHES
 
 
 def check(form: str, precision: str, where: str) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .config import MLAConfig
 from .errors import ConfigError
 from . import expert_forms
-from .quant import DEFAULT_BLOCK_SIZE, DEFAULT_FORMAT, FLOAT, QDQ, Quantization, plan
+from .quant import DEFAULT_BLOCK_SIZE, DEFAULT_FORMAT, FLOAT, Quantization, plan
 
 if TYPE_CHECKING:
     from .cache_layout import CacheLayout
@@ -125,13 +125,10 @@ class ExportSettings:
                 that do not divide the hidden and expert widths.
         """
         quantization = self.quantization
-        tensorrt = self.decode_attention == "plugin" or (quantization.quantized and self.quant_format == QDQ.name)
         widths = {"hidden_size": config.hidden_size, "moe_intermediate_size": config.moe_intermediate_size or 0}
-        ragged = [f"{name} {width}" for name, width in widths.items()
-                  if quantization.quantized and config.n_routed_experts and width % quantization.block_size]
-        blocks = f"{' and '.join(ragged)} {'is' if len(ragged) == 1 else 'are'} not a multiple of " \
-                 f"{quantization.block_size}" if ragged else None
-        return expert_forms.resolve(self.experts, self.precision, tensorrt, blocks)
+        blocks = quantization.qmoe_misfit(widths) if config.n_routed_experts else None
+        return expert_forms.resolve(self.experts, self.precision, self.decode_attention == "plugin",
+                                    quantization.tensorrt_format, blocks)
 
     @property
     def quantization(self) -> Quantization:

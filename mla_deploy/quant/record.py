@@ -97,6 +97,17 @@ class Quantization:
         """What a run reports of the weights: ``{"weights", "quantized_compute"}`` (an engine's default compute)."""
         return {"weights": FLOAT_WEIGHTS, "quantized_compute": None}
 
+    @property
+    def tensorrt_format(self) -> bool:
+        """The weights are quantized in a format written for TensorRT (``qdq``); float weights are not."""
+        return False
+
+    def qmoe_misfit(self, widths: Mapping[str, int]) -> str | None:
+        """Why ONNX Runtime's ``QMoE`` cannot hold experts of these input widths (``{"hidden_size": 2048, ...}``: its
+        blocks must divide each), e.g. ``moe_intermediate_size 32 is not a multiple of 64``; None when it can (float
+        weights: always)."""
+        return None
+
     # the export -----------------------------------------------------------------------------------------------------
     def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None]) -> list[str]:
         """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`);
@@ -200,6 +211,15 @@ class Quantized(Quantization):
 
     def run_info(self) -> dict[str, Any]:
         return {"weights": self.scheme.to_dict(), "quantized_compute": f"{FAST_COMPUTE} (the engine's default)"}
+
+    @property
+    def tensorrt_format(self) -> bool:
+        return self.format.tensorrt
+
+    def qmoe_misfit(self, widths):
+        ragged = [f"{name} {width}" for name, width in widths.items() if width % self.block_size]
+        verb = "is" if len(ragged) == 1 else "are"
+        return f"{' and '.join(ragged)} {verb} not a multiple of {self.block_size}" if ragged else None
 
     def quantize_graphs(self, graphs, log):
         keys = quantize_graph_weights(graphs, self.scheme, self.format)
