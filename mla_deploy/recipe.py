@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import MLAConfig
 from .errors import ConfigError
+from . import expert_forms
 from .quant import DEFAULT_BLOCK_SIZE, DEFAULT_FORMAT, FLOAT, Quantization, plan
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class ExportSettings:
             ``MatMulNBits``: loads in 1.4x the weights' bytes) or ``qdq`` (standard ``DequantizeLinear -> MatMul``,
             which TensorRT reads; ONNX Runtime fuses it at load in 2.2-2.8x). See :mod:`mla_deploy.quant.formats`.
         These three are read through :attr:`quantization`.
+        experts: the routed experts' graph form (:mod:`mla_deploy.expert_forms`): ``fused`` (one ONNX Runtime
+            ``MoE``/``QMoE`` operator per MoE layer; ONNX Runtime only, fp32), ``branches`` (one branch of
+            standard ops per expert; TensorRT builds it) or ``auto`` (the default: fused unless precision is not
+            fp32, ``decode_attention = "plugin"`` or quantized weights are in the ``qdq`` format). Read through
+            :meth:`expert_form`.
     """
 
     precision: str = "fp32"
@@ -79,6 +85,7 @@ class ExportSettings:
     weights: str = FLOAT.weights
     block_size: int = DEFAULT_BLOCK_SIZE
     quant_format: str = DEFAULT_FORMAT.name
+    experts: str = expert_forms.DEFAULT
 
     def __post_init__(self) -> None:
         from .cache_layout import CACHE_MODES, get_layout
@@ -107,6 +114,21 @@ class ExportSettings:
             raise ConfigError(f"[export] decode_attention = \"plugin\" needs cache_mode = {able} "
                               f"(the plugin reads per-sequence valid lengths, not a padding mask)")
         self.quantization  # noqa: B018  (raises ConfigError for an unknown scheme, block size or format)
+        expert_forms.check(self.experts, self.precision, "[export] experts")
+
+    def expert_form(self, config: MLAConfig) -> str:
+        """The routed experts' graph form the export of ``config`` writes, ``fused`` or ``branches``
+        (:func:`mla_deploy.expert_forms.resolve` of :attr:`experts`).
+
+        Raises:
+            ConfigError: an unknown form; ``fused`` with a precision other than fp32, or with quantization blocks
+                that do not divide the hidden and expert widths.
+        """
+        quantization = self.quantization
+        widths = {"hidden_size": config.hidden_size, "moe_intermediate_size": config.moe_intermediate_size or 0}
+        blocks = quantization.qmoe_misfit(widths) if config.n_routed_experts else None
+        return expert_forms.resolve(self.experts, self.precision, self.decode_attention == "plugin",
+                                    quantization.tensorrt_format, blocks)
 
     @property
     def quantization(self) -> Quantization:

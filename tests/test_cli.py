@@ -129,15 +129,17 @@ def test_an_option_group_passes_one_typed_object_and_checks_it():
 
 
 def test_the_choices_are_the_owners():
-    """--cache-mode, --precision, --weights, --block-size and --quant-format offer what their owners define (the
-    cache modes, which the CLI cannot import at startup, are a copy held equal here)."""
+    """--cache-mode, --precision, --weights, --block-size, --quant-format and --experts offer what their owners
+    define (the cache modes, which the CLI cannot import at startup, are a copy held equal here)."""
     from mla_deploy import quant
     from mla_deploy.cache_layout import CACHE_MODES
     from mla_deploy.cli import groups
+    from mla_deploy.expert_forms import EXPERT_FORMS
     from mla_deploy.io_spec import PRECISIONS
 
     assert groups.CACHE_MODES == CACHE_MODES
     options = {o.name: o.attrs["type"].choices for o in groups.ExportSettingsArgs().options()
                if isinstance(o.attrs.get("type"), click.Choice)}
     assert options == {"precision": tuple(PRECISIONS), "cache_mode": CACHE_MODES, "weights": ("float", *quant.SCHEMES),
-                       "block_size": tuple(map(str, quant.BLOCK_SIZES)), "quant_format": tuple(quant.FORMATS)}
+                       "block_size": tuple(map(str, quant.BLOCK_SIZES)), "quant_format": tuple(quant.FORMATS),
+                       "experts": EXPERT_FORMS}

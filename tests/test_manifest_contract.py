@@ -1,6 +1,7 @@
 """A manifest that no longer describes its graphs is refused by `run` and `validate`, through the real command, in
 one line naming the manifest, before anything runs or is written: a quantization record edited (scheme, block size,
-format), deleted, added to a float artifact or malformed, and a static cache's capacity edited.
+format), deleted, added to a float artifact or malformed, and a static cache's capacity edited; and a graph
+entry's experts form round-trips.
 
 Without these checks `validate` blamed an edited record on the numbers (a 5.3 max abs error against a reference
 quantized the wrong way, and a made-up cost) and `run` exited 0 computing with weights the manifest misnamed.
@@ -98,3 +99,19 @@ def test_the_unedited_artifacts_run(ws):
     for source in ("int8", "float"):
         proc = cli("run", ws / source, *COMMANDS["run"])
         assert proc.returncode == 0, proc.stderr
+
+
+def test_the_experts_form_round_trips_and_old_entries_read_as_branches():
+    """Each graph entry records its experts' form; an entry written before the choice existed holds branches; an
+    unknown form is refused in one line, like any malformed entry."""
+    from mla_deploy.artifact.manifest import GraphEntry
+    from mla_deploy.errors import ArtifactError
+
+    for form in ("fused", "branches"):
+        entry = GraphEntry(role="decode", file="model.onnx", form="A_CC", inputs=(), outputs=(), experts=form)
+        assert entry.to_dict()["experts"] == form and GraphEntry.from_dict("decode", entry.to_dict()) == entry
+    old = {k: v for k, v in entry.to_dict().items() if k != "experts"}
+    assert GraphEntry.from_dict("decode", old).experts == "branches"
+    with pytest.raises(ArtifactError, match=r"^manifest.json: the decode graph's experts must be fused or branches, "
+                                            r"got 'fusd'$"):
+        GraphEntry.from_dict("decode", {**old, "experts": "fusd"})

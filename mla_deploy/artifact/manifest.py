@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .. import expert_forms
 from ..cache_layout import CacheLayout, get_layout
 from ..config import MLAConfig
 from ..errors import ArtifactError, ConfigError, MLADeployError
@@ -84,6 +85,9 @@ class GraphEntry:
         file: the ``.onnx`` file name inside the artifact.
         form: the attention form it computes (``CC``, ``A_CC``, ...).
         attention: ``standard`` (ONNX ops) or ``plugin`` (one ``mla_deploy::MlaDecode`` node per layer).
+        experts: the routed experts' graph form (:mod:`mla_deploy.expert_forms`): ``fused`` (one ONNX Runtime
+            ``MoE``/``QMoE`` node per MoE layer) or ``branches`` (standard ops; an entry without it, written before
+            the choice existed).
         inputs, outputs: the graph's I/O contract.
         external_data: the side file holding its weights, or None.
         bytes: size of ``file``.
@@ -96,6 +100,7 @@ class GraphEntry:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     attention: str = "standard"
+    experts: str = expert_forms.LEGACY
     external_data: str | None = None
     bytes: int = 0
     sha256: str = ""
@@ -114,7 +119,7 @@ class GraphEntry:
         return self.attention == "plugin"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "form": self.form, "attention": self.attention,
+        return {"file": self.file, "form": self.form, "attention": self.attention, "experts": self.experts,
                 "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
                 "external_data": self.external_data, "bytes": self.bytes, "sha256": self.sha256}
 
@@ -124,10 +129,20 @@ class GraphEntry:
             return cls(role=role, file=str(data["file"]), form=str(data.get("form", "")),
                        inputs=tuple(TensorSpec.from_dict(t) for t in data.get("inputs", [])),
                        outputs=tuple(TensorSpec.from_dict(t) for t in data.get("outputs", [])),
-                       attention=str(data.get("attention", "standard")), external_data=data.get("external_data"),
+                       attention=str(data.get("attention", "standard")),
+                       experts=_experts_form(role, data.get("experts", expert_forms.LEGACY)),
+                       external_data=data.get("external_data"),
                        bytes=int(data.get("bytes", 0)), sha256=str(data.get("sha256", "")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"manifest.json: the {role} graph entry is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _experts_form(role: str, form: Any) -> str:
+    """A graph entry's ``experts`` (:data:`mla_deploy.expert_forms.FORMS`). Raises: ArtifactError otherwise."""
+    if form not in expert_forms.FORMS:
+        raise ArtifactError(f"manifest.json: the {role} graph's experts must be {' or '.join(expert_forms.FORMS)}, "
+                            f"got {form!r}")
+    return str(form)
 
 
 @dataclass(frozen=True)

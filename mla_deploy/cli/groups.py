@@ -18,6 +18,7 @@ from typing import Any, Callable
 import click
 
 from ..errors import ConfigError, InputError
+from ..expert_forms import EXPERT_FORMS
 from ..io_spec import PRECISIONS
 from ..quant import BLOCK_SIZE_CHOICES, FORMATS, WEIGHTS, parse_block_size, require_quantized
 from ..recipe import MIN_CACHE_LENGTH
@@ -152,6 +153,7 @@ class ExportOverrides:
     weights: str | None = None
     block_size: int | None = None
     quant_format: str | None = None
+    experts: str | None = None
     layers: int | None = None
 
     def apply(self, recipe, from_checkpoint: bool):
@@ -196,7 +198,12 @@ class ExportSettingsArgs(OptionGroup):
             option("--quant-format", type=click.Choice(QUANT_FORMATS),
                    help="How --weights int8/int4 are written: matmulnbits (default; ONNX Runtime's MatMulNBits, "
                         "loads in 1.4x the weights' bytes) or qdq (standard DequantizeLinear -> MatMul, for "
-                        "TensorRT).")]
+                        "TensorRT)."),
+            option("--experts", type=click.Choice(EXPERT_FORMS),
+                   help="Override [export] experts, the routed experts' graph form: fused (one ONNX Runtime "
+                        "MoE/QMoE operator per MoE layer; fp32, ONNX Runtime only), branches (standard ops, one "
+                        "branch per expert; for TensorRT) or auto (default: fused unless the settings are "
+                        "TensorRT's).")]
 
     def parse(self, values: dict[str, Any]) -> ExportOverrides:
         block_size = values.pop("block_size")

@@ -140,16 +140,16 @@ class ArtifactTarget:
         inputs, outputs = layout.io(config, settings.precision)
         return GraphPlan(file, f"{roles}, form {form}", CausalLMGraph(model, layout).eval(), args,
                          decoder_dynamic_shapes(layout, config.num_hidden_layers), inputs, outputs, settings.opset,
-                         decode_checks(config) if decodes else ())
+                         decode_checks(config) if decodes else (), settings.expert_form(config))
 
     def finish(self, tmp: Path, exported: Exported) -> Manifest:
         recipe, settings, layout = self.recipe, self.recipe.export, self.recipe.export.layout
         inputs, outputs = layout.io(recipe.model, settings.precision)
-        graphs = {}
+        graphs, experts = {}, settings.expert_form(recipe.model)
         for role, (file, form, attention) in self.roles().items():
             saved = exported.graphs[file]
             graphs[role] = GraphEntry(role=role, file=file, form=form, inputs=tuple(inputs), outputs=tuple(outputs),
-                                      attention=attention, bytes=saved.bytes, sha256=saved.sha256,
+                                      attention=attention, experts=experts, bytes=saved.bytes, sha256=saved.sha256,
                                       external_data=WEIGHTS_FILE if exported.weights_data is not None else None)
         weights = self.weights
         manifest = Manifest(

@@ -39,6 +39,7 @@ from ..artifact import atomic_dir, sha256_file
 from ..artifact.files import remove_stale
 from ..config import MLAConfig
 from ..errors import ExportError
+from ..expert_forms import BRANCHES
 from ..io_spec import TensorSpec
 from ..model.layers import routed_expert_parameters
 from ..quant import Quantization, pack_int4
@@ -95,6 +96,7 @@ class GraphPlan:
         inputs, outputs: the I/O contract, in graph order.
         opset: the ONNX opset.
         checks: run on the saved graph, in order.
+        experts: the routed experts' graph form (:mod:`mla_deploy.expert_forms`: ``fused`` or ``branches``).
     """
 
     file: str
@@ -106,6 +108,7 @@ class GraphPlan:
     outputs: list[TensorSpec]
     opset: int
     checks: tuple[GraphCheck, ...] = ()
+    experts: str = BRANCHES
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def trace_meta_graph(plan: GraphPlan) -> _Traced:
     wrapper = plan.module
     with torch.no_grad():
         model, placeholders = trace_graph(wrapper, plan.args, plan.inputs, plan.outputs, plan.dynamic_shapes,
-                                          plan.opset, plan.file)
+                                          plan.opset, plan.file, plan.experts)
     parameters = {name for name, _ in wrapper.named_parameters()} | {name for name, _ in wrapper.named_buffers()}
     derived = fold_weight_views(model, placeholders)
     specs = {}

@@ -168,7 +168,8 @@ class GenaiTarget:
         inputs, outputs = GENAI.io(config, settings.precision)
         shapes = cached_dynamic_shapes(GENAI, ({0: BATCH, 1: SEQ},), config.num_hidden_layers)
         return [GraphPlan(GRAPH_FILE, f"onnxruntime-genai, form {settings.decode_form}", GenaiGraph(decoder).eval(),
-                          args, shapes, inputs, outputs, max(settings.opset, GENAI.min_opset), decode_checks(config))]
+                          args, shapes, inputs, outputs, max(settings.opset, GENAI.min_opset), decode_checks(config),
+                          settings.expert_form(config))]
 
     def finish(self, tmp: Path, exported: Exported) -> dict:
         carried = copy_tokenizer_files(self.checkpoint, tmp) if self.checkpoint else None

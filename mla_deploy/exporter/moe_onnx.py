@@ -1,6 +1,19 @@
-"""The routed experts in ONNX: one static branch per expert, standard ops only, and a graph scan for dense MoE.
+"""The routed experts in ONNX, in either graph form of :mod:`mla_deploy.expert_forms`, and a graph scan for dense MoE.
 
-:func:`~mla_deploy.model.layers.moe_experts` (``mla_deploy::moe_experts``) becomes, for ``E`` experts,
+**fused** (:func:`moe_experts_fused_onnx`): one ONNX Runtime ``com.microsoft`` ``MoE`` node per layer (float
+weights; the weight quantization turns it into ``QMoE``, :mod:`mla_deploy.quant.formats`). The routing stays ours
+(greedy, group-limited, ``noaux_tc``: the op receives ``weights [T, k]`` and ``idx [T, k]``). ONNX Runtime's CPU
+``MoE`` has no separate routing-weights input: it takes the top ``k`` of ``softmax(router_probs)`` and, with
+``normalize_routing_weights=1``, weighs expert ``j`` by its softmax value over those ``k``. So the node is given
+``router_probs [T, E] = ScatterElements(-1e30, idx, log(weights))`` (the chosen experts are exactly ``idx``; their
+normalized softmax is ``weights / sum(weights)``) and its output is multiplied by ``sum(weights)`` per token: exact
+to float32 rounding for any positive weights (a weight is floored at 1e-30 before the log; a zero weight adds
+nothing either way). The expert weights: ``down_proj [E, D, I]`` as stored, ``gate_up_proj [E, 2I, D]`` with its
+gate and up rows interleaved (the only SwiGLU layout of the CPU kernels, ``swiglu_fusion=1``), written as
+``Reshape -> Transpose -> Reshape`` of the stacked weight that the export folds into one stored tensor
+(:func:`~.onnx_export.fold_weight_views`).
+
+**branches** (:func:`moe_experts_onnx`): one static branch of standard ONNX ops per expert. For ``E`` experts,
 ``T`` tokens and ``k`` choices per token (``idx [T, k]`` distinct within a row):
 
 * ``mask [T, E] = ScatterElements(zeros, idx, ones, axis=1)`` (float32 0/1, no reduction);
@@ -21,6 +34,8 @@ ScatterElements ``add`` is slow). An empty expert (or ``T = 0``) is a branch of 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Collection
+
+from ..expert_forms import BRANCHES, FORMS, FUSED
 
 if TYPE_CHECKING:
     import onnx
@@ -69,13 +84,68 @@ def _expert(op, tokens_x, gate_up_proj, down_proj, e: int):
     return op.MatMul(op.Mul(op.Mul(gate, op.Sigmoid(gate)), up), down_t)
 
 
-def translation_table() -> dict:
-    """``custom_translation_table`` entries of this module, for ``torch.onnx.export``."""
+MS_DOMAIN = "com.microsoft"
+#: a routing weight's floor before its log (a zero weight adds nothing whichever expert it picks)
+_WEIGHT_FLOOR = 1e-30
+#: router_probs of the experts not chosen: exp(-1e30 - max) is 0 in float32
+_NOT_CHOSEN = -1e30
+
+
+def moe_experts_fused_onnx(x, weights, idx, gate_up_proj, down_proj):
+    """onnxscript translation of :func:`~mla_deploy.model.layers.moe_experts` into one ONNX Runtime
+    ``com.microsoft`` ``MoE`` node (see the module docstring); float32 only.
+
+    Args: x ``[T, D]``; weights ``[T, k]`` float; idx ``[T, k]`` int64; gate_up_proj ``[E, 2I, D]``;
+    down_proj ``[E, D, I]``. Returns: ``[T, D]`` in x's dtype.
+    """
+    import onnxscript
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    experts, rows, hidden = (int(d) for d in gate_up_proj.shape)
+    inter, k = rows // 2, int(idx.shape[1])
+    floor = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[experts]), axis=0),
+                               value=ir.tensor([_NOT_CHOSEN], dtype=ir.DataType.FLOAT))  # [T, E]
+    log_weights = op.Log(op.Max(weights, op.Constant(value_float=_WEIGHT_FLOOR)))  # [T, k]
+    router = op.ScatterElements(floor, idx, log_weights, axis=1)  # [T, E]
+    interleaved = op.Reshape(op.Transpose(op.Reshape(gate_up_proj, op.Constant(value_ints=[experts, 2, inter, hidden])),
+                                          perm=[0, 2, 1, 3]), op.Constant(value_ints=[experts, rows, hidden]))
+    moe = onnxscript.values.Op(onnxscript.values.Opset(MS_DOMAIN, 1), "MoE", _moe_schema())
+    out = moe(x, router, interleaved, None, down_proj, k=k, activation_type="swiglu", swiglu_fusion=1,
+                   normalize_routing_weights=1, activation_alpha=1.0, activation_beta=0.0)  # [T, D]
+    out.shape, out.type = x.shape, x.type
+    return op.Mul(out, op.ReduceSum(weights, op.Constant(value_ints=[1]), keepdims=1))
+
+
+def _moe_schema():
+    """The ``onnx.defs.OpSchema`` of ONNX Runtime's ``com.microsoft`` ``MoE`` (version 1), the inputs and attributes
+    used here; for onnxscript's tracing, not registered with onnx globally."""
+    from onnx.defs import OpSchema
+
+    param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    attrs = {"k": OpSchema.AttrType.INT, "activation_type": OpSchema.AttrType.STRING,
+             "swiglu_fusion": OpSchema.AttrType.INT, "normalize_routing_weights": OpSchema.AttrType.INT,
+             "activation_alpha": OpSchema.AttrType.FLOAT, "activation_beta": OpSchema.AttrType.FLOAT}
+    return OpSchema(
+        "MoE", MS_DOMAIN, 1, "ONNX Runtime's mixture of experts (contrib op).",
+        inputs=[param("input", "T", "[T, D]"), param("router_probs", "T", "[T, E]"),
+                param("fc1_experts_weights", "T", "[E, 2I, D]"),
+                param("fc1_experts_bias", "T", "", param_option=optional),
+                param("fc2_experts_weights", "T", "[E, D, I]")],
+        outputs=[param("output", "T", "[T, D]")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "one float type")],
+        attributes=[OpSchema.Attribute(name, kind, name) for name, kind in attrs.items()])
+
+
+def translation_table(form: str = BRANCHES) -> dict:
+    """``custom_translation_table`` entries of this module for ``torch.onnx.export``: the routed experts in
+    ``form`` (:data:`~mla_deploy.expert_forms.FUSED` or :data:`~mla_deploy.expert_forms.BRANCHES`)."""
     import torch
 
     from ..model import layers  # noqa: F401  (registers mla_deploy::moe_experts)
 
-    return {torch.ops.mla_deploy.moe_experts.default: moe_experts_onnx}
+    assert form in FORMS, form
+    return {torch.ops.mla_deploy.moe_experts.default: moe_experts_fused_onnx if form == FUSED else moe_experts_onnx}
 
 
 #: ops that pass a weight on as a weight (a layout, a dtype, a part, one expert of a stacked tensor, its dequantized
@@ -84,6 +154,8 @@ _WEIGHT_VIEWS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flat
                            "DequantizeLinear", "Slice", "Split", "Concat", "Expand", "Tile"})
 #: ops that select rows of a tensor by indices (or a condition) computed in the graph
 _SELECTIONS = frozenset({"Gather", "GatherND", "Compress"})
+#: ONNX Runtime's operators that route each token to its top-k experts inside (the fused form)
+_ROUTING_OPS = frozenset({"MoE", "QMoE"})
 #: ops whose output holds no token's values, only sizes or constants
 _NO_TOKENS = frozenset({"Constant", "ConstantOfShape", "Shape", "Size", "Range", "EyeLike"})
 _ALL, _SOME = "all", "some"  # a value holds every token's data / only the tokens a selection chose
@@ -100,8 +172,10 @@ def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str
     (transposes, reshapes, one expert of a stacked tensor, dequantization, broadcasts: any of their other inputs
     holding no token) to the nodes that compute with it; one whose other operand holds every token is dense, unless
     the weight was gathered per token on the way (``W[idx]``, a selection at token-computed indices: each token's
-    own experts). Only the expert weights are followed, so an attention product whose shape happens to match an
-    expert's (as many heads as experts, ``kv_lora_rank == moe_intermediate_size``) is not mistaken for one.
+    own experts). ONNX Runtime's ``MoE``/``QMoE`` (the fused form) routes each token inside: it is dense only when
+    its ``k`` is as many as its experts. Only the expert weights are followed, so an attention product whose shape
+    happens to match an expert's (as many heads as experts, ``kv_lora_rank == moe_intermediate_size``) is not
+    mistaken for one.
 
     Args:
         model: the graph (nodes in graph order, as ``onnx.checker`` requires; nested graphs are read for the names
@@ -116,6 +190,7 @@ def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str
         return []
     graph = model.graph
     tokens = _token_states(graph)
+    experts = {init.name: (init.dims[0] if init.dims else 0) for init in graph.initializer}
     # expert-derived value -> (whole | routed: gathered per token, the expert weight it comes from)
     weight = {name: ("whole", name) for name in expert_weights}
     found = []
@@ -130,12 +205,22 @@ def dense_expert_products(model: onnx.ModelProto, expert_weights: Collection[str
             weight.update({out: ("routed", weight[node.input[0]][1]) for out in node.output if out})
         elif derived and node.op_type in _WEIGHT_VIEWS | _SELECTIONS and not by_tokens:
             weight.update({out: weight[node.input[0]] for out in node.output if out})
-        else:
+        elif not _routes_inside(node, experts):
             whole = [weight[name][1] for name in used if weight[name][0] == "whole"]
             every = [name for name in others if tokens.get(name) == _ALL]
             if whole and every:
                 found.append(f"{node.op_type} {node.name or node.output[0]} ({whole[0]} with every token of {every[0]})")
     return found
+
+
+def _routes_inside(node, experts: dict[str, int]) -> bool:
+    """``node`` is ONNX Runtime's ``MoE``/``QMoE``, which runs each token through its top ``k`` experts only, and
+    ``k`` is fewer than its experts (``experts``: an initializer's leading size, the expert count of a stacked
+    weight); ``k`` as many as the experts is every expert for every token."""
+    if node.domain != MS_DOMAIN or node.op_type not in _ROUTING_OPS:
+        return False
+    k = next((a.i for a in node.attribute if a.name == "k"), 1)
+    return k < experts.get(node.input[2], 0)
 
 
 def _token_states(graph) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import logging
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from ..cache_layout import CacheLayout, get_layout
 from ..config import MLAConfig
 from ..errors import ConfigError, ExportError
+from ..expert_forms import BRANCHES
 from ..io_spec import BATCH, CAPACITY, LOGITS, PAST, SEQ, TOTAL, TensorSpec
 
 _TOTAL_ALIASES = ("sequence_length + past_sequence_length", "past_sequence_length + sequence_length")
@@ -72,8 +74,9 @@ def decoder_dynamic_shapes(layout: CacheLayout | str, layers: int) -> tuple:
 
 
 def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                dynamic_shapes, opset: int, label: str):
-    """Export ``module`` called on ``args`` with ``torch.onnx.export(dynamo=True)`` and optimise it.
+                dynamic_shapes, opset: int, label: str, experts: str = BRANCHES):
+    """Export ``module`` called on ``args`` with ``torch.onnx.export(dynamo=True)`` and optimise it; its routed
+    experts in the graph form ``experts`` (:mod:`mla_deploy.expert_forms`, :mod:`.moe_onnx`).
 
     ``module`` may live on the ``meta`` device (``args`` too): its parameters then become *placeholder*
     initializers, with a name, dtype and shape but no data, which the optimiser leaves alone (no constant
@@ -88,7 +91,7 @@ def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], 
     from .moe_onnx import translation_table as moe_translation_table
 
     table = {torch.ops.mla_deploy.tensor_scatter.default: _tensor_scatter_onnx, **translation_table(),
-             **moe_translation_table()}
+             **moe_translation_table(experts)}
     log = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), _quiet_torch_logs():
@@ -138,7 +141,9 @@ def fold_weight_views(model, placeholders: dict) -> dict[str, tuple[str, tuple]]
 
     * ``Transpose(W)`` (the exporter writes ``x @ W.T`` as ``MatMul(x, Transpose(W))``): ``W`` stored transposed;
     * ``Gather(W, i)`` with a constant scalar ``i`` on axis 0 (one expert of a stacked ``[E, ...]`` tensor): the
-      slice stored as its own tensor.
+      slice stored as its own tensor;
+    * ``Reshape(W, shape)`` with a constant ``shape`` of known sizes (the fused experts' interleaved gate and up
+      rows are ``Reshape -> Transpose -> Reshape``): ``W`` stored in that shape.
 
     A placeholder is folded when every node using it is such a view; views of views fold in turn.
 
@@ -160,12 +165,7 @@ def fold_weight_views(model, placeholders: dict) -> dict[str, tuple[str, tuple]]
         if not users or any(v is None for v in views):
             continue
         for node, op in zip(users, views):
-            if op[0] == "perm":
-                shape = [value.shape[p] for p in op[1]]
-                new_name = f"{name}.T" if op[1] == (1, 0) else f"{name}.perm{''.join(map(str, op[1]))}"
-            else:
-                shape = list(value.shape)[1:]
-                new_name = f"{name}.{op[1]}"
+            new_name, shape = _view_of(name, value, op)
             new = placeholders.get(new_name)
             if new is None:
                 new = ir.Value(name=new_name, shape=ir.Shape(shape), type=value.type)
@@ -183,8 +183,20 @@ def fold_weight_views(model, placeholders: dict) -> dict[str, tuple[str, tuple]]
     return derived
 
 
+def _view_of(name: str, value, op: tuple) -> tuple[str, list]:
+    """The name and shape of the view ``op`` of the weight ``name`` (its ``value``): ``W.T``, ``W.perm021``,
+    ``W.3`` (one expert), ``W.shape8x2x32x64``."""
+    if op[0] == "perm":
+        return (f"{name}.T" if op[1] == (1, 0) else f"{name}.perm{''.join(map(str, op[1]))}",
+                [value.shape[p] for p in op[1]])
+    if op[0] == "shape":
+        return f"{name}.shape{'x'.join(map(str, op[1]))}", list(op[1])
+    return f"{name}.{op[1]}", list(value.shape)[1:]
+
+
 def _weight_view(node, value) -> tuple | None:
-    """``("perm", p)`` or ``("index", i)`` when ``node`` is a foldable view of the weight ``value``, else None."""
+    """``("perm", p)``, ``("index", i)`` or ``("shape", s)`` when ``node`` is a foldable view of the weight ``value``,
+    else None."""
     if node.domain not in ("", "ai.onnx") or node.inputs[0] is not value:
         return None
     if node.op_type == "Transpose":
@@ -196,6 +208,11 @@ def _weight_view(node, value) -> tuple | None:
         index = node.inputs[1].const_value if len(node.inputs) > 1 and node.inputs[1] is not None else None
         if (axis is None or axis.value == 0) and index is not None and index.shape.dims == ():
             return ("index", int(index.numpy()))
+    if node.op_type == "Reshape" and node.inputs[1] is not None and node.inputs[1].const_value is not None:
+        shape = tuple(int(d) for d in node.inputs[1].const_value.numpy())
+        known = [int(d) for d in value.shape]
+        if all(d > 0 for d in shape) and math.prod(shape) == math.prod(known):  # no 0 (copy) nor -1 (infer)
+            return ("shape", shape)
     return None
 
 
@@ -229,14 +246,15 @@ def save_graph(model, path: Path, inputs: list[TensorSpec], outputs: list[Tensor
 
 
 def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list[TensorSpec],
-                  outputs: list[TensorSpec], dynamic_shapes, opset: int) -> None:
+                  outputs: list[TensorSpec], dynamic_shapes, opset: int, experts: str = BRANCHES) -> None:
     """Export a module with its weights in memory to one self-contained file ``path`` (weights inline):
-    :func:`trace_graph` then :func:`save_graph`. For small graphs (comparison blocks, the bench's unit).
+    :func:`trace_graph` then :func:`save_graph`, the routed experts in the form ``experts``. For small graphs
+    (comparison blocks, the bench's unit).
 
     Raises:
         ExportError: torch.export or the ONNX translation failed, or the result fails the checks.
     """
-    model, placeholders = trace_graph(module, args, inputs, outputs, dynamic_shapes, opset, path.name)
+    model, placeholders = trace_graph(module, args, inputs, outputs, dynamic_shapes, opset, path.name, experts)
     if placeholders:
         raise ExportError(f"{path.name}: the module has weights on the meta device ({next(iter(placeholders))})")
     save_graph(model, path, inputs, outputs)

@@ -93,7 +93,7 @@ class WeightSpec:
         key: the source's state-dict key (the original form's, e.g. ``...self_attn.kv_b_proj.weight``).
         part: ``w_uk`` or ``w_uv`` to take that half of ``kv_b_proj`` per head; None for the whole tensor.
         ops: views applied in order after ``part``: ``("index", i)`` selects ``tensor[i]`` (one expert of a stacked
-            tensor), ``("perm", p)`` transposes.
+            tensor), ``("perm", p)`` transposes, ``("shape", s)`` reshapes (row-major, as ONNX ``Reshape``).
         quant: what the initializer is of the view (:class:`mla_deploy.quant.WeightPart`): the view itself
             (:data:`~mla_deploy.quant.WHOLE`), or one stored tensor of its quantization (the integers or the scales
             of :func:`mla_deploy.quant.quantize` of the ``[K, N]`` view, in its format's layout).
@@ -113,7 +113,7 @@ class WeightSpec:
         return cls(name)
 
     def then(self, op: tuple) -> "WeightSpec":
-        """This spec followed by the view ``op`` (``("index", i)`` or ``("perm", p)``)."""
+        """This spec followed by the view ``op`` (``("index", i)``, ``("perm", p)`` or ``("shape", s)``)."""
         return WeightSpec(self.key, self.part, (*self.ops, op), self.quant)
 
     @property
@@ -130,7 +130,10 @@ class WeightSpec:
 
             tensor = split_kv_b(tensor, config)[0 if self.part == "w_uk" else 1]
         for kind, arg in self.ops:
-            tensor = tensor[arg] if kind == "index" else tensor.permute(*arg)
+            if kind == "index":
+                tensor = tensor[arg]
+            else:
+                tensor = tensor.reshape(arg) if kind == "shape" else tensor.permute(*arg)
         return tensor
 
 

@@ -13,9 +13,11 @@ asks about it:
   ``matmulnbits`` stores whole blocks (``K`` padded to a multiple of ``B``);
 * TensorRT (:attr:`~WeightFormat.tensorrt`, :meth:`~WeightFormat.require_tensorrt`): builds ``qdq`` (weight-only
   quantization), cannot parse ``matmulnbits``;
-* exact compute (:meth:`~WeightFormat.session`): ``qdq``: the session option
-  ``session.qdq_matmulnbits_accuracy_level``; ``matmulnbits``: the nodes' ``accuracy_level`` rewritten in memory
-  (the files untouched).
+* exact compute (:func:`session`): ``qdq``: the session option ``session.qdq_matmulnbits_accuracy_level``;
+  ``matmulnbits``: the nodes' ``accuracy_level`` rewritten in memory (the files untouched).
+
+The fused experts (:mod:`mla_deploy.expert_forms`) hold their quantized weights in a third layout whatever the
+format, :data:`QMOE`: ONNX Runtime's ``QMoE`` node, the same scheme stacked over the experts (:class:`_QMoE`).
 
 Why two:
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ArtifactError, InputError
+from ..errors import ArtifactError, ExportError, InputError
 from .scheme import WeightQuantization
 
 if TYPE_CHECKING:
@@ -104,10 +106,21 @@ class WeightFormat:
         (bits, block_size)}``."""
         raise NotImplementedError
 
-    def session(self, path: Path, compute: str) -> tuple[str | bytes, dict[str, str]]:
-        """What ONNX Runtime is given to compute the graph at ``path`` in ``compute`` (``int8`` or ``fp32``): the
-        model (its path, or its bytes rewritten) and the session config entries."""
-        raise NotImplementedError
+    def lay_out(self, view: "torch.Tensor", scheme: WeightQuantization) -> tuple:
+        """The stored tensors of the weight ``view`` as the graph consumes it (``[K, N]``, a ``MatMul``'s second
+        input): :func:`~mla_deploy.quant.quantize` then :meth:`layout`."""
+        from .scheme import quantize
+
+        return self.layout(*quantize(view, scheme), scheme)
+
+    def entries(self, level: int) -> dict[str, str]:
+        """The session config entries that make ONNX Runtime compute this format at accuracy ``level``."""
+        return {}
+
+    def rewrite(self, model, level: int) -> bool:
+        """Make the nodes of this format in the ``ModelProto`` ``model`` (loaded without its weights) compute at
+        accuracy ``level``, in place; returns whether anything changed."""
+        return False
 
     def require_tensorrt(self, where: str) -> None:
         """Refuse, naming ``where``, a graph TensorRT cannot parse. Raises: ArtifactError."""
@@ -143,8 +156,8 @@ class _Qdq(WeightFormat):
                 for node in model.graph.node
                 if node.op_type == "DequantizeLinear" and node.domain in ONNX_DOMAINS and node.input[0] in held}
 
-    def session(self, path, compute):
-        return str(path), {QDQ_ACCURACY_ENTRY: str(accuracy_level(compute))}
+    def entries(self, level):
+        return {QDQ_ACCURACY_ENTRY: str(level)}
 
 
 class _MatMulNBits(WeightFormat):
@@ -183,27 +196,47 @@ class _MatMulNBits(WeightFormat):
         return {node.input[1]: (_attributes(node).get("bits", 0), _attributes(node).get("block_size", 0))
                 for node in _nodes(model)}
 
-    def session(self, path, compute):
-        level = accuracy_level(compute)
-        if level == self.written:
-            return str(path), {}
-        import onnx
-
-        model = onnx.load(str(path), load_external_data=False)  # the session reads the weights from path's folder
-        for node in _nodes(model):
-            for attr in node.attribute:
-                if attr.name == "accuracy_level":
-                    attr.i = level
-        return model.SerializeToString(), {EXTERNAL_FOLDER_ENTRY: str(Path(path).parent)}
+    def rewrite(self, model, level):
+        return _set_accuracy_level(_nodes(model), level)
 
     def require_tensorrt(self, where):
         raise ArtifactError(f"{where}'s quantized weights are ONNX Runtime MatMulNBits nodes, which TensorRT cannot "
                             f"parse; export with --quant-format {QDQ.name} for TensorRT")
 
 
-def _nodes(model) -> list:
-    """The graph's ``com.microsoft`` ``MatMulNBits`` nodes."""
-    return [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN]
+def _nodes(model, op_type: str = "MatMulNBits") -> list:
+    """The graph's ``com.microsoft`` ``op_type`` nodes."""
+    return [n for n in model.graph.node if n.op_type == op_type and n.domain == MS_DOMAIN]
+
+
+def _set_accuracy_level(nodes, level: int) -> bool:
+    """Set the ``accuracy_level`` attribute of ``nodes`` (NodeProtos that have it); whether any changed."""
+    changed = False
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.name == "accuracy_level" and attr.i != level:
+                attr.i, changed = level, True
+    return changed
+
+
+def session(fmt: WeightFormat, path: Path, compute: str) -> tuple[str | bytes, dict[str, str]]:
+    """What ONNX Runtime is given to compute the graph at ``path``, its quantized weights in ``fmt`` (the fused
+    experts' in :data:`QMOE`), in ``compute`` (``int8`` or ``fp32``): the model (its path, or its bytes with the
+    nodes rewritten in memory, the files untouched) and the session config entries.
+
+    Raises:
+        InputError: an unknown ``compute``.
+    """
+    level = accuracy_level(compute)
+    entries = fmt.entries(level)
+    if level == COMPUTE[FAST_COMPUTE]:  # what the nodes are written with
+        return str(path), entries
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)  # the session reads the weights from path's folder
+    if not any([f.rewrite(model, level) for f in (fmt, QMOE)]):
+        return str(path), entries
+    return model.SerializeToString(), {**entries, EXTERNAL_FOLDER_ENTRY: str(Path(path).parent)}
 
 
 def _attributes(node) -> dict[str, Any]:
@@ -228,8 +261,141 @@ def matmulnbits_layout(q: "torch.Tensor", scale: "torch.Tensor",
     return u.contiguous(), scale.T.reshape(-1)
 
 
+class _QMoE(WeightFormat):
+    """The fused experts' weights (:mod:`mla_deploy.expert_forms`): ONNX Runtime's ``MoE`` node becomes ``QMoE``.
+
+    Not a ``--quant-format``: whatever the format of the other weights, the stacked expert weights of a ``MoE`` node
+    (``fc1 [E, 2I, D]``, gate and up rows interleaved; ``fc2 [E, D, I]``) are written in ``QMoE``'s layout, each
+    expert as :func:`matmulnbits_layout` (the same blockwise symmetric scheme, zero point ``2^(bits-1)``, int4 low
+    nibble first): ``W.qmoe uint8 [E, N, K*bits/8]`` and ``W.scale [E, N, K/B]``; ``QMoE`` needs ``K`` a multiple of
+    the block size. Its ``accuracy_level`` is written 4 (int8 activations). Exact compute: int4 at level 1 keeps fp32
+    activations; ONNX Runtime 1.31's CPU ``QMoE`` has no fp32 kernel for int8 experts (int8 activations at every
+    level), so an int8 ``QMoE`` becomes, in memory, its weights dequantized in the graph feeding a float ``MoE``.
+    """
+
+    name, ops, parts = "qmoe", "com.microsoft QMoE(accuracy_level=4)", (".qmoe", ".scale")
+    whole_blocks, tensorrt = True, False
+    written = COMPUTE[FAST_COMPUTE]
+    #: the float ``MoE``'s weight inputs -> ``QMoE``'s (the scales follow each)
+    slots = {2: 2, 4: 5}
+
+    def insert(self, model, value, scheme):
+        import onnx_ir as ir
+
+        e, n, k = (int(d) for d in value.shape)
+        if k % scheme.block_size:
+            raise ExportError(f"{value.name}: ONNX Runtime's QMoE needs whole blocks ({k} input features, blocks of "
+                              f"{scheme.block_size}); export with --experts branches or another block size")
+        q = ir.Value(name=value.name + self.parts[0], shape=ir.Shape([e, n, k * scheme.bits // 8]),
+                     type=ir.TensorType(ir.DataType.UINT8))
+        scale = ir.Value(name=value.name + self.parts[1], shape=ir.Shape([e, n, k // scheme.block_size]),
+                         type=value.type)
+        for use in list(value.uses()):
+            node, slot = use.node, use.idx
+            if node.op_type == "MoE":
+                node, slot = self._quantized_node(model, node, scheme), self.slots[slot]
+            node.replace_input_with(slot, q)
+            node.replace_input_with(slot + 1, scale)
+        return [q, scale]
+
+    def _quantized_node(self, model, moe, scheme):
+        """Replace the float ``MoE`` node by a ``QMoE`` over the same inputs (weights in its slots, no scales yet)."""
+        import onnx_ir as ir
+
+        inputs = [None] * 7
+        inputs[:2] = moe.inputs[:2]
+        for old, new in self.slots.items():
+            inputs[new] = moe.inputs[old]
+        attrs = [a for a in moe.attributes.values()] + [
+            ir.AttrInt64("expert_weight_bits", scheme.bits), ir.AttrInt64("block_size", scheme.block_size),
+            ir.AttrInt64("accuracy_level", self.written)]
+        node = ir.Node(MS_DOMAIN, "QMoE", inputs=inputs, num_outputs=1, attributes=attrs, name=moe.name)
+        node.metadata_props.update(moe.metadata_props)  # where it comes from (the module scope)
+        out, old = node.outputs[0], moe.outputs[0]
+        out.shape, out.type, out_name = old.shape, old.type, old.name
+        model.graph.insert_before(moe, node)
+        old.replace_all_uses_with(out, replace_graph_outputs=True)
+        model.graph.remove(moe, safe=True)
+        out.name = out_name
+        return node
+
+    def lay_out(self, view, scheme):
+        """``view [E, N, K]`` (the stacked weight as the ``MoE`` node reads it) -> ``(uint8 [E, N, K*bits/8],
+        scale [E, N, K/B])``."""
+        import torch
+
+        from .scheme import quantize
+
+        parts = [matmulnbits_layout(*quantize(expert.T, scheme), scheme) for expert in view]
+        e, n = view.shape[0], view.shape[1]
+        return (torch.stack([q for q, _ in parts]).reshape(e, n, -1),
+                torch.stack([s for _, s in parts]).reshape(e, n, -1))
+
+    def observe(self, model):
+        found = {}
+        for node in _nodes(model, "QMoE"):
+            attrs = _attributes(node)
+            found.update({node.input[i]: (attrs.get("expert_weight_bits", 4), attrs.get("block_size", 0))
+                          for i in self.slots.values()})
+        return found
+
+    def rewrite(self, model, level):
+        nodes = _nodes(model, "QMoE")
+        int4 = [n for n in nodes if _attributes(n).get("expert_weight_bits", 4) == 4]
+        changed = _set_accuracy_level(int4, level)
+        if level != self.written:
+            for node in [n for n in nodes if n not in int4]:
+                _dequantized_moe(model, node)
+                changed = True
+        return changed
+
+    def require_tensorrt(self, where):
+        raise ArtifactError(f"{where}'s experts are ONNX Runtime QMoE nodes, which TensorRT cannot parse; export with "
+                            f"--experts branches for TensorRT")
+
+
+def _dequantized_moe(model, node) -> None:
+    """Replace the ``QMoE`` NodeProto ``node`` of ``model`` (int8, blocked) by its weights dequantized in the graph
+    (``(float(q) - 128) * scale`` per block, exactly PyTorch's ``q * scale``) feeding a float ``MoE`` with the same
+    routing inputs and attributes."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    dims = {init.name: list(init.dims) for init in model.graph.initializer}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    block, zero = attrs["block_size"], 1 << (attrs.get("expert_weight_bits", 8) - 1)
+    nodes, weights = [], []
+    for slot in _QMoE.slots.values():
+        q, scale, name = node.input[slot], node.input[slot + 1], f"{node.input[slot]}.dequantized"
+        e, n, k = dims[q]
+        consts = {f"{name}.zero": numpy_helper.from_array(np.array(zero, np.float32)),
+                  f"{name}.blocks": numpy_helper.from_array(np.array([e, n, k // block, block], np.int64)),
+                  f"{name}.shape": numpy_helper.from_array(np.array([e, n, k], np.int64)),
+                  f"{name}.axis": numpy_helper.from_array(np.array([-1], np.int64))}
+        for const_name, tensor in consts.items():
+            tensor.name = const_name
+            model.graph.initializer.append(tensor)
+        nodes += [helper.make_node("Cast", [q], [f"{name}.f"], to=onnx.TensorProto.FLOAT),
+                  helper.make_node("Sub", [f"{name}.f", f"{name}.zero"], [f"{name}.c"]),
+                  helper.make_node("Reshape", [f"{name}.c", f"{name}.blocks"], [f"{name}.b"]),
+                  helper.make_node("Unsqueeze", [scale, f"{name}.axis"], [f"{name}.s"]),
+                  helper.make_node("Mul", [f"{name}.b", f"{name}.s"], [f"{name}.m"]),
+                  helper.make_node("Reshape", [f"{name}.m", f"{name}.shape"], [name])]
+        weights.append(name)
+    keep = ("k", "activation_type", "swiglu_fusion", "normalize_routing_weights", "activation_alpha", "activation_beta")
+    nodes.append(helper.make_node("MoE", [node.input[0], node.input[1], weights[0], "", weights[1]], list(node.output),
+                                  name=node.name, domain=MS_DOMAIN, **{k: v for k, v in attrs.items() if k in keep}))
+    at = list(model.graph.node).index(node)
+    model.graph.node.remove(node)
+    for offset, new in enumerate(nodes):
+        model.graph.node.insert(at + offset, new)
+
+
 QDQ = _Qdq()
 MATMULNBITS = _MatMulNBits()
+#: the fused experts' format (no ``--quant-format``: see :class:`_QMoE`)
+QMOE = _QMoE()
 #: every format by name, the default first
 FORMATS = {f.name: f for f in (MATMULNBITS, QDQ)}
 DEFAULT_FORMAT = MATMULNBITS

@@ -11,7 +11,9 @@ way, so the artifact computes with one set of weights. What stays in the float t
   the latent, 2-4% of a layer's weights, which ``MatMulNBits`` does not cover;
 * the MoE router (``mlp.gate``): expert choice is a discontinuous function of its logits.
 
-Each weight is then written in its format (:meth:`~mla_deploy.quant.formats.WeightFormat.insert`).
+Each weight is then written in its format (:meth:`~mla_deploy.quant.formats.WeightFormat.insert`); the stacked
+expert weights of the fused experts' ``MoE`` node (:mod:`mla_deploy.expert_forms`) in :data:`~.formats.QMOE`, which
+turns the node into ``QMoE``.
 :func:`observe_graphs` reads the other way: what an artifact's graph files hold, so the artifact check can compare
 it with the manifest's record.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..errors import ExportError
-from .formats import FORMATS, ONNX_DOMAINS, WeightFormat
+from .formats import FORMATS, MS_DOMAIN, ONNX_DOMAINS, QMOE, WeightFormat
 from .scheme import WeightQuantization
 
 #: the MoE router's weight: kept in the float type (expert choice is discontinuous in its logits)
@@ -57,17 +59,16 @@ class WeightPart:
         Args:
             view: what identifies the weight's view (its spec without the part): the parts of one view are adjacent,
                 so it is quantized and laid out once (kept in ``memo``).
-            compute: ``() -> torch.Tensor``, the view ``[K, N]`` in the source's dtype.
+            compute: ``() -> torch.Tensor``, the view in the source's dtype (``[K, N]``; a fused ``MoE``'s stacked
+                ``[E, N, K]``).
             memo: one view's layout, kept between calls.
             dtype: the ``torch.dtype`` of the initializer (the graph's float type; integers: their own type, int8
                 for ``INT4``, packed when written).
         """
         if self.format is None:
             return compute().to(dtype).contiguous()
-        from .scheme import quantize
-
         if memo.get("view") != view:
-            memo["view"], memo["parts"] = view, self.format.layout(*quantize(compute(), self.scheme), self.scheme)
+            memo["view"], memo["parts"] = view, self.format.lay_out(compute(), self.scheme)
         return memo["parts"][self.index].to(dtype)
 
 
@@ -104,19 +105,30 @@ def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQ
     for model, placeholders, specs in graphs:
         for name in [n for n in placeholders if specs[n].key in chosen]:
             value, spec = placeholders.pop(name), specs.pop(name)
-            for index, new in enumerate(quant_format.insert(model, value, scheme)):
+            fmt = QMOE if _moe_weight(value) else quant_format
+            for index, new in enumerate(fmt.insert(model, value, scheme)):
                 model.graph.initializers.add(new)  # placeholders: their data is bound after the weights are written
                 placeholders[new.name] = new
-                specs[new.name] = dataclasses.replace(spec, quant=WeightPart(scheme, quant_format, index))
+                specs[new.name] = dataclasses.replace(spec, quant=WeightPart(scheme, fmt, index))
             del model.graph.initializers[name]
     return keys
 
 
 def _quantizable(value, spec) -> bool:
-    """A 2-D weight used only as ``MatMul``'s second input, not the router's."""
+    """A 2-D weight used only as ``MatMul``'s second input, not the router's; or a fused ``MoE``'s expert weights."""
     uses = list(value.uses())
-    return (len(value.shape) == 2 and not spec.key.endswith(ROUTER_SUFFIX) and bool(uses)
-            and all(u.node.op_type == "MatMul" and u.node.domain in ONNX_DOMAINS and u.idx == 1 for u in uses))
+    matmul = len(value.shape) == 2 and bool(uses) and all(
+        u.node.op_type == "MatMul" and u.node.domain in ONNX_DOMAINS and u.idx == 1 for u in uses)
+    return not spec.key.endswith(ROUTER_SUFFIX) and (matmul or _moe_weight(value))
+
+
+def _moe_weight(value) -> bool:
+    """A stacked ``[E, N, K]`` weight used only as a weight input of ONNX Runtime's float ``MoE`` (the fused experts),
+    or of the ``QMoE`` that quantizing its other weight made of it."""
+    slots = {"MoE": tuple(QMOE.slots), "QMoE": tuple(QMOE.slots.values())}
+    uses = list(value.uses())
+    return len(value.shape) == 3 and bool(uses) and all(
+        u.node.domain == MS_DOMAIN and u.idx in slots.get(u.node.op_type, ()) for u in uses)
 
 
 @dataclass(frozen=True)
@@ -134,13 +146,22 @@ class GraphQuantization:
         return "; ".join(f"{n} x int{bits} weights in blocks of {block} ({name})"
                          for (name, bits, block), n in sorted(self.held.items())) or "no quantized weights"
 
+    def experts_counted_as(self, name: str) -> "GraphQuantization":
+        """These counts with the fused experts' ``QMoE`` weights (held in :data:`~.formats.QMOE` whatever the
+        format of the others) counted as the format ``name``'s."""
+        held: dict[tuple, int] = {}
+        for (fmt, bits, block), n in self.held.items():
+            key = (name if fmt == QMOE.name else fmt, bits, block)
+            held[key] = held.get(key, 0) + n
+        return GraphQuantization(held)
+
 
 def observe_graphs(models: Iterable) -> GraphQuantization:
     """What ONNX ``ModelProto`` s (loaded without their external weights) hold in each format; a weight shared
     by several graphs (prefill and decode) counts once."""
     seen: dict[str, tuple] = {}
     for model in models:
-        for fmt in FORMATS.values():
+        for fmt in (*FORMATS.values(), QMOE):
             seen.update({name: (fmt.name, *held) for name, held in fmt.observe(model).items()})
     held: dict[tuple, int] = {}
     for kind in seen.values():

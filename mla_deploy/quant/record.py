@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ArtifactError, ConfigError
 from .formats import DEFAULT_FORMAT, FAST_COMPUTE, FORMATS, QDQ, WeightFormat, accuracy_level
+from .formats import session as format_session
 from .graph import GraphQuantization, WeightPart, quantize_graph_weights
 from .scheme import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, fake_quantize
 
@@ -56,7 +57,8 @@ class Quantization:
         weights: ``float``, ``int8`` or ``int4``.
         block_size: input features per scale (None: float).
         keys: the checkpoint tensors held quantized, sorted (an artifact's record; empty otherwise).
-        tensors: the quantized weights in the graphs (each expert of a stacked tensor counts).
+        tensors: the quantized weights in the graphs (each expert of a stacked tensor counts in the branch form; a
+            fused ``QMoE``'s stacked weight counts once).
         bytes: their bytes as stored (integers and scales).
     """
 
@@ -94,6 +96,17 @@ class Quantization:
     def run_info(self) -> dict[str, Any]:
         """What a run reports of the weights: ``{"weights", "quantized_compute"}`` (an engine's default compute)."""
         return {"weights": FLOAT_WEIGHTS, "quantized_compute": None}
+
+    @property
+    def tensorrt_format(self) -> bool:
+        """The weights are quantized in a format written for TensorRT (``qdq``); float weights are not."""
+        return False
+
+    def qmoe_misfit(self, widths: Mapping[str, int]) -> str | None:
+        """Why ONNX Runtime's ``QMoE`` cannot hold experts of these input widths (``{"hidden_size": 2048, ...}``: its
+        blocks must divide each), e.g. ``moe_intermediate_size 32 is not a multiple of 64``; None when it can (float
+        weights: always)."""
+        return None
 
     # the export -----------------------------------------------------------------------------------------------------
     def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None]) -> list[str]:
@@ -199,6 +212,15 @@ class Quantized(Quantization):
     def run_info(self) -> dict[str, Any]:
         return {"weights": self.scheme.to_dict(), "quantized_compute": f"{FAST_COMPUTE} (the engine's default)"}
 
+    @property
+    def tensorrt_format(self) -> bool:
+        return self.format.tensorrt
+
+    def qmoe_misfit(self, widths):
+        ragged = [f"{name} {width}" for name, width in widths.items() if width % self.block_size]
+        verb = "is" if len(ragged) == 1 else "are"
+        return f"{' and '.join(ragged)} {verb} not a multiple of {self.block_size}" if ragged else None
+
     def quantize_graphs(self, graphs, log):
         keys = quantize_graph_weights(graphs, self.scheme, self.format)
         log(f"{self.weights} weights in blocks of {self.block_size}: {len(keys)} checkpoint tensors")
@@ -228,7 +250,10 @@ class Quantized(Quantization):
                 state[key].copy_(fake_quantize(state[key], self.scheme))
 
     def session(self, path, compute):
-        return self.format.session(Path(path), compute)
+        return format_session(self.format, Path(path), compute)
+
+    def disagreement(self, graphs):
+        return super().disagreement(graphs.experts_counted_as(self.format.name))
 
     def require_tensorrt(self, where):
         self.format.require_tensorrt(where)

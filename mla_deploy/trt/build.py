@@ -22,6 +22,7 @@ from typing import Any
 
 from ..artifact import Manifest, atomic_dir, atomic_write_text, load_manifest, now, sha256_file
 from ..errors import ArtifactError, ConfigError, ExportError, RuntimeMissingError
+from ..expert_forms import require_tensorrt as require_experts_for_tensorrt
 from ..recipe import BuildSettings
 from .profiles import engine_profiles, polygraphy_profile, profiles_to_json
 
@@ -191,9 +192,12 @@ def check_buildable(manifest: Manifest, root: Path) -> None:
     """Refuse an artifact TensorRT could never parse, before TensorRT is looked for.
 
     Raises:
-        ArtifactError: its quantized weights are in a format TensorRT cannot parse (ONNX Runtime's ``MatMulNBits``:
-            :attr:`mla_deploy.quant.WeightFormat.tensorrt`).
+        ArtifactError: its routed experts are ONNX Runtime's fused ``MoE``/``QMoE`` operators
+            (:func:`mla_deploy.expert_forms.require_tensorrt`), or its quantized weights are in a format TensorRT
+            cannot parse (ONNX Runtime's ``MatMulNBits``: :attr:`mla_deploy.quant.WeightFormat.tensorrt`).
     """
+    for entry in manifest.graphs.values():
+        require_experts_for_tensorrt(entry.experts, str(root))
     manifest.quantization.require_tensorrt(str(root))
 
 

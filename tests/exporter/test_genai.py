@@ -97,6 +97,7 @@ def test_genai_folder_holds_the_latent_cache_as_two_halves(exported):
     assert list(dims)[:2] == ["input_ids", "attention_mask"]
     assert dims["past_key_values.1.value"] == ["batch_size", 1, "max_cache_length", latent // 2]
     assert "TensorScatter" in {n.op_type for n in graph.node}
+    assert {(n.domain, n.op_type) for n in graph.node} >= {("com.microsoft", "MoE")}  # the experts fused (auto)
     # the cache halves are scored and weighted one by one: no Concat (nor Slice) of cache-sized tensors
     inferred = onnx.shape_inference.infer_shapes(onnx.load(str(folder / "model.onnx"), load_external_data=False))
     shapes = {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
@@ -238,7 +239,7 @@ def test_genai_overwrite_keeps_the_users_files(tmp_path):
 
 
 def test_genai_quantized_export_runs_like_the_artifact(tmp_path_factory, tmp_path):
-    """``--weights int8`` reaches the genai graph too: its MatMulNBits nodes are the artifact's, and genai's
+    """``--weights int8`` reaches the genai graph too: its MatMulNBits and QMoE nodes are the artifact's, and genai's
     greedy tokens equal `mla-deploy run` on the artifact quantized the same way (V2's checkpoint)."""
     import onnx
 
@@ -248,8 +249,8 @@ def test_genai_quantized_export_runs_like_the_artifact(tmp_path_factory, tmp_pat
            CONTEXT, "--weights", "int8"))
     ok(cli("export", "--hf", checkpoint, "--out", tmp_path / "artifact", "--weights", "int8"))
     graphs = [onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False).graph for d in ("genai", "artifact")]
-    counts = [sum(n.op_type == "MatMulNBits" for n in g.node) for g in graphs]  # the default format
-    assert counts[0] == counts[1] > 0
+    counts = [sum(n.op_type in ("MatMulNBits", "QMoE") for n in g.node) for g in graphs]  # the default format
+    assert counts[0] == counts[1] > 0 and all(any(n.op_type == "QMoE" for n in g.node) for g in graphs)
     prompts = [tok(p).input_ids for p in TEXT_PROMPTS]
     record = json.loads(ok(cli("run", tmp_path / "artifact", "--prompt-ids", ",".join(map(str, prompts[1])),
                                "--max-new-tokens", NEW, "--json")))

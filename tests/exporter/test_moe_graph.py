@@ -1,12 +1,14 @@
-"""The routed experts in ONNX: one branch per expert with its own 2-D weights, equal to PyTorch in ONNX Runtime,
-and the export's dense-MoE check (``dense_expert_products``, which follows what the expert weights feed) refuses
-every dense formulation planted in the one export pipeline and passes the sparse ones and attention products shaped
-like an expert's."""
+"""The routed experts in ONNX, in both graph forms: one branch per expert with its own 2-D weights, or one ONNX
+Runtime ``MoE``/``QMoE`` node per layer (fused), each equal to PyTorch in ONNX Runtime and to each other; and the
+export's dense-MoE check (``dense_expert_products``, which follows what the expert weights feed) refuses every dense
+formulation planted in the one export pipeline and passes the sparse ones, the fused node and attention products
+shaped like an expert's."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +56,7 @@ class _Experts(torch.nn.Module):
         return self.experts(x, weights, idx, self.gate_up_proj, self.down_proj)
 
 
-def _export_experts(module: torch.nn.Module, path: Path, config) -> Path:
+def _export_experts(module: torch.nn.Module, path: Path, config, experts: str = "branches") -> Path:
     from torch.export import Dim
 
     d = config.hidden_size
@@ -64,7 +66,7 @@ def _export_experts(module: torch.nn.Module, path: Path, config) -> Path:
     args = _inputs(config, 5, seed=0)
     with torch.no_grad():
         trace_to_onnx(module.eval(), args, path, inputs, [TensorSpec("y", "float32", (TOKENS, d))],
-                      ({0: tokens}, {0: tokens}, {0: tokens}), 24)
+                      ({0: tokens}, {0: tokens}, {0: tokens}), 24, experts)
     return path
 
 
@@ -77,14 +79,14 @@ def _inputs(config, tokens: int, seed: int, idx=None):
     return x, torch.rand(tokens, K, generator=gen), idx.reshape(tokens, K)
 
 
-@pytest.fixture(scope="module")
-def sparse(tmp_path_factory):
-    """The sparse experts module and an ONNX Runtime session of its export (2 threads)."""
+@pytest.fixture(scope="module", params=["branches", "fused"])
+def sparse(request, tmp_path_factory):
+    """The sparse experts module and an ONNX Runtime session of its export in each graph form (2 threads)."""
     from mla_deploy.engines.ort_engine import open_session
 
     config = _config()
     module = _Experts(config)
-    path = _export_experts(module, tmp_path_factory.mktemp("moe") / "experts.onnx", config)
+    path = _export_experts(module, tmp_path_factory.mktemp("moe") / "experts.onnx", config, request.param)
     return module, open_session(path, threads=2)
 
 
@@ -127,6 +129,48 @@ def test_each_expert_is_one_branch_of_standard_ops(tmp_path):
     assert ops.count("ScatterElements") == 1 and set(reductions) <= {b"none"}  # the mask only, no scatter-add
 
 
+def test_the_fused_experts_are_one_moe_node(tmp_path):
+    """One ONNX Runtime MoE node reading the stacked weights (gate and up rows interleaved), a few standard ops
+    around it to hand it our routing, no per-expert branch."""
+    model = onnx.load(str(_export_experts(_Experts(_config()), tmp_path / "e.onnx", _config(), "fused")))
+    ops = [(n.domain, n.op_type) for n in model.graph.node]
+    assert ops.count(("com.microsoft", "MoE")) == 1 and len(ops) <= 14 and ("", "NonZero") not in ops
+    [moe] = [n for n in model.graph.node if n.op_type == "MoE"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in moe.attribute}
+    assert (attrs["k"], attrs["activation_type"], attrs["swiglu_fusion"], attrs["normalize_routing_weights"]) == (
+        K, b"swiglu", 1, 1)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4", "int8"])
+def test_fused_equals_branches_in_exact_compute(tmp_path, weights):
+    """Through the export pipeline (float, and quantized: QMoE against MatMulNBits branches), both computing in fp32
+    with the same (dequantized) weights: equal within 1e-5, although the fused kernel sums the experts in another
+    order. int8 activations (the engines' default) are farther off, not equal. The export's dense-MoE check passes
+    the fused node (it routes each token inside)."""
+    import onnxruntime as ort
+
+    config = _config()
+    x, w, idx = _inputs(config, 17, seed=5)
+    feeds = {"x": x.numpy(), "weights": w.numpy(), "idx": idx.numpy()}
+    got = {}
+    for experts in ("branches", "fused"):
+        graph = _export_planted("sparse-branches", tmp_path / experts, weights, experts=experts).graphs["experts.onnx"]
+        quantization = tiny_recipe(weights=weights).export.quantization
+        fused = [n.op_type for n in graph.proto.graph.node if n.domain == "com.microsoft" and "MoE" in n.op_type]
+        assert fused == ([] if experts == "branches" else ["MoE" if weights == "float" else "QMoE"])
+        assert dense_expert_products(graph.proto, graph.experts) == []  # the fused node routes inside
+        for compute in ("fp32", "int8"):
+            model, entries = quantization.session(tmp_path / experts / "experts.onnx", compute)
+            options = ort.SessionOptions()
+            for key, value in entries.items():
+                options.add_session_config_entry(key, value)
+            session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+            got[experts, compute] = torch.from_numpy(session.run(None, feeds)[0])
+    assert rel_err(got["fused", "fp32"], got["branches", "fp32"]) <= TOL
+    if weights != "float":
+        assert rel_err(got["fused", "int8"], got["branches", "fp32"]) > 10 * TOL
+
+
 def test_the_full_moe_layer_equals_pytorch_in_onnx_runtime(tmp_path):
     """Router, routed experts and shared expert together, exported with their weights, at 17 tokens."""
     from torch.export import Dim
@@ -152,9 +196,10 @@ def test_the_full_moe_layer_equals_pytorch_in_onnx_runtime(tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_artifact(tmp_path_factory) -> Path:
-    """The tiny MoE model exported by ``export_recipe`` (traced on the meta device, weights streamed)."""
+    """The tiny MoE model exported by ``export_recipe`` in the branch form (traced on the meta device, weights
+    streamed)."""
     out = tmp_path_factory.mktemp("moe-artifact") / "art"
-    export_recipe(tiny_recipe().replace(model=_config()), out)
+    export_recipe(tiny_recipe(experts="branches").replace(model=_config()), out)
     return out
 
 
@@ -178,6 +223,81 @@ def test_exported_decode_graph_computes_experts_on_their_tokens_with_per_expert_
     for role in ("prefill", "decode"):
         graph = check_onnx_file(moe_artifact / manifest.graph(role).file)
         assert dense_expert_products(graph, experts) == [], role
+
+
+#: artifacts of the fused form over each routing method: (routing, weights, quant_format, decoder layers)
+FUSED = {"v2-greedy-float": ({"topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+                              "routed_scaling_factor": 1.0}, "float", "matmulnbits", 2),
+         "v2-group-limited-int4": ({"topk_method": "group_limited_greedy", "scoring_func": "softmax"}, "int4",
+                                   "matmulnbits", 2),
+         "v3-noaux-tc-int8-qdq": ({}, "int8", "qdq", 2)}
+
+
+@pytest.fixture(scope="module", params=list(FUSED))
+def fused_artifact(request, tmp_path_factory) -> Path:
+    """The tiny MoE model (one graph for prefill and decode) with its experts fused, over each routing method and
+    weight type (the qdq case asks for the fused form; ``auto`` gives it in the others)."""
+    routing, weights, quant_format, layers = FUSED[request.param]
+    recipe = tiny_recipe("concat", prefill_form="A_CC", weights=weights, quant_format=quant_format,
+                         experts="fused" if quant_format == "qdq" else "auto")
+    out = tmp_path_factory.mktemp("fused") / "art"
+    export_recipe(recipe.replace(model=_config().replace(num_hidden_layers=layers, **routing)), out)
+    return out
+
+
+def test_the_fused_artifact_holds_one_operator_per_moe_layer(fused_artifact):
+    """Recorded per graph; one MoE (float) or QMoE node per MoE layer and at most 12 nodes for a layer's experts
+    (the branch form: about 11 per expert); the dense-MoE check passes it."""
+    from mla_deploy.artifact import load_manifest
+
+    manifest = load_manifest(fused_artifact)
+    entry = manifest.graph("decode")
+    assert entry.experts == "fused" and json.loads((fused_artifact / "manifest.json").read_text())["graphs"][
+        "decode"]["experts"] == "fused"
+    graph = check_onnx_file(fused_artifact / entry.file)
+    moe_layers = range(manifest.config.first_k_dense_replace, manifest.config.num_hidden_layers)
+    fused = [n for n in graph.graph.node if n.domain == "com.microsoft" and n.op_type in ("MoE", "QMoE")]
+    op = "MoE" if manifest.quantization.weights == "float" else "QMoE"
+    assert [n.op_type for n in fused] == [op] * len(moe_layers)
+    for layer in moe_layers:
+        scope = f"model.model.layers.{layer}.mlp.experts"
+        assert 1 <= sum(scope in _namespace(n) for n in graph.graph.node) <= 12
+    experts = [i.name for i in graph.graph.initializer if ".mlp.experts." in i.name]
+    assert experts and dense_expert_products(graph, experts) == []
+
+
+def _namespace(node) -> str:
+    """The module scope the exporter recorded for ``node``."""
+    return next((p.value for p in node.metadata_props if p.key == "namespace"), "")
+
+
+def test_the_fused_artifact_equals_pytorch(fused_artifact):
+    """Prefill and a decode step, fp32 compute on the (dequantized) weights, against PyTorch with the same weights."""
+    from mla_deploy.artifact import load_manifest
+    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.validate.reference import load_reference_model
+
+    manifest = load_manifest(fused_artifact)
+    ids = torch.randint(0, manifest.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(10).expand(2, 10)
+    engine = OrtEngine(fused_artifact, threads=1, quantized_compute="fp32")
+    state = engine.new_state(2)
+    prefill = engine.forward("prefill", ids[:, :9].numpy(), pos[:, :9].numpy(), state)["logits"]
+    decode = engine.forward("decode", ids[:, 9:].numpy(), pos[:, 9:].numpy(), state)["logits"]
+    model = load_reference_model(fused_artifact, manifest, quantized=manifest.quantization.quantized)
+    with torch.no_grad():
+        want = model(ids, pos, model.empty_cache(2, 0))[0]
+    got = torch.from_numpy(np.concatenate([prefill, decode], axis=1))
+    assert rel_err(got, want) <= TOL
+
+
+def test_tensorrt_build_refuses_the_fused_form_in_one_line(fused_artifact):
+    """Before TensorRT is looked for: its parser cannot read ONNX Runtime's MoE/QMoE."""
+    from cli_run import cli
+
+    result = cli("build", str(fused_artifact))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "MoE/QMoE operators, which TensorRT cannot parse; re-export with --experts branches" in result.stderr
 
 
 def _gathered_experts(x, weights, idx, gate_up_proj, down_proj):
@@ -231,6 +351,7 @@ class _ExpertsTarget:
     quantization: object = None
     quant_format: str = "matmulnbits"
     external_data_threshold: int = 1 << 30
+    experts: str = "branches"
 
     def prepare(self, out, overwrite):
         return []
@@ -244,17 +365,18 @@ class _ExpertsTarget:
         args = tuple(a.to("meta") for a in _inputs(self.config, 5, seed=0))
         module = copy.deepcopy(self.module).to("meta").eval()
         return [GraphPlan("experts.onnx", "planted experts", module, args, ({0: tokens},) * 3, inputs,
-                          [TensorSpec("y", "float32", (TOKENS, d))], 24, (refuse_dense_experts,))]
+                          [TensorSpec("y", "float32", (TOKENS, d))], 24, (refuse_dense_experts,), self.experts)]
 
     def finish(self, tmp, exported):
         return exported
 
 
-def _export_planted(form: str, out: Path, weights: str = "float", quant_format: str = "matmulnbits"):
+def _export_planted(form: str, out: Path, weights: str = "float", quant_format: str = "matmulnbits",
+                    experts: str = "branches"):
     config = _config()
     module = _PlantedExperts(config, form)
-    scheme = tiny_recipe(weights=weights).export.quantization
-    target = _ExpertsTarget(module, config, scheme, quant_format)
+    scheme = tiny_recipe(weights=weights, quant_format=quant_format).export.quantization
+    target = _ExpertsTarget(module, config, scheme, quant_format, experts=experts)
     return run_export(target, out, ModuleTensors(module))
 
 
@@ -310,6 +432,23 @@ def test_the_scan_follows_expert_weights_not_shapes():
     routed.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat"))
     assert dense_expert_products(routed, ["expert"]) == []
     assert dense_expert_products(routed, []) == []  # no expert weights: nothing to follow
+
+
+def test_a_fused_node_is_dense_when_it_takes_every_expert():
+    """ONNX Runtime's MoE with k fewer than its experts routes inside (passes); with k = E it runs every expert on
+    every token (refused)."""
+    from onnx import TensorProto, helper
+
+    def graph(k):
+        inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in (("x", 8), ("probs", 4))]
+        moe = helper.make_node("MoE", ["x", "probs", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=k)
+        inits = [helper.make_tensor(n, TensorProto.FLOAT, dims, [0.0] * int(np.prod(dims)))
+                 for n, dims in (("fc1", [4, 16, 8]), ("fc2", [4, 8, 8]))]
+        return helper.make_model(helper.make_graph(
+            [moe], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits))
+
+    assert dense_expert_products(graph(2), ["fc1", "fc2"]) == []
+    assert dense_expert_products(graph(4), ["fc1", "fc2"]) == ["MoE y (fc1 with every token of x)"]
 
 
 def test_export_refuses_a_dense_moe_and_exports_heads_equal_to_experts(tmp_path, monkeypatch):

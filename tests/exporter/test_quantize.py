@@ -1,10 +1,13 @@
 """Quantized exports: every MatMul weight but the router's as a blocked DequantizeLinear (``qdq``, fused by ONNX
 Runtime into MatMulNBits: the optimized graph holds no DequantizeLinear) or as ONNX Runtime's own MatMulNBits
-(``matmulnbits``); the same numbers as PyTorch with the same dequantized weights; the manifest's record."""
+(``matmulnbits``), and the fused experts' stacked weights as QMoE (the ``matmulnbits`` int4 case: ``auto`` makes
+the fused form there, the branch form for ``qdq`` and for blocks of 128 wider than the experts); the same numbers
+as PyTorch with the same dequantized weights; the manifest's record."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 
 import numpy as np
@@ -64,7 +67,9 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
             assert scale.data_type == onnx.TensorProto.FLOAT and scale.dims[0] == -(-q.dims[0] // block)
     else:
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        assert len(nbits) == record.tensors and not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        qmoe = _check_qmoe(model, weights, block, manifest.graph("decode").experts == "fused")
+        assert len(nbits) + 2 * len(qmoe) == record.tensors
+        assert not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
         for node in nbits:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (int(weights[3:]), block, 4)
@@ -79,6 +84,23 @@ def test_every_matmul_weight_but_the_router_is_quantized(quantized):
     assert not [k for k in keys if "embed" in k or "norm" in k or k.endswith("mlp.gate.weight") or "kv_b" in k]
     float_inits = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
     assert any("embed_tokens" in i.name for i in float_inits) and any("mlp.gate" in i.name for i in float_inits)
+
+
+def _check_qmoe(model, weights: str, block: int, fused: bool) -> list:
+    """The QMoE nodes of an artifact (one per MoE layer when the manifest says ``fused``, else none) and their
+    layout: ``uint8 [E, N, K*bits/8]`` and scales ``[E, N, K/block]``."""
+    qmoe = [n for n in model.graph.node if n.op_type == "QMoE"]
+    assert len(qmoe) == (1 if fused else 0)
+    inits = {i.name: list(i.dims) for i in model.graph.initializer}
+    bits = int(weights[3:])
+    for node in qmoe:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["expert_weight_bits"], attrs["block_size"], attrs["accuracy_level"], attrs["swiglu_fusion"]) == (
+            bits, block, 4, 1)
+        for slot, (n, k) in ((2, (64, 64)), (5, (64, 32))):  # fc1 [E, 2I, D], fc2 [E, D, I]
+            assert inits[node.input[slot]] == [8, n, k * bits // 8]
+            assert inits[node.input[slot + 1]] == [8, n, k // block]
+    return qmoe
 
 
 @pytest.mark.parametrize("compute", ["int8", "fp32"])
@@ -134,7 +156,10 @@ def test_tensorrt_build_refuses_matmulnbits_in_one_line(quantized):
         pytest.skip("qdq artifacts are TensorRT's format")
     result = cli("build", str(out))
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
-    assert "MatMulNBits nodes, which TensorRT cannot parse; export with --quant-format qdq" in result.stderr
+    if load_manifest(out).graph("decode").experts == "fused":  # said first: the experts
+        assert "MoE/QMoE operators, which TensorRT cannot parse; re-export with --experts branches" in result.stderr
+    else:
+        assert "MatMulNBits nodes, which TensorRT cannot parse; export with --quant-format qdq" in result.stderr
 
 
 def test_quant_format_without_quantized_weights_is_one_line(tmp_path):
@@ -154,7 +179,12 @@ def test_the_record_describes_the_graphs_and_their_bytes(quantized):
     record = manifest.quantization
     graphs = observe_graphs(onnx.load(str(out / g.file), load_external_data=False) for g in manifest.graphs.values())
     assert record.disagreement(graphs) is None
-    assert graphs.held == {(record.format.name, int(record.weights[3:]), record.block_size): record.tensors}
+    kind = (int(record.weights[3:]), record.block_size)
+    fused = manifest.graph("decode").experts == "fused"
+    assert (("qmoe", *kind) in graphs.held) == fused  # the fused experts' weights, whatever the format
+    assert graphs.experts_counted_as(record.format.name).held == {(record.format.name, *kind): record.tensors}
+    edited = dataclasses.replace(graphs, held={**graphs.held, (record.format.name, *kind): 1})
+    assert "its quantization record says" in record.disagreement(edited)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in MLAForCausalLM(manifest.config, "CC").state_dict().items()}
     assert record.quantized_nbytes(shapes, 4) == record.bytes

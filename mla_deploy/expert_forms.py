@@ -1,0 +1,73 @@
+"""The routed experts' graph forms: the one place that knows what ``[export] experts`` / ``--experts`` mean.
+
+* ``fused``: one ONNX Runtime ``com.microsoft`` operator per MoE layer, ``MoE`` for float weights and ``QMoE`` for
+  int8/int4 (:func:`mla_deploy.exporter.moe_onnx.moe_experts_fused_onnx`). ONNX Runtime only (TensorRT cannot parse
+  it), fp32 only (the routing weights go through a log, too coarse in fp16; the CPU kernels have no bf16);
+* ``branches``: one static branch of standard ONNX ops per expert
+  (:func:`mla_deploy.exporter.moe_onnx.moe_experts_onnx`), which TensorRT builds;
+* ``auto`` (the default): ``fused`` unless the settings are TensorRT's or fused cannot run them (precision other
+  than fp32, the TensorRT decode plugin, quantized weights in the ``qdq`` format): :func:`resolve`.
+
+Manifests written before the choice existed hold the branch form (:data:`LEGACY`). This module is cheap to import
+(no torch, no onnx), so the recipe and the command line take their choices from it.
+"""
+
+from __future__ import annotations
+
+from .errors import ArtifactError, ConfigError
+
+FUSED, BRANCHES, AUTO = "fused", "branches", "auto"
+#: the forms a graph holds
+FORMS = (FUSED, BRANCHES)
+#: ``--experts`` / ``[export] experts``: a form, or ``auto``
+EXPERT_FORMS = (AUTO, *FORMS)
+DEFAULT = AUTO
+#: the form of a manifest's graph entry that does not say (written before the choice existed)
+LEGACY = BRANCHES
+#: the precisions the fused form is exported in
+FUSED_PRECISIONS = ("fp32",)
+
+
+def resolve(form: str, precision: str, plugin: bool, tensorrt_weights: bool, blocks: str | None = None) -> str:
+    """The form a graph is exported in: ``form``, or for ``auto`` the fused form unless the settings ask for
+    TensorRT (``plugin``: its decode plugin; ``tensorrt_weights``: weights quantized in a format written for it,
+    ``qdq``), ``precision`` is not fp32, or ``blocks`` says why the quantization blocks do not fit ``QMoE``.
+
+    Args:
+        blocks: None, or why ``QMoE`` cannot hold the experts quantized (its blocks must divide both the hidden and
+            the expert width): ``hidden_size 64 and moe_intermediate_size 32 are not multiples of 64``.
+    Raises:
+        ConfigError: see :func:`check`; or ``fused`` asked for with ``blocks`` given.
+    """
+    check(form, precision, "[export] experts")
+    if form == FUSED and blocks:
+        raise ConfigError(f"[export] experts = \"{FUSED}\": ONNX Runtime's QMoE needs whole blocks, and {blocks}; "
+                          f"use {BRANCHES} or another block size")
+    if form != AUTO:
+        return form
+    for_tensorrt = plugin or tensorrt_weights
+    return FUSED if precision in FUSED_PRECISIONS and not for_tensorrt and not blocks else BRANCHES
+
+
+def check(form: str, precision: str, where: str) -> None:
+    """Refuse an unknown form, or the fused form in a precision its kernels do not run.
+
+    Raises:
+        ConfigError: one line naming ``where`` (``[export] experts``).
+    """
+    if form not in EXPERT_FORMS:
+        raise ConfigError(f"{where} must be {', '.join(EXPERT_FORMS)}, got {form!r}")
+    if form == FUSED and precision not in FUSED_PRECISIONS:
+        raise ConfigError(f"{where} = \"{FUSED}\" needs precision {' or '.join(FUSED_PRECISIONS)} (ONNX Runtime's "
+                          f"MoE/QMoE kernels), got {precision}; use {BRANCHES}")
+
+
+def require_tensorrt(form: str, where: str) -> None:
+    """Refuse a graph whose experts TensorRT cannot parse.
+
+    Raises:
+        ArtifactError: ``where``'s experts are fused ONNX Runtime operators; re-export with ``--experts branches``.
+    """
+    if form == FUSED:
+        raise ArtifactError(f"{where}'s routed experts are ONNX Runtime MoE/QMoE operators, which TensorRT cannot "
+                            f"parse; re-export with --experts {BRANCHES}")
