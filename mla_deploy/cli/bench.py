@@ -160,6 +160,9 @@ def attention(preset, recipe, out, **options):
 @seed_option("Seed of the prompts and of a preset's random checkpoint.", default=0)
 @click.option("--transformers/--no-transformers", default=True, show_default=True,
               help="Also time transformers' own model on the same checkpoint.")
+@click.option("--engine/--no-engine", default=True, show_default=True,
+              help="Run the artifact's CPU engine (mla-deploy build ARTIFACT --target cpu) when it has one; "
+                   "--no-engine: its source graphs.")
 @click.option("--weights", metavar="LIST",
               help="With --hf, --preset or --recipe: comma list of float, int8, int4; each is exported (OUT/artifact, "
                    "OUT/artifact-int8, ...) and timed, quantized rows beside the float one [default: float].")

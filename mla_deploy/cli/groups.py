@@ -211,6 +211,8 @@ class Runtime:
 
     provider: str = "cpu"
     threads: int | None = None
+    #: open the artifact's pre-built CPU engine when it has one (``--no-engine``: the source graphs)
+    use_engine: bool = True
 
 
 def threads_help(what: str) -> str:
@@ -226,10 +228,14 @@ class RuntimeArgs(OptionGroup):
     def options(self) -> list[Option]:
         return [option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
                        help="ONNX Runtime execution provider."),
-                option("--threads", type=Threads(), help=threads_help("ONNX Runtime intra-op threads"))]
+                option("--threads", type=Threads(), help=threads_help("ONNX Runtime intra-op threads")),
+                option("--no-engine", "no_engine", is_flag=True,
+                       help="Open the source graphs even when ARTIFACT/cpu holds an engine built by `mla-deploy build "
+                            "ARTIFACT --target cpu` (used by default on the CPU provider; a stale one is refused).")]
 
     def parse(self, values: dict[str, Any]) -> Runtime:
-        return Runtime(**values)
+        no_engine = values.pop("no_engine")
+        return Runtime(**values, use_engine=not no_engine)
 
 
 # --- progress lines ----------------------------------------------------------------------------------------------

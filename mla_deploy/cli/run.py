@@ -28,7 +28,7 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
 
     tokenizer = load_tokenizer(artifact)
     ids = _prompt_ids(prompts, tokenizer, artifact)
-    engine = OrtEngine(artifact, provider=runtime.provider, threads=runtime.threads)
+    engine = OrtEngine(artifact, provider=runtime.provider, threads=runtime.threads, use_engine=runtime.use_engine)
     warning = check_positions(engine.config, max((len(p) for p in ids), default=0), max_new_tokens, allow_long)
     if warning:
         click.echo(f"mla-deploy: warning: {warning}", err=True)
@@ -58,8 +58,8 @@ def _prompt_ids(prompts: Prompts, tokenizer, artifact) -> list[list[int]]:
 def _print_timings(result, info: dict, from_text: bool) -> None:
     """The timings line (on stderr after text; the sequences were printed by :func:`.live.generate_and_show`)."""
     per_sequence = ", ".join(f"{t:.1f}" for t in result.sequence_tokens_per_second)
-    click.echo(f"provider {result.provider}; {info['precision']}, {info['cache_mode']} cache; batch "
-               f"{len(result.tokens)}; time to first token {result.prefill_seconds * 1e3:.1f} ms; decode "
+    click.echo(f"provider {result.provider} ({info['graphs']}); {info['precision']}, {info['cache_mode']} cache; "
+               f"batch {len(result.tokens)}; time to first token {result.prefill_seconds * 1e3:.1f} ms; decode "
                f"{result.tokens_per_second:.1f} tokens/s for the batch, {per_sequence} tokens/s per sequence "
                f"({result.decode_steps} steps)", err=from_text)
 
@@ -76,7 +76,8 @@ def _run_record(result, info: dict, prompts: list[list[int]], texts, sampling) -
         if texts is not None:
             record["text"] = texts[i]
         sequences.append(record)
-    return {"provider": result.provider, "precision": info["precision"], "cache_mode": info["cache_mode"],
+    return {"provider": result.provider, "graphs": info["graphs"], "precision": info["precision"],
+            "cache_mode": info["cache_mode"],
             "sampling": dataclasses.asdict(sampling), "sequences": sequences,
             "timings": {"time_to_first_token_s": result.prefill_seconds, "decode_s": result.decode_seconds,
                         "decode_steps": result.decode_steps,

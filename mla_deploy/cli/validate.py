@@ -28,10 +28,11 @@ def validate(artifact_dir, steps, out, load_results, runtime: Runtime, with_trt,
     its thresholds), 1 otherwise."""
     import time
 
-    from ..validate import validate_artifact
+    from ..validate import ValidateOptions, validate_artifact
 
     result = validate_artifact(artifact_dir, out_dir=out, steps=steps, load_results=load_results,
                                runtimes=("onnxrt", "tensorrt") if with_trt else ("onnxrt",),
                                provider=runtime.provider, threads=runtime.threads,
+                               options=ValidateOptions(use_engine=runtime.use_engine),
                                log=progress.log(time.perf_counter()))
     report_validation(result)

@@ -124,6 +124,9 @@ class ValidateOptions:
         write_reports: write the files (``False``: only return the result).
         raise_on_failure: raise :class:`AccuracyError` (after writing the reports) when an output fails.
         quiet: keep Polygraphy's per-iteration logging off.
+        use_engine: ONNX Runtime on the CPU runs the artifact's pre-built CPU engine (``ARTIFACT/cpu``) where the
+            fast compute is compared (float weights; quantized: as deployed), when it has one; the exact compute of
+            quantized weights always runs the source graphs. False: the source graphs everywhere.
     """
 
     tolerance: Tolerance | dict[str, Tolerance] | None = None
@@ -132,6 +135,7 @@ class ValidateOptions:
     write_reports: bool = True
     raise_on_failure: bool = False
     quiet: bool = True
+    use_engine: bool = True
 
 
 def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = None, steps: int | None = None, *,
@@ -273,12 +277,14 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     log(f"loading {', '.join(runtimes)} ...")
     engines = []
     if "onnxrt" in runtimes:  # quantized weights: exact float32 products, the graph's own error only
-        engines.append(OrtRunner(root, provider=provider, threads=threads, **cost.exact))
+        engines.append(OrtRunner(root, provider=provider, threads=threads, use_engine=options.use_engine,
+                                 **cost.exact))
     if "tensorrt" in runtimes:
         engines.append(trt_runner(root))
     log("loading the PyTorch reference ...")
     # quantized weights add their cost: as deployed against the unquantized original
-    runners = [TorchRunner.from_artifact(root, manifest), *engines, *cost.runners_for(root, manifest, provider, threads)]
+    runners = [TorchRunner.from_artifact(root, manifest), *engines, *cost.runners_for(root, manifest, provider, threads,
+                                                                                  options.use_engine)]
     loader = TrajectoryLoader(trajectory)
     log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(options.quiet):

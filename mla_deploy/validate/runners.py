@@ -186,13 +186,15 @@ class OrtRunner(EngineRunner):
         name: runner name (default ``onnxrt``).
         quantized_compute: quantized weights' arithmetic, ``int8`` or ``fp32`` (exact; see
             :func:`~mla_deploy.engines.ort_engine.open_session`).
+        use_engine: open the artifact's pre-built CPU engine where :class:`OrtEngine` would (CPU, ``int8``).
     """
 
     def __init__(self, artifact_dir: str | Path, provider: str = "cpu", threads: int | None = None,
-                 name: str = "onnxrt", quantized_compute: str = FAST_COMPUTE):
+                 name: str = "onnxrt", quantized_compute: str = FAST_COMPUTE, use_engine: bool = True):
         from ..engines.ort_engine import OrtEngine
 
-        engine = OrtEngine(artifact_dir, provider=provider, threads=threads, quantized_compute=quantized_compute)
+        engine = OrtEngine(artifact_dir, provider=provider, threads=threads, quantized_compute=quantized_compute,
+                           use_engine=use_engine)
         super().__init__(engine, name, engine.provider, prefix="onnxrt-runner")
 
 

@@ -423,7 +423,9 @@ def _notes(report: dict) -> list[str]:
         if not info["available"]:
             lines.append(f"{path}: not available ({info['reason']})")
         elif info.get("peak_rss_bytes"):
-            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s; peak RSS {format_bytes(info['peak_rss_bytes'])}")
+            graphs = (info.get("runtime") or {}).get("graphs")
+            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s{f' ({graphs})' if graphs else ''}; peak RSS "
+                         f"{format_bytes(info['peak_rss_bytes'])}")
     return lines + [_routing_line(report)] + [line for line in [_agreement_line(report)] if line]
 
 

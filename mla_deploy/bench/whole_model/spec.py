@@ -60,6 +60,8 @@ class WholeModelSpec:
             as exported).
         block_size: input features per scale of the quantized ones (None: the exporter's default, 32).
         transformers: also time transformers' own model (when it can run).
+        engine: run an artifact's pre-built CPU engine (``mla-deploy build ARTIFACT --target cpu``) when it has one
+            (False: its source graphs).
         probe_mib: size of the read-bandwidth probe buffer.
         memory_fraction: a path or point runs only if its estimated memory is below this fraction of the
             available memory.
@@ -78,6 +80,7 @@ class WholeModelSpec:
     weights: tuple[str, ...] = (FLOAT.weights,)
     block_size: int | None = None
     transformers: bool = True
+    engine: bool = True
     probe_mib: int = 512
     memory_fraction: float = 0.8
 

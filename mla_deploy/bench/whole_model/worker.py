@@ -53,10 +53,11 @@ class OursPath:
     def __init__(self, job: dict, spec: WholeModelSpec):
         from ...engines import OrtEngine
 
-        self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"])
+        self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"], use_engine=spec.engine)
         self.spec, self.config = spec, self.engine.config
         self.itemsize = np.dtype(self.engine.dtype).itemsize
-        self.info = {"provider": self.engine.provider, "precision": self.engine.precision,
+        self.info = {"provider": self.engine.provider, "graphs": self.engine.info()["graphs"],
+                     "precision": self.engine.precision,
                      **self.engine.manifest.quantization.run_info(),
                      "cache_mode": self.engine.cache_mode, "intra_op_threads": spec.threads,
                      "capacity": "the rows each point needs" if self.engine.layout.has_capacity else None}

@@ -1,0 +1,159 @@
+"""The pre-built ONNX Runtime CPU engine of an artifact: ``mla-deploy build ART --target cpu`` writes it once, and
+:class:`~mla_deploy.engines.ort_engine.OrtEngine` opens it instead of the source graphs when it is fresh (its record's
+check, :func:`mla_deploy.artifact.cpu_engine.check_cpu_engine`).
+
+Opening the source graph makes ONNX Runtime optimise it (fusions, constant folding, layout changes) and pack every
+weight for its kernels, at every start. The build does that once per graph file of the artifact, with ONNX Runtime's
+own session options (``onnxruntime_session_options_config_keys.h``, checked against 1.31.1):
+
+* ``SessionOptions.optimized_model_filepath``: the graph after ``ORT_ENABLE_ALL``, saved as ``cpu/<graph>.onnx``;
+* ``session.optimized_model_external_initializers_file_name``: its weights in ``cpu/<graph>.data``; ONNX Runtime
+  places every tensor over 1 MiB at a 4 KiB-aligned offset (its fixed policy; 1.31 has no option to change it) and
+  maps aligned data with ``mmap`` when it opens the graph;
+* ``session.optimized_model_external_initializers_min_size_in_bytes`` = 1024: smaller tensors (shape constants) stay
+  inside the graph, where ONNX Runtime's shape inference reads them (it cannot read external ones);
+* ``session.save_external_prepacked_constant_initializers`` = 1 (float weights only): the pre-packed weights go into
+  the data file too, and a session opening the graph reads them back instead of packing again. ONNX Runtime 1.31.1
+  saves ``MatMulNBits``'s packed buffer before its ``int8``-compute (``accuracy_level`` 4) path packs the scales into
+  it on x86-64, and a session reading it back computes NaN (measured on the tiny preset): an artifact with quantized
+  weights (either format: ``qdq`` is fused into ``MatMulNBits`` by the optimisation) saves none, its kernels pack
+  at open as before. Of a float artifact's, :func:`keep_prepacked` keeps only the kernels in :data:`PREPACKED_KEPT`
+  (checked bit for bit); any other kernel (a fused expert operator, say) packs at open.
+
+The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; the same kernels, so the same numbers:
+checked token for token in the tests). Quantized products are baked in the fast compute (``int8``); the exact compute
+that validation compares with PyTorch always opens the source graph. What the engine is tied to is its record's
+(:mod:`mla_deploy.artifact.cpu_engine`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..artifact import atomic_dir, check_artifact, load_manifest, now, sha256_file
+from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph, host_cpu,
+                                   write_cpu_engine_record)
+from ..artifact.manifest import Manifest
+from ..artifact.target import probe_writable
+from ..errors import ExportError, RuntimeMissingError
+from ..quant import FAST_COMPUTE
+from .ort_engine import check_precision, require_onnxruntime, session_options
+
+#: the kernels whose saved pre-packed weights ONNX Runtime 1.31.1 reads back bit for bit (fp32 ``MatMul``/``Gemm``)
+PREPACKED_KEPT = ("MatMul", "Gemm")
+#: initializers below this many bytes stay inside the engine graph
+DATA_MIN_BYTES = 1024
+EXTERNAL_FILE = "session.optimized_model_external_initializers_file_name"
+EXTERNAL_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_bytes"
+SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
+
+
+def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = None) -> CpuEngineRecord:
+    """Build ``artifact``'s CPU engine into ``artifact/cpu/`` (atomically: a failed or interrupted build leaves the
+    previous engine, or none) and return its record.
+
+    Raises:
+        ArtifactError: not an artifact, or an inconsistent one. RuntimeMissingError: no onnxruntime; a bf16 artifact
+            or a graph holding the TensorRT plugin (ONNX Runtime's CPU provider runs neither).
+        ExportError: ``artifact/cpu`` cannot be written or is not an engine folder (a user's file there is never
+            replaced), or ONNX Runtime failed to optimise a graph.
+    """
+    ort = require_onnxruntime()
+    root = Path(artifact)
+    manifest = load_manifest(root)
+    check_precision(manifest.precision, "cpu")
+    plugin = next((g.file for g in manifest.graphs.values() if g.uses_plugin), None)
+    if plugin is not None:
+        raise RuntimeMissingError(f"{plugin} holds the TensorRT MlaDecode plugin node, which ONNX Runtime cannot run; "
+                                  f"build it with `mla-deploy build {root} --target tensorrt`")
+    manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
+    _check_replaceable(root / CPU_ENGINE_DIR)
+    probe_writable(root / CPU_ENGINE_DIR)
+    start = time.perf_counter()
+    sources: dict[str, list[str]] = {}
+    for role, graph in manifest.graphs.items():
+        sources.setdefault(graph.file, []).append(role)
+    with atomic_dir(root / CPU_ENGINE_DIR) as tmp:
+        graphs = []
+        for source, roles in sources.items():
+            if log:
+                log(f"optimising {source} ({' + '.join(roles)}) ...")
+            graphs.append(_build_graph(ort, root, manifest, source, tmp, tuple(roles)))
+        record = CpuEngineRecord(host_cpu(ort.__version__), manifest.fingerprint,
+                                 (manifest.weights_data or {}).get("sha256"), tuple(graphs), dict(SESSION),
+                                 prepacked_kernels(manifest), now(), round(time.perf_counter() - start, 3))
+        write_cpu_engine_record(tmp, record)
+    return record
+
+
+def _check_replaceable(folder: Path) -> None:
+    """An existing ``folder`` must be an engine folder (its files ``engine.json``, ``*.onnx``, ``*.data``): the build
+    replaces it whole. Raises: ExportError: a file, a link, or a folder holding anything else (a user's file)."""
+    if not os.path.lexists(folder):
+        return
+    if folder.is_symlink() or not folder.is_dir():
+        raise ExportError(f"{folder} exists and is not a CPU engine folder; move it away first")
+    foreign = sorted(p.name for p in folder.iterdir() if p.name != CPU_ENGINE_RECORD and p.suffix not in (".onnx", ".data"))
+    if foreign:
+        raise ExportError(f"{folder / foreign[0]} is not a file of a CPU engine and the build would replace it; move it "
+                          f"away first")
+
+
+def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, roles: tuple[str, ...]) -> EngineGraph:
+    """Optimise ``root/source`` once into ``tmp/<stem>.onnx`` + ``tmp/<stem>.data``; its :class:`EngineGraph`."""
+    stem = Path(source).stem
+    engine, data = tmp / f"{stem}.onnx", tmp / f"{stem}.data"
+    options = session_options()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(engine)
+    kept = prepacked_kernels(manifest)
+    for key, value in ((EXTERNAL_FILE, data.name), (EXTERNAL_MIN_BYTES, str(DATA_MIN_BYTES)),
+                       (SAVE_PREPACKED, "1" if kept else "0")):
+        options.add_session_config_entry(key, value)
+    model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
+    try:
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"ONNX Runtime could not optimise {source}: {first[:300]}") from exc
+    del session  # the files are complete once the session is created; its packed weights are freed here
+    if not engine.is_file():
+        raise ExportError(f"ONNX Runtime did not write the optimised {source}")
+    keep_prepacked(engine, kept)
+    graph = next(g for g in manifest.graphs.values() if g.file == source)
+    return EngineGraph(source, graph.sha256 or sha256_file(root / source), engine.name, sha256_file(engine),
+                       data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0, roles)
+
+
+def prepacked_kernels(manifest: Manifest) -> tuple[str, ...]:
+    """The kernels whose pre-packed weights the engine of ``manifest``'s artifact stores: :data:`PREPACKED_KEPT` for
+    float weights, none for quantized ones (ONNX Runtime 1.31.1 cannot read back ``MatMulNBits``'s)."""
+    return () if manifest.quantization.quantized else PREPACKED_KEPT
+
+
+def keep_prepacked(path: Path, kernels: tuple[str, ...]) -> int:
+    """Drop from the ONNX graph at ``path`` the saved pre-packed weights of every kernel not in ``kernels``; returns
+    how many were dropped.
+
+    ONNX Runtime records a saved pre-packed weight in its initializer's ``external_data`` as ``prepacked_<i>`` =
+    ``<kernel>+<hash>|<offset>;<length>;...``; without that entry the kernel packs the initializer at open. The bytes
+    stay in the data file, unused."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    dropped = 0
+    for tensor in model.graph.initializer:
+        entries = list(tensor.external_data)
+        kept = [e for e in entries if not e.key.startswith("prepacked") or e.value.split("+", 1)[0] in kernels]
+        if len(kept) != len(entries):
+            dropped += len(entries) - len(kept)
+            del tensor.external_data[:]
+            tensor.external_data.extend(kept)
+    if dropped:
+        path.write_bytes(model.SerializeToString())
+    return dropped
