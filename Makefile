@@ -19,5 +19,8 @@ demo: $(STAMP)
 	$(BIN)/mla-deploy run build/tiny --prompt-ids 1,2,3,4 --prompt-ids 9,8 --max-new-tokens 32
 	$(BIN)/mla-deploy validate build/tiny
 
+# the tests run in TEST_WORKERS processes (pytest-xdist), one thread each, a test file per process at a time (its
+# module fixtures are built once); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile

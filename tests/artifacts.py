@@ -1,18 +1,63 @@
-"""Exported tiny artifacts shared by the export, runtime and CLI tests (exported once per test process)."""
+"""Exported tiny artifacts shared by the export, runtime and CLI tests: each exported once per test run.
+
+An export of the tiny preset costs about 30 s of CPU (tracing two graphs), so each variant is made once and shared:
+within a process through a cache, and across the processes of a parallel run (pytest-xdist's workers) through the
+folder named by :data:`ROOT_ENV`, which tests/conftest.py creates before the workers start and removes at the end;
+the first process to need a variant exports it under a lock while the others wait for it. The artifacts are never
+modified by a test (copy one first).
+"""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import fcntl
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from mla_deploy import load_recipe
 
-_ROOT = Path(tempfile.mkdtemp(prefix="mla-deploy-tests-"))
-atexit.register(shutil.rmtree, _ROOT, True)
+#: the environment variable naming the folder of the shared exports (set by tests/conftest.py)
+ROOT_ENV = "MLA_DEPLOY_TEST_ARTIFACTS"
+
+
+@functools.lru_cache(maxsize=None)
+def shared_root() -> Path:
+    """The folder of the exports shared by this run's processes (a private one, removed at exit, when no run
+    made one: a test module imported alone)."""
+    if os.environ.get(ROOT_ENV):
+        return Path(os.environ[ROOT_ENV])
+    root = Path(tempfile.mkdtemp(prefix="mla-deploy-tests-"))
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
+@contextlib.contextmanager
+def exclusive(name: str):
+    """Hold the run-wide lock ``name`` (an exclusive ``flock`` on a file of :func:`shared_root`)."""
+    with open(shared_root() / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def made_once(name: str, make) -> Path:
+    """``shared_root() / name``, made by ``make(path)`` by the first process of the run that asks for it."""
+    out = shared_root() / name
+    done = shared_root() / f".{name}.done"
+    with exclusive(name):
+        if not done.exists():
+            if out.exists():  # a process that was killed while making it
+                shutil.rmtree(out)
+            make(out)
+            done.touch()
+    return out
 
 
 def tiny_recipe(cache_mode: str = "static", precision: str = "fp32", **export):
@@ -21,18 +66,18 @@ def tiny_recipe(cache_mode: str = "static", precision: str = "fp32", **export):
     return recipe.replace(export=dataclasses.replace(recipe.export, cache_mode=cache_mode, precision=precision, **export))
 
 
-def tiny_artifact(cache_mode: str = "static", precision: str = "fp32") -> Path:
-    """The path of an export of the tiny preset (made on first use, once however the arguments are spelled)."""
-    return _tiny_export(cache_mode, precision)
+def tiny_artifact(cache_mode: str = "static", precision: str = "fp32", **export) -> Path:
+    """The path of an export of the tiny preset (made once per run however the arguments are spelled; ``export``:
+    other [export] settings, given as keywords with simple values)."""
+    return _tiny_export(cache_mode, precision, tuple(sorted(export.items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _tiny_export(cache_mode: str, precision: str) -> Path:
+def _tiny_export(cache_mode: str, precision: str, export: tuple) -> Path:
     from mla_deploy.exporter import export_recipe
 
-    out = _ROOT / f"tiny-{cache_mode}-{precision}"
-    export_recipe(tiny_recipe(cache_mode, precision), out)
-    return out
+    name = "-".join(["tiny", cache_mode, precision, *(f"{k}={v}" for k, v in export)])
+    return made_once(name, lambda out: export_recipe(tiny_recipe(cache_mode, precision, **dict(export)), out))
 
 
 def reference_model(artifact: Path):

@@ -1,4 +1,5 @@
-"""`mla-deploy export` and `mla-deploy run` as a user runs them: real processes, real files."""
+"""`mla-deploy export` and `mla-deploy run` as a user runs them: real processes, real files (the one-line errors
+through the command group in the test's process)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,8 @@ import sys
 import pytest
 
 from artifacts import tiny_artifact
+from cli_run import cli, cli_process
 from mla_deploy.artifact import load_manifest
-
-
-def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "mla_deploy", *args], capture_output=True, text=True, cwd=cwd,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=600)
 
 
 def _one_line_error(result):
@@ -28,17 +25,17 @@ def _one_line_error(result):
 @pytest.mark.slow
 def test_export_then_run_the_tiny_preset(tmp_path):
     out = tmp_path / "tiny"
-    done = cli("export", "--preset", "tiny", "--cache-mode", "concat", "--out", str(out))
+    done = cli_process("export", "--preset", "tiny", "--cache-mode", "concat", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "exported tiny" in done.stdout and "decode" in done.stdout
     assert load_manifest(out).layout.mode == "concat"
-    ran = cli("run", str(out), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "8")
+    ran = cli_process("run", str(out), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "8")
     assert ran.returncode == 0, ran.stderr
     lines = ran.stdout.splitlines()
     assert lines[0].startswith("sequence 0: ") and len(lines[0].split(": ")[1].split(",")) == 8
     assert lines[1].startswith("sequence 1: ")
     assert "provider CPUExecutionProvider" in lines[2] and "tokens/s" in lines[2]
-    again = cli("export", "--preset", "tiny", "--out", str(out), "--layers", "1")
+    again = cli_process("export", "--preset", "tiny", "--out", str(out), "--layers", "1")
     assert "already holds a different model" in _one_line_error(again)
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from artifacts import tiny_artifact, tiny_recipe
+from artifacts import tiny_artifact
 from cli_run import cli
 
 
@@ -49,10 +48,8 @@ EDITS = [
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     """Copies of a float and an int8 (matmulnbits) static-cache export of the tiny preset, each edited one way."""
-    from mla_deploy.exporter import export_recipe
-
     root = tmp_path_factory.mktemp("manifest-contract")
-    export_recipe(tiny_recipe("static", weights="int8"), root / "int8")
+    shutil.copytree(tiny_artifact("static", weights="int8"), root / "int8")
     shutil.copytree(tiny_artifact("static"), root / "float")
     for name, source, edit, _ in EDITS:
         shutil.copytree(root / source, root / name)
@@ -73,11 +70,10 @@ COMMANDS = {"run": ["--prompt-ids", "1,2", "--max-new-tokens", "2"], "validate":
 
 @pytest.fixture(scope="module")
 def outcomes(ws):
-    """Every edit met by `run` and `validate` (two processes at a time); the workspace before and after."""
+    """Every edit met by `run` and `validate`; the workspace before and after."""
     jobs = [(name, command) for name, *_ in EDITS for command in COMMANDS]
     before = _snapshot(ws)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = dict(zip(jobs, pool.map(lambda job: cli(job[1], ws / job[0], *COMMANDS[job[1]]), jobs)))
+    procs = {job: cli(job[1], ws / job[0], *COMMANDS[job[1]]) for job in jobs}
     return procs, before, _snapshot(ws)
 
 

@@ -1,7 +1,8 @@
 """Text in, text out, as a user runs it: transformers-written tiny DeepSeek-V2 and V3 checkpoints saved with a
 tokenizer (byte-level BPE trained offline on text with Chinese and emoji, a chat template, an EOS in
-generation_config.json), exported with `mla-deploy export --hf`, then `mla-deploy run --prompt` in a real
-process against transformers' own tokenizer and `generate`."""
+generation_config.json), exported with `mla-deploy export --hf`, then `mla-deploy run --prompt` (the real command group, run in the test's
+process: tests/test_cli_export_run.py runs export and run as separate processes) against transformers' own
+tokenizer and `generate`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The onnxruntime-genai target (:mod:`mla_deploy.exporter.genai`), as a user meets it: transformers-written tiny
-DeepSeek-V2 and V3 checkpoints with a tokenizer, `mla-deploy export --target genai` in a real process, then
+DeepSeek-V2 and V3 checkpoints with a tokenizer, `mla-deploy export --target genai` (the real command group, in the test's process), then
 onnxruntime-genai's own Model/Generator greedy search against `mla-deploy run` and transformers' `generate`,
 and the cache written in place (genai's shared past/present buffer; an ONNX Runtime IOBinding of one buffer as
 past and present)."""

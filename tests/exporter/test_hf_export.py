@@ -4,8 +4,6 @@ greedy generation equals transformers' `generate` token for token, logits within
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,10 +30,7 @@ def _export(tmp_path, case, cache_mode):
     ckpt = tmp_path / "ckpt"
     hf.save_pretrained(ckpt)
     out = tmp_path / "onnx"
-    done = subprocess.run([sys.executable, "-m", "mla_deploy", "export", "--hf", str(ckpt), "--out", str(out),
-                           "--cache-mode", cache_mode], capture_output=True, text=True, timeout=600,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr
+    ok(cli("export", "--hf", ckpt, "--out", out, "--cache-mode", cache_mode))
     return hf, out
 
 
@@ -124,22 +119,18 @@ def test_heads_equal_to_experts_exports_runs_and_validates(tmp_path):
     assert "validation passed" in validated and (tmp_path / "report" / "report.json").is_file()
 
 
-#: a Python process running `mla-deploy ARGS` with the routed experts computed densely, every expert on every token
-_DENSE_MLA_DEPLOY = ("import runpy, sys; from mla_deploy.model import layers as L; "
-                     "L.Experts.forward = lambda self, x, w, idx: L.dense_experts_reference(x, w, idx, "
-                     "self.gate_up_proj, self.down_proj); sys.argv[0] = 'mla-deploy'; "
-                     "runpy.run_module('mla_deploy', run_name='__main__')")
-
-
 @pytest.mark.parametrize("target", ["artifact", "genai"])
-def test_every_target_refuses_a_dense_moe_in_one_line(tmp_path, target):
+def test_every_target_refuses_a_dense_moe_in_one_line(tmp_path, target, monkeypatch):
     """The same graph checks in every target of the export pipeline: a checkpoint's experts planted dense (every
-    expert computed for every token) are refused by `export` in one line, nothing written; genai included."""
+    expert computed for every token, for this test only) are refused by `export` in one line, nothing written;
+    genai included."""
+    from mla_deploy.model import layers
+
     hf_model(2, std=0.15).save_pretrained(tmp_path / "ckpt")
+    monkeypatch.setattr(layers.Experts, "forward", lambda self, x, w, idx: layers.dense_experts_reference(
+        x, w, idx, self.gate_up_proj, self.down_proj))
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-c", _DENSE_MLA_DEPLOY, "export", "--hf", str(tmp_path / "ckpt"),
-                           "--out", str(out), "--target", target], capture_output=True, text=True, timeout=600,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    done = cli("export", "--hf", tmp_path / "ckpt", "--out", out, "--target", target)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr
     assert lines[0].startswith("mla-deploy: error: decode graph model.onnx computes every expert for every token: ")
