@@ -80,16 +80,16 @@ class _Bounds:
         return self._summary([cost], {method}, record["times_s"])
 
     def _summary(self, costs: list[dict], methods: set, times: list[float]) -> dict:
-        bounds = [roofline(c["bytes"], c["flops"], *self.rates) for c in costs]
-        median_ms = statistics.median(b["bound_ms"] for b in bounds)
         seconds = statistics.median(times)
         experts = [c["expert_bytes"] / self.groups.expert_bytes if self.groups.expert_bytes else 0 for c in costs]
         out = {key: statistics.median(c[key] for c in costs) for key in ("bytes", "weight_bytes", "expert_bytes",
                                                                            "cache_bytes", "flops")}
-        out.update({"t_mem_ms": statistics.median(b["t_mem_ms"] for b in bounds),
-                    "t_flop_ms": statistics.median(b["t_flop_ms"] for b in bounds), "bound_ms": median_ms,
-                    "bound": statistics.mode(b["bound"] for b in bounds),
-                    "achieved_over_bound": seconds * 1e3 / median_ms,
+        # the bound of the median step (its bytes and FLOPs), so that bound_ms is max(t_mem_ms, t_flop_ms) exactly:
+        # a median of per-step maxima differs from the max of the medians when the rates sit near the crossover
+        bound = roofline(out["bytes"], out["flops"], *self.rates)
+        out.update({"t_mem_ms": bound["t_mem_ms"], "t_flop_ms": bound["t_flop_ms"], "bound_ms": bound["bound_ms"],
+                    "bound": bound["bound"],
+                    "achieved_over_bound": seconds * 1e3 / bound["bound_ms"],
                     "routed_experts": " + ".join(sorted(methods)),
                     "distinct_experts_per_step": statistics.mean(experts),
                     "distinct_experts_per_moe_layer": (statistics.mean(experts) / len(self.groups.moe_layers)
