@@ -180,12 +180,7 @@ class _MatMulNBits(WeightFormat):
                            attributes=[ir.AttrInt64("K", k), ir.AttrInt64("N", n), ir.AttrInt64("bits", scheme.bits),
                                        ir.AttrInt64("block_size", scheme.block_size),
                                        ir.AttrInt64("accuracy_level", self.written)], name=matmul.name)
-            out, old = node.outputs[0], matmul.outputs[0]
-            out.shape, out.type, out_name = old.shape, old.type, old.name
-            model.graph.insert_before(matmul, node)
-            old.replace_all_uses_with(out, replace_graph_outputs=True)
-            model.graph.remove(matmul, safe=True)
-            out.name = out_name
+            _replace_node(model, matmul, node)
         model.opset_imports[MS_DOMAIN] = 1
         return [q, scale]
 
@@ -202,6 +197,17 @@ class _MatMulNBits(WeightFormat):
     def require_tensorrt(self, where):
         raise ArtifactError(f"{where}'s quantized weights are ONNX Runtime MatMulNBits nodes, which TensorRT cannot "
                             f"parse; export with --quant-format {QDQ.name} for TensorRT")
+
+
+def _replace_node(model, old_node, node) -> None:
+    """Put ``node`` in ``old_node``'s place in ``model``'s graph: its one output takes the old output's name, shape
+    and type and every use of it (graph outputs included)."""
+    out, old = node.outputs[0], old_node.outputs[0]
+    out.shape, out.type, out_name = old.shape, old.type, old.name
+    model.graph.insert_before(old_node, node)
+    old.replace_all_uses_with(out, replace_graph_outputs=True)
+    model.graph.remove(old_node, safe=True)
+    out.name = out_name
 
 
 def _nodes(model, op_type: str = "MatMulNBits") -> list:
@@ -311,12 +317,7 @@ class _QMoE(WeightFormat):
             ir.AttrInt64("accuracy_level", self.written)]
         node = ir.Node(MS_DOMAIN, "QMoE", inputs=inputs, num_outputs=1, attributes=attrs, name=moe.name)
         node.metadata_props.update(moe.metadata_props)  # where it comes from (the module scope)
-        out, old = node.outputs[0], moe.outputs[0]
-        out.shape, out.type, out_name = old.shape, old.type, old.name
-        model.graph.insert_before(moe, node)
-        old.replace_all_uses_with(out, replace_graph_outputs=True)
-        model.graph.remove(moe, safe=True)
-        out.name = out_name
+        _replace_node(model, moe, node)
         return node
 
     def lay_out(self, view, scheme):
