@@ -175,6 +175,46 @@ def test_dry_run_of_one_precision_with_llama_cpp_built(checkpoint, tmp_path):
         "convert-F32", "quantize-Q4_0", "mla-deploy-bench", "llama-bench-Q4_0"]
 
 
+@pytest.mark.parametrize("weights, dropped", [("int4", True), ("int8,int4", False)])
+def test_q4_0_from_a_q8_0_file_is_requantized_and_the_file_dropped_unless_requested(checkpoint, tmp_path, weights,
+                                                                                       dropped):
+    """--quantize-from q8_0 (a full-size checkpoint whose F32 or BF16 file does not fit the disk): Q8_0 converted
+    once, Q4_0 made from it with --allow-requantize, and Q8_0 removed afterwards only when int8 was not asked for."""
+    from llama_compare import steps
+    from llama_compare.settings import Settings
+
+    s = Settings(checkpoint=checkpoint, out=tmp_path / "out", cache=tmp_path / "cache",
+                 precisions=tuple(weights.split(",")), quantize_from="Q8_0")
+    planned = {step.name: step for step in steps.plan(s, "key", ["pip"])}
+    assert [n for n in planned if n.startswith(("convert", "quantize"))] == ["convert-Q8_0", "quantize-Q4_0"]
+    quantize = planned["quantize-Q4_0"]
+    assert quantize.argv[1:3] == ("--allow-requantize", str(s.gguf("key", "Q8_0")))
+    assert quantize.drops == (s.gguf("key", "Q8_0") if dropped else None)
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache"), "--weights", weights,
+                   "--quantize-from", "q8_0")
+    assert proc.returncode == 0 and "--allow-requantize" in proc.stdout, proc.stderr
+
+
+def test_a_dropped_intermediate_is_removed_after_success_and_its_convert_step_cached(checkpoint, tmp_path):
+    """The quantize step removes its transient source once it succeeded; a later run, with Q4_0 cached, does not
+    convert the source again."""
+    from llama_compare import steps
+    from llama_compare.settings import Settings
+
+    s = Settings(checkpoint=checkpoint, out=tmp_path / "out", cache=tmp_path / "cache", precisions=("int4",),
+                 quantize_from="BF16")
+    source, made = s.gguf("key", "BF16"), s.gguf("key", "Q4_0")
+    source.parent.mkdir(parents=True)
+    source.write_bytes(b"gguf")
+    step = steps.Step("quantize-Q4_0", (sys.executable, "-c", f"open({str(steps.partial(made))!r}, 'w')"),
+                      makes=made, drops=source)
+    steps.run(step, tmp_path / "logs", lambda line: None)
+    assert made.is_file() and not source.exists()
+    planned = {p.name: p for p in steps.plan(s, "key", ["pip"])}
+    assert planned["convert-BF16"].done and planned["quantize-Q4_0"].done
+    assert planned["quantize-Q4_0"].argv[1] == str(source)  # bf16 -> Q4_0 needs no --allow-requantize
+
+
 def _one_line_error(proc: subprocess.CompletedProcess, text: str) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and text in proc.stderr, proc.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import gguf, steps, table
 from .checks import check_checkpoint, fingerprint, missing_build_tools, pip_command, require_build_tools
-from .settings import DEFAULT_VERSION, PRECISIONS, CompareError, Settings, default_cache
+from .settings import DEFAULT_VERSION, PRECISIONS, QUANTIZE_SOURCES, CompareError, Settings, default_cache
 
 
 def _ints(minimum: int):
@@ -56,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", type=_ints(1), default=(512,), help="prefill tokens (default 512)")
     p.add_argument("-n", "--generate", type=_ints(1), default=(128,), help="llama-bench -n (default 128)")
     p.add_argument("--our-repeat", type=_ints(1), default=(10,), help="mla-deploy bench --repeat (default 10)")
+    p.add_argument("--quantize-from", type=str.upper, choices=QUANTIZE_SOURCES, default="F32",
+                   help="the GGUF llama-quantize makes Q4_0 from, removed afterwards unless requested (default F32; "
+                   "BF16: the same Q4_0 from a bf16 checkpoint at half the disk; Q8_0: requantized, a different Q4_0, "
+                   "where a full-size F32 or BF16 file does not fit)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (command lines, what is cached); run nothing")
     return p
 
@@ -64,7 +68,8 @@ def settings(args) -> Settings:
     return Settings(checkpoint=args.checkpoint.resolve(), out=args.out.resolve(),
                     cache=(args.cache or default_cache()).resolve(), version=args.version, precisions=args.weights,
                     contexts=args.context, threads=args.threads[0], repetitions=args.repetitions[0],
-                    prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0])
+                    prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0],
+                    quantize_from=args.quantize_from)
 
 
 def dry_run(s: Settings, planned: list[steps.Step]) -> int:

@@ -11,7 +11,10 @@ PRECISIONS = {"float": "F32", "int8": "Q8_0", "int4": "Q4_0"}
 #: the llama-cpp-python release whose vendored llama.cpp the issue's figures came from
 DEFAULT_VERSION = "0.3.36"
 #: the converter's ``--outtype`` for the types it writes itself; the others come from llama-quantize
-CONVERTER_TYPES = {"F32": "f32", "Q8_0": "q8_0"}
+CONVERTER_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
+#: what llama-quantize may read (``--quantize-from``): F32 as the issue's figures; BF16 gives the same Q4_0 from a
+#: bf16 checkpoint at half the disk; Q8_0 (requantized, not the same Q4_0) where even that does not fit
+QUANTIZE_SOURCES = ("F32", "BF16", "Q8_0")
 #: Hugging Face architectures both llama.cpp's converter and mla-deploy take
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 #: the llama.cpp tools the comparison needs
@@ -46,6 +49,8 @@ class Settings:
         prompt: prompt tokens of the prefill (llama-bench ``-p``, ours ``--prompt-length``).
         generate: tokens llama-bench generates per repetition (``-n``).
         our_repeat: our timed decode steps per point and timed prefills (``--repeat``).
+        quantize_from: the GGUF type (:data:`QUANTIZE_SOURCES`) llama-quantize makes Q4_0 from; removed once used
+            when no requested precision is that type (a 27-layer V2-Lite F32 file is 63 GB).
     """
 
     checkpoint: Path
@@ -59,6 +64,7 @@ class Settings:
     prompt: int = 512
     generate: int = 128
     our_repeat: int = 10
+    quantize_from: str = "F32"
 
     @property
     def llama_dir(self) -> Path:

@@ -29,7 +29,8 @@ class Step:
     """One command. Attributes: name (also its log file's name); argv; done: what it makes is cached (the step is
     skipped); stdout: the file its standard output goes to (None: the log); env: variables added; makes: the file
     it writes under a temporary name (:func:`partial`), renamed to this one once the command succeeded, so an
-    interrupted step leaves nothing a later run would take as cached."""
+    interrupted step leaves nothing a later run would take as cached; drops: a file removed once it succeeded (an
+    intermediate GGUF no requested type is)."""
 
     name: str
     argv: tuple[str, ...]
@@ -37,6 +38,7 @@ class Step:
     stdout: Path | None = None
     env: dict = field(default_factory=dict)
     makes: Path | None = None
+    drops: Path | None = None
 
     def line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -97,21 +99,24 @@ def converter_deps(s: Settings, pip: list[str]) -> Step | None:
     return Step("converter-deps", argv, done=all((s.converter_deps / m).exists() for m in CONVERTER_MODULES))
 
 
-def convert(s: Settings, key: str, kind: str) -> Step:
-    """F32 or Q8_0 straight from the checkpoint with llama.cpp's converter (:mod:`.convert_entry`)."""
+def convert(s: Settings, key: str, kind: str, done: bool = False) -> Step:
+    """F32, BF16 or Q8_0 straight from the checkpoint with llama.cpp's converter (:mod:`.convert_entry`);
+    ``done``: cached whatever the cache holds (a dropped intermediate whose products are all there)."""
     out = s.gguf(key, kind)
     argv = (sys.executable, str(HERE / "convert_entry.py"), str(s.vendored), str(s.checkpoint), "--outfile",
             str(partial(out)), "--outtype", CONVERTER_TYPES[kind])
     path = os.pathsep.join([str(s.vendored / "gguf-py"), str(s.converter_deps)])
-    return Step(f"convert-{kind}", argv, done=out.is_file(), env={"PYTHONPATH": path, "NO_LOCAL_GGUF": "1"},
+    return Step(f"convert-{kind}", argv, done=done or out.is_file(), env={"PYTHONPATH": path, "NO_LOCAL_GGUF": "1"},
                 makes=out)
 
 
-def quantize(s: Settings, key: str, kind: str) -> Step:
-    """Other types from the F32 file with ``llama-quantize``."""
-    out = s.gguf(key, kind)
-    argv = (str(s.tool("llama-quantize")), str(s.gguf(key, "F32")), str(partial(out)), kind, str(s.threads))
-    return Step(f"quantize-{kind}", argv, done=out.is_file(), makes=out)
+def quantize(s: Settings, key: str, kind: str, drop: bool = False) -> Step:
+    """Other types from the ``s.quantize_from`` file with ``llama-quantize`` (``--allow-requantize`` from Q8_0);
+    ``drop``: that file is removed once this step succeeded."""
+    out, source = s.gguf(key, kind), s.gguf(key, s.quantize_from)
+    flags = ("--allow-requantize",) if s.quantize_from not in ("F32", "BF16") else ()
+    argv = (str(s.tool("llama-quantize")), *flags, str(source), str(partial(out)), kind, str(s.threads))
+    return Step(f"quantize-{kind}", argv, done=out.is_file(), makes=out, drops=source if drop else None)
 
 
 def mla_bench(s: Settings) -> Step:
@@ -135,10 +140,13 @@ def llama_bench(s: Settings, key: str, kind: str) -> Step:
 def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
     """Every step of a run, in order (``key``: the checkpoint's fingerprint)."""
     kinds = [PRECISIONS[p] for p in s.precisions]
-    made = [k for k in kinds if k in CONVERTER_TYPES] + (["F32"] if set(kinds) - set(CONVERTER_TYPES) else [])
+    quantized = [k for k in kinds if k not in CONVERTER_TYPES]
+    transient = bool(quantized) and s.quantize_from not in kinds  # made only to be quantized, then removed
     steps = [download(s, pip), extract(s), configure(s), build(s), converter_deps(s, pip)]
-    steps += [convert(s, key, k) for k in dict.fromkeys(made)]
-    steps += [quantize(s, key, k) for k in kinds if k not in CONVERTER_TYPES]
+    steps += [convert(s, key, k) for k in kinds if k in CONVERTER_TYPES]
+    if quantized and s.quantize_from not in kinds:
+        steps.append(convert(s, key, s.quantize_from, done=all(s.gguf(key, k).is_file() for k in quantized)))
+    steps += [quantize(s, key, k, drop=transient and k == quantized[-1]) for k in quantized]
     steps += [mla_bench(s)] + [llama_bench(s, key, k) for k in kinds]
     return [step for step in steps if step is not None]
 
@@ -163,6 +171,8 @@ def run(step: Step, logs: Path, echo) -> None:
         raise CompareError(failure(step, code, log.read_text(errors="replace")) + f"; log: {log}")
     if step.makes is not None:
         partial(step.makes).replace(step.makes)
+    if step.drops is not None:
+        step.drops.unlink(missing_ok=True)
 
 
 def failure(step: Step, code: int, log: str) -> str:
