@@ -213,7 +213,9 @@ def _write_graphs(target: ExportTarget, source: TensorSource, tmp: Path, progres
     external = total > target.external_data_threshold
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.2f} MB"
     log(f"writing {size} of weights" + (f" to {WEIGHTS_FILE}" if external else " into the graph"))
-    tensors, data = make_weights(specs, values, source, target.config, tmp if external else None, total, progress)
+    experts = frozenset().union(*(graph.expert_keys for graph in traced))
+    tensors, data = make_weights(specs, values, source, target.config, tmp if external else None, total, progress,
+                                 experts)
     graphs = {graph.plan.file: _save(graph, tensors, tmp, log) for graph in traced}
     return Exported(graphs, specs, values, data, quantized)
 
@@ -296,40 +298,91 @@ def nbytes(value) -> int:
 
 
 def make_weights(specs: dict[str, WeightSpec], values: dict, source: TensorSource, config, folder: Path | None,
-                  total: int, progress: Progress | None) -> tuple[dict, dict | None]:
+                  total: int, progress: Progress | None, experts: frozenset[str] = frozenset()) -> tuple[dict, dict | None]:
     """Every initializer's data, made one at a time from ``source``: written to ``folder/weights.data`` and
-    referenced (``folder`` given), or kept in memory (small models). Returns ``(tensors, weights_data record)``."""
+    referenced (``folder`` given), or kept in memory (small models). ``experts``: the source keys of stacked routed
+    experts' tensors, read one expert at a time. Returns ``(tensors, weights_data record)``."""
     import onnx_ir as ir
 
     order = {key: i for i, key in enumerate(source.keys())}
     names = sorted(specs, key=lambda n: (order.get(specs[n].key, len(order)), n))  # a source tensor's views together
     file = WeightsFile(folder / WEIGHTS_FILE, total, progress) if folder is not None else None
-    tensors, cached, memo = {}, (None, None), {}
+    views, tensors, memo = _Views(source, config, experts), {}, {}
     try:
         for name in names:
-            spec, value = specs[name], values[name]
-            if cached[0] != spec.key:
-                cached = (spec.key, _source_tensor(source, spec.key, config))
+            value = values[name]
             # the parts of one quantized view are adjacent in ``names``: it is quantized and laid out once
-            tensor = spec.quant.make(spec.view, functools.partial(spec.view.apply, cached[1], config), memo,
-                                     _torch_dtype(value.dtype))
-            # NaN and Inf survive the cast, and make their block's scale NaN or Inf: one check of what is written
-            if not _all_finite(tensor):
-                verb = "holds" if not _all_finite(cached[1]) else f"overflows {value.dtype.name.lower()} with"
-                raise ExportError(f"weight {spec.key} {verb} {_non_finite(tensor)}; the export is refused")
-            if tuple(tensor.shape) != tuple(int(d) for d in value.shape):
-                raise ExportError(f"{name}: the weights give {tuple(tensor.shape)}, the graph needs "
-                                  f"{tuple(value.shape)}")
+            chunks, stacked = views.chunks(specs[name], memo, _torch_dtype(value.dtype))
+            chunks = views.checked(chunks, name, specs[name].key, value, stacked)
             if file is None:
+                tensor = torch.stack(list(chunks)) if stacked else next(iter(chunks))
                 tensors[name] = ir.Tensor(_numpy(tensor, value.dtype), dtype=value.dtype, name=name)
-            else:
-                offset, length = file.append(pack_int4(tensor) if value.dtype == ir.DataType.INT4 else tensor)
-                tensors[name] = ir.ExternalTensor(WEIGHTS_FILE, offset, length, value.dtype, shape=value.shape,
-                                                  name=name, base_dir=str(folder))
-            del tensor
+                continue
+            int4 = value.dtype == ir.DataType.INT4
+            offset, length = file.append_chunks(pack_int4(t) if int4 else t for t in chunks)
+            tensors[name] = ir.ExternalTensor(WEIGHTS_FILE, offset, length, value.dtype, shape=value.shape,
+                                              name=name, base_dir=str(folder))
     finally:
         record = file.close() if file is not None else None
     return tensors, record
+
+
+class _Views:
+    """The source's tensors behind the specs, as the specs come (a source tensor's views adjacent): a whole tensor,
+    kept while its views are made; a stacked routed experts' tensor (its key in ``experts``) one expert at a time,
+    so that memory stays near one expert whatever the layer (a V3 layer's ``gate_up_proj`` is 15 GB in bf16)."""
+
+    def __init__(self, source: TensorSource, config, experts: frozenset[str]):
+        self.source, self.config, self.experts = source, config, experts
+        self._cached: tuple[Any, torch.Tensor | None] = (None, None)
+
+    def _read(self, key: str, index: int | None = None) -> torch.Tensor:
+        """The source tensor ``key`` (``index``: its expert ``index`` alone), kept for the next view."""
+        if self._cached[0] != (key, index):
+            self._cached = (None, None)
+            tensor = _source_tensor(self.source, key, self.config) if index is None else self.source.expert(key, index)
+            self._cached = ((key, index), tensor)
+        return self._cached[1]
+
+    def chunks(self, spec: WeightSpec, memo: dict, dtype: torch.dtype) -> tuple[Any, bool]:
+        """``(tensors, stacked)``: the initializer of ``spec`` as one tensor, or (``stacked``) as the iterable of
+        its experts' slices ``[e]``."""
+        view = spec.view
+        if spec.key in self.experts and self.config.n_routed_experts:
+            count = self.config.n_routed_experts
+            one = view.per_expert(count)
+            if one is not None:
+                expert = lambda e: one.apply(self._read(spec.key, e), self.config)  # noqa: E731
+                return spec.quant.stacked(view, count, expert, memo, dtype), True
+            if view.part is None and view.ops and view.ops[0][0] == "index":  # one expert: read it alone
+                rest = WeightSpec(view.key, None, view.ops[1:])
+                compute = lambda: rest.apply(self._read(spec.key, view.ops[0][1]), self.config)  # noqa: E731
+                return [spec.quant.make(view, compute, memo, dtype)], False
+        compute = functools.partial(view.apply, self._read(spec.key), self.config)
+        return [spec.quant.make(view, compute, memo, dtype)], False
+
+    def checked(self, chunks, name: str, key: str, value, stacked: bool):
+        """``chunks``, each checked finite (NaN and Inf survive the cast, and make their block's scale NaN or Inf)
+        and of the graph's shape (a stacked one: ``value.shape[1:]`` each, ``value.shape[0]`` of them).
+
+        Raises:
+            ExportError: naming the weight and what it holds or gives."""
+        shape = tuple(int(d) for d in value.shape)
+        count = 0
+        for tensor in chunks:
+            if not _all_finite(tensor):
+                source = self._cached[1]
+                verb = "holds" if source is not None and not _all_finite(source) else \
+                    f"overflows {value.dtype.name.lower()} with"
+                raise ExportError(f"weight {key} {verb} {_non_finite(tensor)}; the export is refused")
+            got = tuple(tensor.shape)
+            if got != (shape[1:] if stacked else shape):
+                got = (count, *got) if stacked else got
+                raise ExportError(f"{name}: the weights give {got}, the graph needs {shape}")
+            count += 1
+            yield tensor
+        if stacked and count != shape[0]:
+            raise ExportError(f"{name}: the weights give {count} experts, the graph needs {shape[0]}")
 
 
 #: elements per slice when checking a weight: the check's own memory stays small whatever the tensor's size

@@ -41,6 +41,10 @@ class TensorSource(Protocol):
 
     def get(self, key: str) -> torch.Tensor: ...
 
+    def expert(self, key: str, index: int) -> torch.Tensor:
+        """``get(key)[index]``: one expert of a stacked ``[E, ...]`` tensor, read alone where the source can."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -58,6 +62,9 @@ class ModuleTensors:
     def get(self, key: str) -> torch.Tensor:
         return self._state[key]
 
+    def expert(self, key: str, index: int) -> torch.Tensor:
+        return self._state[key][index]
+
     def close(self) -> None:
         pass
 
@@ -72,9 +79,18 @@ class RandomTensors:
             model = MLAForCausalLM(config, "CC")
         self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
         self.std, self.seed = std, seed
+        self._last: tuple[str | None, torch.Tensor | None] = (None, None)
 
     def keys(self) -> list[str]:
         return list(self.shapes)
+
+    def expert(self, key: str, index: int) -> torch.Tensor:
+        """One expert of the stacked tensor ``key``, which is drawn whole (as the model draws it) and kept while
+        the experts of one key are asked for in turn."""
+        if self._last[0] != key:
+            self._last = (None, None)
+            self._last = (key, self.get(key))
+        return self._last[1][index]
 
     def get(self, key: str) -> torch.Tensor:
         from ..model.decoder import random_tensor
@@ -111,6 +127,22 @@ class WeightSpec:
             if name.endswith("self_attn." + part):
                 return cls(name[: -len(part)] + "kv_b_proj.weight", part)
         return cls(name)
+
+    def per_expert(self, experts: int) -> "WeightSpec | None":
+        """This view of a stacked ``[experts, ...]`` tensor as the stack of one view per expert: the spec that makes
+        expert ``e``'s slice of the view from the source's ``tensor[e]``, or None when an op selects one expert
+        (``("index", i)``) or mixes them (a reshape or transpose that moves the leading axis)."""
+        if self.part is not None:
+            return None
+        ops = []
+        for kind, arg in self.ops:
+            if kind == "shape" and len(arg) > 1 and arg[0] == experts and -1 not in arg:
+                ops.append(("shape", tuple(arg[1:])))
+            elif kind == "perm" and arg[0] == 0:
+                ops.append(("perm", tuple(a - 1 for a in arg[1:])))
+            else:
+                return None
+        return WeightSpec(self.key, None, tuple(ops))
 
     def then(self, op: tuple) -> "WeightSpec":
         """This spec followed by the view ``op`` (``("index", i)``, ``("perm", p)`` or ``("shape", s)``)."""
@@ -158,16 +190,23 @@ class WeightsFile:
 
     def append(self, tensor: torch.Tensor) -> tuple[int, int]:
         """Write ``tensor``'s bytes; returns ``(offset, length)``."""
+        return self.append_chunks([tensor])
+
+    def append_chunks(self, chunks) -> tuple[int, int]:
+        """Write the bytes of each tensor of the iterable ``chunks`` one after the other, as one tensor (made one
+        chunk at a time: a stacked experts' weight, expert by expert); returns ``(offset, length)``."""
         pad = -self.offset % ALIGNMENT
         if pad:
             self._write(b"\0" * pad)
         start = self.offset
-        data = tensor.contiguous()
-        raw = data.view(torch.uint8) if data.dtype.itemsize == 1 else data.view(_INT_OF_SIZE[data.dtype.itemsize])
-        self._write(memoryview(raw.numpy()).cast("B"))
-        self.written += data.numel() * data.dtype.itemsize
-        if self._progress is not None:
-            self._progress(self.written, self.total, time.perf_counter() - self._start)
+        for tensor in chunks:
+            data = tensor.contiguous()
+            size = data.dtype.itemsize
+            raw = data.view(torch.uint8) if size == 1 else data.view(_INT_OF_SIZE[size])
+            self._write(memoryview(raw.numpy()).cast("B"))
+            self.written += data.numel() * size
+            if self._progress is not None:
+                self._progress(self.written, self.total, time.perf_counter() - self._start)
         return start, self.offset - start
 
     def _write(self, data) -> None:

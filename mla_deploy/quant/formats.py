@@ -113,6 +113,14 @@ class WeightFormat:
 
         return self.layout(*quantize(view, scheme), scheme)
 
+    #: a stacked ``[E, N, K]`` view is laid out one expert at a time (:meth:`lay_out_expert`)
+    per_expert: bool = False
+
+    def lay_out_expert(self, view: "torch.Tensor", scheme: WeightQuantization) -> tuple:
+        """The stored tensors of one expert ``view [N, K]`` of a stacked weight (formats with :attr:`per_expert`):
+        the ``[e]`` slices of :meth:`lay_out`'s."""
+        raise NotImplementedError
+
     def entries(self, level: int) -> dict[str, str]:
         """The session config entries that make ONNX Runtime compute this format at accuracy ``level``."""
         return {}
@@ -320,17 +328,23 @@ class _QMoE(WeightFormat):
         _replace_node(model, moe, node)
         return node
 
+    per_expert = True
+
     def lay_out(self, view, scheme):
         """``view [E, N, K]`` (the stacked weight as the ``MoE`` node reads it) -> ``(uint8 [E, N, K*bits/8],
         scale [E, N, K/B])``."""
         import torch
 
+        parts = [self.lay_out_expert(expert, scheme) for expert in view]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+    def lay_out_expert(self, view, scheme):
+        """``view [N, K]`` (one expert) -> ``(uint8 [N, K*bits/8], scale [N, K/B])``."""
         from .scheme import quantize
 
-        parts = [matmulnbits_layout(*quantize(expert.T, scheme), scheme) for expert in view]
-        e, n = view.shape[0], view.shape[1]
-        return (torch.stack([q for q, _ in parts]).reshape(e, n, -1),
-                torch.stack([s for _, s in parts]).reshape(e, n, -1))
+        q, scale = matmulnbits_layout(*quantize(view.T, scheme), scheme)
+        n = view.shape[0]
+        return q.reshape(n, -1), scale.reshape(n, -1)
 
     def observe(self, model):
         found = {}

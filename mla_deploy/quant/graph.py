@@ -71,6 +71,34 @@ class WeightPart:
             memo["view"], memo["parts"] = view, self.format.lay_out(compute(), self.scheme)
         return memo["parts"][self.index].to(dtype)
 
+    def stacked(self, view: Any, count: int, expert, memo: dict, dtype):
+        """This initializer's tensor of a stacked experts' view, one expert at a time: yields ``count`` tensors
+        whose stack is :meth:`make`'s (the whole view is never held: a V3 layer's is 15 GB in bf16).
+
+        Args:
+            view, memo, dtype: as :meth:`make`'s (the other parts of one expert's layout wait in ``memo`` for their
+                own initializer: the scales, a fraction of the integers, when the integers come first).
+            count: the experts.
+            expert: ``(e) -> torch.Tensor``, expert ``e``'s slice of the view (``[N, K]``).
+        """
+        if self.format is None:
+            for e in range(count):
+                yield expert(e).to(dtype).contiguous()
+            return
+        kept = memo.get("stacked") if memo.get("stacked_view") == view else None
+        if kept is not None and kept[self.index] is not None:
+            parts, kept[self.index] = kept[self.index], None
+            yield from (part.to(dtype) for part in parts)
+            return
+        memo["stacked_view"] = view
+        memo["stacked"] = kept = [[] if i != self.index else None for i in range(len(self.format.parts))]
+        for e in range(count):
+            parts = self.format.lay_out_expert(expert(e), self.scheme)
+            for i, part in enumerate(parts):
+                if i != self.index:
+                    kept[i].append(part)
+            yield parts[self.index].to(dtype)
+
 
 #: the weight itself, in the graph's float type
 WHOLE = WeightPart()

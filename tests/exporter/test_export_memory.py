@@ -8,6 +8,7 @@ weights) would add several times the extra layers' weights; streaming adds a sma
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -68,3 +69,58 @@ def test_quantized_export_peak_memory_does_not_grow_with_layers(tmp_path):
     assert extra_source > 200e6
     assert written[6] - written[1] < 0.2 * extra_source  # int4 + fp32 scales per 32: 5/32 of fp32, plus float parts
     assert peaks[6] - peaks[1] < 0.35 * extra_source, (peaks, source)
+
+
+@pytest.mark.parametrize("version, weights", [(2, "float"), (3, "int4")])
+def test_a_fused_export_reads_each_routed_expert_alone(tmp_path, version, weights):
+    """The fused experts' stacked weights are made expert by expert from the checkpoint (a V3 layer's
+    ``gate_up_proj`` is 15 GB in bf16, twice that once interleaved): no stacked experts' tensor is read whole, and
+    what is written equals the whole view laid out at once (float ``MoE``: the interleaved fp32 weight; ``QMoE``:
+    :meth:`~mla_deploy.quant.formats.WeightFormat.lay_out` of it)."""
+    import numpy as np
+    import onnx
+    import torch
+    from hf_oracle import hf_model
+    from onnx import numpy_helper
+
+    from mla_deploy.checkpoint import CheckpointTensors
+    from mla_deploy.config import from_hf_config
+    from mla_deploy.exporter import export_recipe
+    from mla_deploy.quant.formats import QMOE
+    from mla_deploy.quant.scheme import WeightQuantization
+    from mla_deploy.recipe import Recipe
+
+    hf_model(version).save_pretrained(tmp_path / "ckpt")
+    read_whole = []
+
+    class Recording(CheckpointTensors):
+        def get(self, key):
+            read_whole.append(key)
+            return super().get(key)
+
+    source, reference = Recording(tmp_path / "ckpt"), CheckpointTensors(tmp_path / "ckpt")
+    recipe = Recipe(name="tiny-v2", model=from_hf_config(tmp_path / "ckpt"), source=str(tmp_path / "ckpt"))
+    quantized = {"weights": weights, "block_size": 32} if weights != "float" else {}
+    recipe = recipe.replace(export=dataclasses.replace(recipe.export, experts="fused", **quantized))
+    manifest = export_recipe(recipe, tmp_path / "art", weights=source.weights_source(), source=source)
+    stacked = [k for k in source.keys() if ".mlp.experts." in k]
+    assert stacked and set(read_whole) & set(stacked) == set()
+    model = onnx.load(tmp_path / "art" / manifest.graph("decode").file)
+    data = {i.name: i for i in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.op_type in ("MoE", "QMoE")]
+    assert len(nodes) == manifest.config.num_hidden_layers - manifest.config.first_k_dense_replace
+    e, i, d = manifest.config.n_routed_experts, manifest.config.moe_intermediate_size, manifest.config.hidden_size
+    scheme = WeightQuantization("int4", 32)
+    for node in nodes:
+        layer = node.name.split("layers.")[1].split(".")[0] if "layers." in node.name else None
+        prefix = next(k for k in stacked if k.endswith("gate_up_proj") and (layer is None or f"layers.{layer}." in k))
+        gate_up = reference.get(prefix).float()
+        want = {"fc1": gate_up.reshape(e, 2, i, d).permute(0, 2, 1, 3).reshape(e, 2 * i, d),
+                "fc2": reference.get(prefix.replace("gate_up_proj", "down_proj")).float()}
+        slots = {"fc1": (2, 3), "fc2": (5, 6)} if node.op_type == "QMoE" else {"fc1": (2,), "fc2": (4,)}
+        for name, view in want.items():
+            got = [numpy_helper.to_array(data[node.input[s]], base_dir=str(tmp_path / "art")) for s in slots[name]]
+            expected = QMOE.lay_out(view, scheme) if node.op_type == "QMoE" else (view,)
+            for g, w in zip(got, expected):
+                np.testing.assert_array_equal(g, w.numpy().astype(g.dtype))
+    assert {n.op_type for n in nodes} == {"QMoE" if weights == "int4" else "MoE"}
