@@ -323,3 +323,25 @@ def test_fill_chunk_keeps_logits_and_scores_small():
         assert 1 <= n <= min(MAX_CHUNK, total) and n & (n - 1) == 0
         assert n == 1 or batch * n * 4 * max(c.vocab_size, 16 * total) <= CHUNK_BYTES
     assert math.isclose(fill_chunk(c, 1, 3), 2)
+
+
+def test_a_checkpoint_whose_fp32_weights_do_not_fit_is_benched_quantized(tmp_path):
+    """``--hf CKPT --weights int4`` on a model whose fp32 weights exceed the memory (the full-size V2-Lite here): the
+    int4 export streams, so nothing is refused before it; ``--weights float`` is refused in one line as before."""
+    from hf_oracle import hf_model
+
+    from mla_deploy.bench.whole_model.driver import plan, prepare
+    from mla_deploy.bench.whole_model.spec import WholeModelSpec
+    from mla_deploy.errors import InputError
+
+    hf_model(2).save_pretrained(tmp_path / "ckpt")
+    common = dict(source="hf", location=str(tmp_path / "ckpt"), contexts=(2,), batches=(1,), prompt_length=4,
+                  repeat=1, warmup=0, memory_fraction=1e-12)  # nothing fits: fp32 least of all
+    with pytest.raises(InputError, match="GiB in fp32"):
+        prepare(WholeModelSpec(**common), tmp_path / "float", lambda line: None)
+    spec = WholeModelSpec(**common, weights=("int4",), block_size=32)
+    prepared = prepare(spec, tmp_path / "int4", lambda line: None)
+    assert [v.path for v in prepared.variants] == ["ours-int4"] and prepared.variants[0].manifest.quantization.quantized
+    status, routing = plan(spec, prepared)
+    assert not status["ours-int4"]["available"] and "GiB" in status["ours-int4"]["reason"]
+    assert routing["method"] == "uniform" and "fp32 reference" in routing["reason"]

@@ -148,6 +148,17 @@ def weight_groups(config: MLAConfig, itemsize: int = 4, quantization: Quantizati
                             {k: v.shape for k, v in state.items()}, itemsize))
 
 
+def export_bytes(config: MLAConfig, quantization: Quantization = FLOAT, itemsize: int = 4) -> int:
+    """About the bytes an export of ``config`` writes with ``quantization`` (a plan, before the export says which
+    tensors it quantizes): every matrix but the embedding counted quantized, the rest at ``itemsize``; for the disk
+    check before an export (a full-size V2-Lite is 63 GB in fp32, about 10 GB in int4)."""
+    if quantization.quantized:
+        state = _meta_state(config)
+        keys = [k for k, t in state.items() if t.dim() >= 2 and k != "model.embed_tokens.weight"]
+        quantization = quantization.recorded(keys, ())
+    return weight_groups(config, itemsize, quantization).total_bytes
+
+
 def manifest_weight_groups(manifest) -> WeightGroups:
     """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized."""
     return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.quantization)

@@ -26,7 +26,7 @@ from ...errors import ExportError, InputError
 from .. import machine
 from ..bound import PROCESS_OVERHEAD
 from ..harness import run_points
-from .cost import manifest_weight_groups, weight_groups
+from .cost import export_bytes, manifest_weight_groups, weight_groups
 from .spec import TRANSFORMERS, WholeModelSpec, points
 
 #: marks ``OUT/checkpoint`` as written by the bench, with what it holds (a later run reuses it when equal)
@@ -118,9 +118,10 @@ def _random_checkpoint(config, folder: Path, seed: int, std: float, echo) -> tup
     return time.perf_counter() - start, f"wrote a random fp32 checkpoint (seed {seed}, std {std}) to {folder}"
 
 
-def _export(recipe, checkpoint: Path, artifact: Path, echo) -> tuple[object, float, str]:
-    """Export ``checkpoint`` with ``recipe``'s settings to ``artifact`` (as ``mla-deploy export --hf`` does), unless
-    it already holds that export. Returns (manifest, seconds, what was done)."""
+def _export(recipe, checkpoint: Path, artifact: Path, echo, quantization=quant.FLOAT) -> tuple[object, float, str]:
+    """Export ``checkpoint`` with ``recipe``'s settings (its weights quantized as ``quantization``) to ``artifact``
+    (as ``mla-deploy export --hf`` does), unless it already holds that export. Returns (manifest, seconds, what was
+    done)."""
     from ...artifact import MANIFEST, load_manifest
     from ...checkpoint import CheckpointTensors
     from ...errors import ArtifactError
@@ -137,7 +138,7 @@ def _export(recipe, checkpoint: Path, artifact: Path, echo) -> tuple[object, flo
                 and old.recipe.get("export") == recipe.to_dict()["export"]):
             source.close()
             return old, 0.0, f"reused the artifact in {artifact} (same checkpoint and export settings)"
-    _check_disk(artifact.parent, weight_groups(recipe.model, 4).total_bytes, "the export")
+    _check_disk(artifact.parent, export_bytes(recipe.model, quantization), "the export")
     echo(f"exporting {checkpoint} to {artifact}")
     start = time.perf_counter()
     manifest = export_recipe(recipe, artifact, weights=weights, overwrite=True, source=source,
@@ -147,7 +148,12 @@ def _export(recipe, checkpoint: Path, artifact: Path, echo) -> tuple[object, flo
 
 
 def _require_fit(config, spec: WholeModelSpec) -> None:
-    """Refuse, before writing anything, a model whose fp32 weights no path could hold in this machine's memory."""
+    """Refuse, before writing anything, a model whose fp32 weights no path could hold in this machine's memory,
+    when fp32 weights are asked for (``--weights float``); quantized exports stream their weights and are checked
+    each against memory once exported (:func:`plan`), transformers and the measured routing skipped if fp32 does
+    not fit."""
+    if quant.FLOAT.weights not in spec.weights:
+        return
     need = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD
     available = machine.available_bytes()
     if available is not None and need > spec.memory_fraction * available:
@@ -220,7 +226,8 @@ def prepare(spec: WholeModelSpec, out: Path, echo: Callable[[str], None]) -> Pre
     for quantization in quant.plans(spec.weights, spec.block_size, base.export.quant_format):
         export = dataclasses.replace(settings, **quantization.settings())
         folder = out / quantization.variant("artifact")
-        manifest, seconds, note = _export(base.replace(export=export), prepared.checkpoint, folder, echo)
+        manifest, seconds, note = _export(base.replace(export=export), prepared.checkpoint, folder, echo,
+                                          quantization)
         prepared.seconds[f"export {quantization.weights}"] = seconds
         prepared.notes.append(note)
         prepared.variants.append(Variant(quantization.variant("ours"), folder, manifest))
