@@ -325,23 +325,27 @@ def test_fill_chunk_keeps_logits_and_scores_small():
     assert math.isclose(fill_chunk(c, 1, 3), 2)
 
 
-def test_a_checkpoint_whose_fp32_weights_do_not_fit_is_benched_quantized(tmp_path):
-    """``--hf CKPT --weights int4`` on a model whose fp32 weights exceed the memory (the full-size V2-Lite here): the
-    int4 export streams, so nothing is refused before it; ``--weights float`` is refused in one line as before."""
+def test_the_memory_refusal_counts_the_smallest_export_asked_for(tmp_path):
+    """``--hf CKPT --weights int4`` on a model whose fp32 weights exceed the memory (the full-size V2-Lite here) is
+    not refused for fp32's size: the check before anything is written counts the smallest export asked for (int4
+    streams), and names it when even that does not fit."""
     from hf_oracle import hf_model
 
-    from mla_deploy.bench.whole_model.driver import plan, prepare
+    from mla_deploy import quant
+    from mla_deploy.bench.whole_model.cost import export_bytes
+    from mla_deploy.bench.whole_model.driver import prepare
     from mla_deploy.bench.whole_model.spec import WholeModelSpec
+    from mla_deploy.config import from_hf_config
     from mla_deploy.errors import InputError
 
     hf_model(2).save_pretrained(tmp_path / "ckpt")
+    config = from_hf_config(tmp_path / "ckpt")
+    sizes = {q.weights: export_bytes(config, q) for q in quant.plans(("float", "int8", "int4"), 32)}
+    assert sizes["int4"] < sizes["int8"] < sizes["float"]
     common = dict(source="hf", location=str(tmp_path / "ckpt"), contexts=(2,), batches=(1,), prompt_length=4,
-                  repeat=1, warmup=0, memory_fraction=1e-12)  # nothing fits: fp32 least of all
-    with pytest.raises(InputError, match="GiB in fp32"):
-        prepare(WholeModelSpec(**common), tmp_path / "float", lambda line: None)
-    spec = WholeModelSpec(**common, weights=("int4",), block_size=32)
-    prepared = prepare(spec, tmp_path / "int4", lambda line: None)
-    assert [v.path for v in prepared.variants] == ["ours-int4"] and prepared.variants[0].manifest.quantization.quantized
-    status, routing = plan(spec, prepared)
-    assert not status["ours-int4"]["available"] and "GiB" in status["ours-int4"]["reason"]
-    assert routing["method"] == "uniform" and "fp32 reference" in routing["reason"]
+                  repeat=1, warmup=0, memory_fraction=1e-12)  # nothing fits
+    for weights, named in ((("float",), "fp32"), (("float", "int8"), "int8"), (("int4", "float"), "int4")):
+        block = {"block_size": 32} if weights != ("float",) else {}
+        with pytest.raises(InputError, match=f"GiB in {named} and"):
+            prepare(WholeModelSpec(**common, weights=weights, **block), tmp_path / "out", lambda line: None)
+        assert not (tmp_path / "out").exists()

@@ -152,11 +152,9 @@ def export_bytes(config: MLAConfig, quantization: Quantization = FLOAT, itemsize
     """About the bytes an export of ``config`` writes with ``quantization`` (a plan, before the export says which
     tensors it quantizes): every matrix but the embedding counted quantized, the rest at ``itemsize``; for the disk
     check before an export (a full-size V2-Lite is 63 GB in fp32, about 10 GB in int4)."""
-    if quantization.quantized:
-        state = _meta_state(config)
-        keys = [k for k, t in state.items() if t.dim() >= 2 and k != "model.embed_tokens.weight"]
-        quantization = quantization.recorded(keys, ())
-    return weight_groups(config, itemsize, quantization).total_bytes
+    state = _meta_state(config)
+    keys = [k for k, t in state.items() if t.dim() >= 2 and k != "model.embed_tokens.weight"]
+    return weight_groups(config, itemsize, quantization.recorded(keys, ())).total_bytes  # float: nothing recorded
 
 
 def manifest_weight_groups(manifest) -> WeightGroups:

@@ -148,18 +148,17 @@ def _export(recipe, checkpoint: Path, artifact: Path, echo, quantization=quant.F
 
 
 def _require_fit(config, spec: WholeModelSpec) -> None:
-    """Refuse, before writing anything, a model whose fp32 weights no path could hold in this machine's memory,
-    when fp32 weights are asked for (``--weights float``); quantized exports stream their weights and are checked
-    each against memory once exported (:func:`plan`), transformers and the measured routing skipped if fp32 does
-    not fit."""
-    if quant.FLOAT.weights not in spec.weights:
-        return
-    need = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD
+    """Refuse, before writing anything, a model that none of the ``--weights`` asked for fits in this machine's
+    memory (the smallest export's weights); each export is checked again once written (:func:`plan`), and the fp32
+    reference (transformers, the measured routing) is skipped where it does not fit."""
+    plans = quant.plans(spec.weights, spec.block_size)
+    need, smallest = min(((export_bytes(config, q) + PROCESS_OVERHEAD, q) for q in plans), key=lambda pair: pair[0])
     available = machine.available_bytes()
     if available is not None and need > spec.memory_fraction * available:
-        raise InputError(f"{config.name} needs about {need / 2**30:.1f} GiB in fp32 and {available / 2**30:.1f} GiB "
-                         f"are available, so no path could load it; bench its first layers (--preset NAME --layers "
-                         f"N) or an artifact exported in a smaller precision (--artifact)")
+        raise InputError(f"{config.name} needs about {need / 2**30:.1f} GiB in {smallest.stored_type('fp32')} and "
+                         f"{available / 2**30:.1f} GiB are available, so no path could load it; bench its first "
+                         f"layers (--preset NAME --layers N), smaller weights (--weights int4) or an artifact exported "
+                         f"in a smaller precision (--artifact)")
 
 
 def _as_given(spec: WholeModelSpec) -> Prepared:
