@@ -234,3 +234,22 @@ def test_nan_outputs_are_reported_as_nan(static_run, tmp_path):
     assert top1["agree"] == top1["positions"] - 1
     assert "logits holds 1 NaN/Inf values at step 2" in result.summary()
     assert "1 NaN/Inf values" in (tmp_path / "nan" / "report.md").read_text()
+
+
+def test_a_reference_beyond_the_memory_is_refused_before_any_weight_is_read(tiny_static, tmp_path):
+    """The full-size DeepSeek-V2-Lite's fp32 reference (59 GiB) on this machine: one line naming what it needs and
+    what is available, instead of the kernel killing the process; the tiny model's passes the same check."""
+    import dataclasses
+
+    from mla_deploy import load_recipe
+    from mla_deploy.artifact import load_manifest
+    from mla_deploy.bench.machine import available_bytes
+    from mla_deploy.errors import InputError
+    from mla_deploy.validate.reference import load_reference_model, reference_bytes, require_memory
+
+    big = load_recipe("deepseek-v2-lite").model
+    assert reference_bytes(big) > 58 * 2**30 > available_bytes()  # 15.7 B parameters in fp32
+    manifest = load_manifest(tiny_static)
+    require_memory(manifest.config)
+    with pytest.raises(InputError, match=r"needs its fp32 PyTorch reference, about 5\d\.\d GiB, and .* available"):
+        load_reference_model(tiny_static, dataclasses.replace(manifest, model=big))
