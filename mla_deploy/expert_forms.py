@@ -71,3 +71,19 @@ def require_tensorrt(form: str, where: str) -> None:
     if form == FUSED:
         raise ArtifactError(f"{where}'s routed experts are ONNX Runtime MoE/QMoE operators, which TensorRT cannot "
                             f"parse; re-export with --experts {BRANCHES}")
+
+
+#: the ONNX Runtime operators of the fused form, ``(domain, op_type)``
+FUSED_OPS = (("com.microsoft", "MoE"), ("com.microsoft", "QMoE"))
+
+
+def disagreement(recorded: str, model, moe: bool) -> str | None:
+    """Why the ONNX ``ModelProto`` ``model`` (weights not needed) does not hold the experts form ``recorded`` (a
+    manifest's graph entry), or None: fused operators in a graph recorded as branches, or none in a graph of a MoE
+    model (``moe``) recorded as fused (a dense model holds neither, whatever its entry says)."""
+    fused = any((node.domain, node.op_type) in FUSED_OPS for node in model.graph.node)
+    if fused and recorded != FUSED:
+        return f"it holds MoE/QMoE operators where the manifest records {recorded} experts"
+    if moe and recorded == FUSED and not fused:
+        return "the manifest records fused experts and it holds no MoE/QMoE operator"
+    return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import expert_forms
 from ..errors import ArtifactError
 from ..io_spec import ROLES
 from ..quant import observe_graphs
@@ -103,6 +104,10 @@ def _check_graph_files(root: Path, manifest: Manifest) -> None:
     for role, graph in manifest.graphs.items():
         if graph.file not in models:  # prefill and decode may be one file
             models[graph.file] = _check_onnx_io(root / graph.file, role, graph)
+        reason = expert_forms.disagreement(graph.experts, models[graph.file], manifest.config.is_moe)
+        if reason:
+            raise ArtifactError(f"{root / MANIFEST} does not describe its {role} graph {graph.file}: {reason} "
+                                f"(edited?); export again")
     disagreement = manifest.quantization.disagreement(observe_graphs(models.values()))
     if disagreement:
         raise ArtifactError(f"{root / MANIFEST} does not describe its graphs: {disagreement} (edited?); export again")

@@ -95,3 +95,24 @@ def test_cli_one_line(artifact_copy, tmp_path, damage):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mla-deploy: error:")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("form", ["fused", "branches"])
+def test_a_recorded_experts_form_its_graph_does_not_hold_is_refused(tmp_path, form):
+    """A MoE artifact whose manifest says the other form of experts than its graph holds (edited): one line naming
+    the graph and what it holds, through check_artifact and `mla-deploy validate`."""
+    from hf_oracle import hf_model
+
+    hf_model(2).save_pretrained(tmp_path / "ckpt")
+    art = tmp_path / "art"
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path / "ckpt"), "--out", str(art), "--experts", form])
+    assert result.exit_code == 0, result.output
+    check_artifact(art)
+    other = {"fused": "branches", "branches": "fused"}[form]
+    _edit_manifest(art, lambda m: m["graphs"]["decode"].update(experts=other))
+    holds = "it holds MoE/QMoE operators where the manifest records branches" if form == "fused" else \
+        "the manifest records fused experts and it holds no MoE/QMoE operator"
+    with pytest.raises(ArtifactError, match=f"does not describe its decode graph .*: {holds}"):
+        check_artifact(art)
+    result = CliRunner().invoke(main, ["validate", str(art), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0 and holds in result.stderr
