@@ -85,6 +85,7 @@ class WeightPart:
             for e in range(count):
                 yield expert(e).to(dtype).contiguous()
             return
+        assert self.format.per_expert, f"{self.format!r} lays out no stacked experts' view"  # only QMoE takes one
         kept = memo.get("stacked") if memo.get("stacked_view") == view else None
         if kept is not None and kept[self.index] is not None:
             parts, kept[self.index] = kept[self.index], None
