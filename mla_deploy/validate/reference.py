@@ -52,30 +52,17 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized
     return model
 
 
-#: what the reference needs besides its fp32 weights (the interpreter, torch, one forward's activations)
-REFERENCE_OVERHEAD = 1 << 30
-
-
-def reference_bytes(config) -> int:
-    """Bytes of the fp32 ``CC``-form reference of ``config`` (its weights, the model built on the ``meta`` device)."""
-    import torch
-
-    from ..model.decoder import MLAForCausalLM
-
-    with torch.device("meta"):
-        model = MLAForCausalLM(config, "CC")
-    return sum(t.numel() for t in {id(t): t for t in model.state_dict().values()}.values()) * 4
-
-
 def require_memory(config) -> None:
     """Refuse, before reading any weight, a reference that cannot fit this machine's available memory (building it
     anyway ends with the kernel killing the process: a full-size DeepSeek-V2-Lite is 59 GiB in fp32).
 
     Raises:
         InputError: naming what it needs and what is available."""
+    from ..bench.bound import PROCESS_OVERHEAD
     from ..bench.machine import available_bytes
+    from ..bench.whole_model.cost import weight_groups
 
-    need, available = reference_bytes(config) + REFERENCE_OVERHEAD, available_bytes()
+    need, available = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD, available_bytes()
     if available is not None and need > available:
         raise InputError(f"validating {config.name} needs its fp32 PyTorch reference, about {need / 2**30:.1f} GiB, "
                          f"and {available / 2**30:.1f} GiB are available; validate on a machine with that much memory "
