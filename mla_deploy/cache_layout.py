@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import MLAConfig
-from .errors import CacheCapacityError, ConfigError
+from .errors import CacheCapacityError, ConfigError, InputError
 from .io_spec import BATCH, CAPACITY, LOGITS, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, past_name, present_name
 
 CACHE_MODES = ("concat", "static")
@@ -221,8 +221,9 @@ class CacheLayout:
         raise NotImplementedError
 
     def advance(self, state: CacheState, valid: np.ndarray, control: np.ndarray, presents: Sequence) -> None:
-        """Update ``state`` after a step that ran with ``control`` and returned ``presents`` (one per layer)."""
-        state.lengths = state.lengths + np.asarray(valid).sum(axis=1).astype(np.int64)
+        """Update ``state`` after a step that ran with ``control`` and returned ``presents`` (one per layer).
+        ``lengths`` is updated in place: a view of some rows of a larger state (:meth:`rows`) advances them there."""
+        state.lengths += np.asarray(valid).sum(axis=1).astype(np.int64)
         state.caches = list(presents)
 
     def held(self, cache, state: CacheState):
@@ -233,6 +234,30 @@ class CacheLayout:
     def slot_valid(self, state: CacheState, slots: int) -> np.ndarray:
         """``[B, slots]`` bool: which of the rows :meth:`held` returns belong to a real token."""
         raise NotImplementedError
+
+    def rows(self, state: CacheState, start: int, stop: int, view: Callable[[Any, int, int], Any]) -> CacheState:
+        """The sequences ``start .. stop - 1`` of ``state`` as a state of their own that shares its memory: a step
+        on it writes their cache rows and advances their ``lengths`` in ``state``. ``view(cache, start, stop)`` is
+        the engine's view of rows of one of its arrays. Only an in-place layout has one: its buffers stay put.
+
+        Raises: CacheCapacityError: a growing layout (each step replaces its arrays). InputError: rows outside
+            ``[0, B)`` or none.
+        """
+        if not self.in_place:
+            raise CacheCapacityError(f"the {self.mode} cache has no view of some of its sequences (each step "
+                                     f"replaces its arrays); export with --cache-mode static")
+        if not 0 <= start < stop <= len(state.lengths):
+            raise InputError(f"rows {start}..{stop - 1} are not rows of a batch of {len(state.lengths)}")
+        return CacheState(state.lengths[start:stop], [view(cache, start, stop) for cache in state.caches],
+                          capacity=state.capacity)
+
+    def clear(self, state: CacheState, row: int) -> None:
+        """Empty sequence ``row`` of an in-place ``state`` for a new sequence: it holds no rows, and what its slots
+        still hold is never attended (a query sees only the slots below its write index plus its own step's)."""
+        if not self.in_place:
+            raise CacheCapacityError(f"the {self.mode} cache cannot empty one of its sequences; export with "
+                                     f"--cache-mode static")
+        state.lengths[row] = 0
 
 
 class ConcatLayout(CacheLayout):

@@ -56,6 +56,10 @@ __all__ = [
 ]
 
 
+class BusyError(MLADeployError):
+    """A server's queue of waiting requests is full: the request may be sent again later."""
+
+
 class InputError(MLADeployError):
     """A value handed to mla-deploy is out of range (a token id outside the vocabulary, ...)."""
 

@@ -103,6 +103,11 @@ class Engine:
         """
         raise NotImplementedError
 
+    def _rows(self, cache, start: int, stop: int):
+        """A view of the sequences ``start .. stop - 1`` of one in-place cache array (same memory), that
+        :meth:`_run` binds like the array itself."""
+        raise NotImplementedError(f"{type(self).__name__} has no view of some rows of its cache")
+
     def _sliceable(self, cache):
         """``cache`` as an array that can be sliced (default: itself; a GPU cache is sliced before it is copied)."""
         return cache
@@ -141,6 +146,20 @@ class Engine:
             capacity = max(1, min(int(rows), capacity))
         return self.layout.new_state(batch, self.config.latent_dim, self.config.num_hidden_layers, capacity,
                                      self._allocate)
+
+    def rows(self, state: CacheState, start: int, stop: int) -> CacheState:
+        """Sequences ``start .. stop - 1`` of an in-place ``state`` as a state of ``stop - start`` rows that shares
+        its memory (:meth:`CacheLayout.rows <mla_deploy.cache_layout.CacheLayout.rows>`): prefill or decode on it
+        writes those sequences' cache rows and lengths in ``state``. What continuous batching runs on: one
+        sequence prefilled into a free row while the others wait, a decode step over the rows in use.
+
+        Raises: CacheCapacityError: a growing (concat) cache. InputError: rows outside the batch.
+        """
+        return self.layout.rows(state, start, stop, self._rows)
+
+    def clear(self, state: CacheState, row: int) -> None:
+        """Empty sequence ``row`` of an in-place ``state`` for a new sequence (nothing is zeroed or copied)."""
+        self.layout.clear(state, row)
 
     def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
         """Refuse a request of prompts ``prompt_length`` wide and ``max_new_tokens`` that the cache cannot hold.

@@ -142,6 +142,20 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     return session
 
 
+class _Rows:
+    """Rows ``start .. stop - 1`` (the batch axis) of an in-place cache ``OrtValue``: the same memory, bound by
+    address (:meth:`OrtEngine._rows`). Attributes: ``value`` (the whole buffer), ``start``, ``stop``, ``shape``,
+    ``address``."""
+
+    def __init__(self, value, start: int, stop: int):
+        base, offset = (value.value, value.start) if isinstance(value, _Rows) else (value, 0)
+        shape = base.shape()
+        row_bytes = base.tensor_size_in_bytes() // shape[0]
+        self.value, self.start, self.stop = base, offset + start, offset + stop
+        self.shape = [stop - start, *shape[1:]]
+        self.address = base.data_ptr() + self.start * row_bytes
+
+
 class OrtEngine(Engine):
     """Runs an exported artifact with ONNX Runtime.
 
@@ -219,7 +233,12 @@ class OrtEngine(Engine):
 
     def _sliceable(self, cache):
         # an OrtValue cannot be sliced: a view of its buffer, valid while the state lives (the slice is copied)
+        if isinstance(cache, _Rows):
+            return cache.value.numpy()[cache.start: cache.stop]
         return cache.numpy() if isinstance(cache, self.ort.OrtValue) else cache
+
+    def _rows(self, cache, start, stop):
+        return _Rows(cache, start, stop)
 
     def _run(self, role, ids, positions, logits_index, control, state):
         session = self.sessions[role]
@@ -243,6 +262,10 @@ class OrtEngine(Engine):
         binding.bind_cpu_input("logits_index", logits_index)
         binding.bind_cpu_input(self.layout.control, control)
         for i, cache in enumerate(state.caches):
+            if isinstance(cache, _Rows):  # some rows of a larger state's buffer, bound by address
+                binding.bind_input(past_name(i), self.device, 0, self.dtype, cache.shape, cache.address)
+                binding.bind_output(present_name(i), self.device, 0, self.dtype, cache.shape, cache.address)
+                continue
             binding.bind_ortvalue_input(past_name(i), cache)
             binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place
         self._execute(role, lambda: session.run_with_iobinding(binding, self.run_options))

@@ -4,6 +4,8 @@
   (``prefill``, ``decode``, ``argmax``, ...); every engine of :mod:`mla_deploy.engines` implements it.
 * :mod:`~mla_deploy.generate.loop`: the loop (:func:`stream_tokens`, :func:`generate_tokens`), and its steps
   (:func:`prefill_step`, :func:`decode_step`: one decode step over a batch of cache rows).
+* :mod:`~mla_deploy.generate.batching`: continuous batching (:class:`ContinuousBatcher`): requests join and leave
+  one running batch between decode steps, each in its own row of an in-place cache (what ``mla-deploy serve`` runs).
 * :mod:`~mla_deploy.generate.request`: a request's checks and its right-padded batch.
 * :mod:`~mla_deploy.generate.sampling`: greedy, temperature, top-k, top-p; seeded.
 * :mod:`~mla_deploy.generate.tokenizer` and :mod:`~mla_deploy.generate.chat_template`: an artifact's tokenizer
@@ -20,6 +22,10 @@ from ..lazy import lazy_getattr
 
 _LAZY = {
     "GenerationEngine": ".engine",
+    "BATCH_FINISH_REASONS": ".batching",
+    "ContinuousBatcher": ".batching",
+    "SequenceEvent": ".batching",
+    "Ticket": ".batching",
     "FINISH_REASONS": ".loop",
     "Generation": ".loop",
     "GenerationStream": ".loop",
@@ -40,6 +46,7 @@ _LAZY = {
     "IncrementalDetokenizer": ".tokenizer",
     "load_tokenizer": ".tokenizer",
     "render_chat": ".chat_template",
+    "StopText": ".text",
     "TextGeneration": ".text",
     "TextPiece": ".text",
     "TextStream": ".text",

@@ -65,8 +65,9 @@ class TextGeneration:
     texts: list[str]
 
 
-class _StopText:
-    """Holds back text that may be the beginning of a stop string; finds the first stop string."""
+class StopText:
+    """Holds back text that may be the beginning of a stop string; finds the first stop string. :meth:`feed` new
+    text, get back ``(text safe to show, whether a stop string was found)``; :meth:`flush` at the end."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops, self.pending = tuple(stops), ""
@@ -112,7 +113,7 @@ class TextStream:
         eos = tokenizer.eos_ids if eos_ids is None else eos_ids
         self.steps = stream_tokens(engine, prompts, max_new_tokens, sampling, eos)
         self.detokenizers = [tokenizer.detokenizer() for _ in prompts]
-        self.stops = [_StopText(stop) for _ in prompts]
+        self.stops = [StopText(stop) for _ in prompts]
         self.texts = ["" for _ in prompts]
         self._pieces = self._loop()
 
