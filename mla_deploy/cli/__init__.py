@@ -1,7 +1,7 @@
 """The ``mla-deploy`` command line. Thin: options -> recipe -> a library call.
 
 One module per command (:mod:`.export`, :mod:`.run`, :mod:`.validate`, :mod:`.build`, :mod:`.bench`,
-:mod:`.presets` for ``inspect`` and ``presets``, :mod:`.doctor`); :mod:`.contract` holds the error contract
+:mod:`.presets` for ``inspect`` and ``presets``, :mod:`.doctor`, :mod:`.serve`); :mod:`.contract` holds the error contract
 (:class:`~.contract.MainGroup`: every failure is one line on stderr and an exit status, README's Errors section).
 Heavy modules (torch, onnx, onnxruntime, tensorrt) are imported inside the commands, so ``mla-deploy --help`` is
 instant.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import bench, build, doctor, export, presets, run, validate
+from . import bench, build, doctor, export, presets, run, serve, validate
 from .contract import EXIT_BUG, MainGroup
 
 __all__ = ["EXIT_BUG", "MainGroup", "main"]
@@ -26,5 +26,5 @@ def main() -> None:
 
 
 for _command in (presets.inspect, presets.presets, export.export, run.run, validate.validate, doctor.doctor,
-                 build.build, bench.bench):
+                 build.build, bench.bench, serve.serve):
     main.add_command(_command)

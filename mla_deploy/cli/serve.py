@@ -1,0 +1,40 @@
+"""``mla-deploy serve``: an OpenAI-compatible HTTP server over an artifact, with continuous batching."""
+
+from __future__ import annotations
+
+import click
+
+from .groups import Runtime, RuntimeArgs
+from .options import Int, Positive
+
+
+@click.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; put a proxy with TLS in front).")
+@click.option("--port", default=8000, show_default=True, type=Int(minimum=0), help="TCP port (0: a free one).")
+@click.option("--max-batch", default=8, show_default=True, type=Int(),
+              help="Sequences decoded together: rows of the latent cache, each holding one request.")
+@click.option("--max-cache-length", type=Int(),
+              help="Tokens each sequence may hold, prompt plus new tokens (default: the artifact's max_cache_length). "
+                   "Every decode step attends over all of them: keep it to what requests need.")
+@click.option("--api-key", envvar="MLA_DEPLOY_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1/* (also from MLA_DEPLOY_API_KEY).")
+@click.option("--model-name", help="The model's id in the API (default: the artifact's name).")
+@click.option("--max-queue", default=256, show_default=True, type=Int(),
+              help="Requests waiting for a free row before new ones get 429 with Retry-After.")
+@click.option("--request-timeout", default=600.0, show_default=True, type=Positive(),
+              help="Seconds a request may run before it is ended (408).")
+@click.option("--grace", default=30.0, show_default=True, type=Positive(),
+              help="Seconds in-flight requests get to finish at SIGTERM/SIGINT before they are cancelled.")
+@RuntimeArgs()
+def serve(artifact, runtime: Runtime, **server):
+    """Serve ARTIFACT over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions (streamed or not),
+    /v1/models, /health and /metrics (Prometheus). Concurrent requests share one engine by continuous batching on
+    the static latent cache. Binds 127.0.0.1 unless told otherwise; SIGTERM or SIGINT stops it gracefully."""
+    from ..serve.server import serve as run_server
+    from ..serve.service import ServeOptions
+
+    server["api_key"] = server["api_key"] or None
+    options = ServeOptions(threads=runtime.threads, provider=runtime.provider, use_engine=runtime.use_engine, **server)
+    run_server(artifact, options, announce=lambda line: click.echo(f"mla-deploy: {line}", err=True))

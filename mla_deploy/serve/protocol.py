@@ -1,0 +1,152 @@
+"""The OpenAI API's requests and errors, as this server takes them: pydantic models of ``/v1/completions`` and
+``/v1/chat/completions`` bodies, and :class:`ApiError`, the ``{"error": {...}}`` reply with its HTTP status.
+
+A body field that the API defines and this server does not implement is refused when it asks for something
+(``n > 1``, ``logprobs``, ``echo``, non-zero penalties, a ``logit_bias``), never silently ignored; a field the API
+does not define is refused as the API refuses it ("Unrecognized request argument").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+
+class ApiError(Exception):
+    """An OpenAI error reply: ``status`` and ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)  # not in OpenAI's API; vLLM and llama-server take it
+    n: int = Field(1, ge=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)
+    seed: int | None = Field(None, ge=0)
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop sequence cannot be empty")
+        return stops
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """``(field, why)`` of each field that asks for what this server does not do."""
+        out = []
+        if self.n != 1:
+            out.append(("n", "n > 1 is not supported: send the request n times (with different seeds)"))
+        if self.presence_penalty or self.frequency_penalty:
+            out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                        "presence and frequency penalties are not supported"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        return out
+
+
+class CompletionRequest(_Sampling):
+    """A ``/v1/completions`` body. ``prompt``: a string, a list of token ids, or one of either in a list."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: StrictBool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported"))
+        if self.logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "best_of > 1 is not supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix (insertion) is not supported"))
+        return out
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template as given
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self) -> str:
+        """The message's text: a string, or its ``text`` parts joined (other parts are refused)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"message content parts must be text parts, got type {part.get('type')!r}",
+                               param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Sampling):
+    """A ``/v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported"))
+        return out
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (content as text; ``developer`` as ``system``)."""
+        out = []
+        for message in self.messages:
+            extra = {k: v for k, v in (message.model_extra or {}).items()}
+            role = "system" if message.role == "developer" else message.role
+            out.append({**extra, "role": role, "content": message.text()})
+        return out
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """The 400 reply of pydantic's first error (``loc``, ``msg``): what a client reads in one line."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = loc[0] if loc else None
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=param)
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the body is not valid JSON", code="invalid_json")
+    where = ".".join(loc) or "body"
+    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)

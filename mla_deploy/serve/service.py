@@ -1,0 +1,230 @@
+"""What the server serves: one artifact's engine, tokenizer and :class:`~mla_deploy.generate.batching.ContinuousBatcher`
+on an engine thread, each request a stream of text pieces (:meth:`Service.generate`, a :class:`TextRequest`), and the metrics.
+
+The HTTP layer (:mod:`mla_deploy.serve.app`) knows nothing of engines; this module knows nothing of HTTP except
+:class:`~mla_deploy.serve.protocol.ApiError`, the error a request gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Sequence
+
+from ..errors import ArtifactError, BusyError, CacheCapacityError, InputError
+from ..generate.batching import ContinuousBatcher, SequenceEvent
+from ..generate.sampling import SamplingConfig
+from ..generate.text import StopText
+from .protocol import ApiError
+
+#: OpenAI's ``finish_reason`` of each way a sequence ends with a reply
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How ``mla-deploy serve`` runs (every field a command-line option).
+
+    Attributes:
+        host, port: where it listens (127.0.0.1 unless told otherwise).
+        max_batch: sequences decoded together (rows of the cache).
+        max_cache_length: rows each sequence may hold, prompt plus new tokens (None: the artifact's capacity);
+            every decode step attends over all of them.
+        threads: the engine's intra-op threads (None: ONNX Runtime's default). provider: ``cpu`` or ``cuda``.
+        use_engine: open the artifact's pre-built CPU engine when it has one (``mla-deploy build --target cpu``).
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer KEY``.
+        model_name: the model's id in the API (None: the artifact's name).
+        max_queue: requests waiting for a row before new ones get 429.
+        request_timeout: seconds a request may take before it is ended (408).
+        max_body_bytes: the largest request body (413 past it).
+        grace: seconds in-flight requests get to finish at SIGTERM/SIGINT before they are cancelled.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_cache_length: int | None = None
+    threads: int | None = None
+    provider: str = "cpu"
+    use_engine: bool = True
+    api_key: str | None = None
+    model_name: str | None = None
+    max_queue: int = 256
+    request_timeout: float = 600.0
+    max_body_bytes: int = 4 << 20
+    grace: float = 30.0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text of a request, the tokens made so far, and OpenAI's ``finish_reason`` on the last piece."""
+
+    text: str
+    tokens: int
+    finish_reason: str | None = None
+
+
+class Service:
+    """An artifact served: open its engine and tokenizer, run the batcher on its own thread.
+
+    Args:
+        artifact: the export directory (static cache, with its tokenizer files).
+        options: :class:`ServeOptions`.
+    Raises:
+        ArtifactError: no tokenizer in the artifact. CacheCapacityError: a concat-cache artifact (no rows to batch
+            in). As :class:`~mla_deploy.engines.ort_engine.OrtEngine`.
+    """
+
+    def __init__(self, artifact: str | Path, options: ServeOptions):
+        from ..engines.ort_engine import OrtEngine
+        from ..generate.tokenizer import load_tokenizer
+
+        self.options = options
+        self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine)
+        if not self.engine.layout.in_place:
+            raise CacheCapacityError(f"{artifact} has a {self.engine.cache_mode} cache; serving batches sequences in "
+                                     f"the rows of a static cache: export with --cache-mode static")
+        self.tokenizer = load_tokenizer(artifact)
+        if self.tokenizer is None:
+            raise ArtifactError(f"{artifact} has no tokenizer files; export it with --hf from a checkpoint that has "
+                                f"them to serve text")
+        if options.max_cache_length is not None and self.engine.capacity and \
+                options.max_cache_length > self.engine.capacity:
+            raise InputError(f"--max-cache-length {options.max_cache_length} exceeds the artifact's cache capacity "
+                             f"{self.engine.capacity}")
+        self.model_name = options.model_name or self.engine.manifest.name
+        self.created = int(time.time())
+        self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue)
+        self.capacity = self.batcher.capacity
+        self.metrics = None  # set by the app (mla_deploy.serve.metrics.Metrics)
+        self._thread = threading.Thread(target=self.batcher.run, name="mla-deploy-engine", daemon=True)
+        self.stopping = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Accept nothing more, let the running requests finish for ``grace`` seconds, then cancel the rest."""
+        self.stopping = True
+        self.batcher.close()
+        self._thread.join(self.options.grace if grace is None else grace)
+        if self._thread.is_alive():
+            self.batcher.close(cancel=True)
+            self._thread.join(5)
+
+    # a request ------------------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt) -> list[int]:
+        """A completion prompt's ids: a string encoded with the tokenizer, or ids as given (checked later)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The ids of a conversation through the artifact's chat template, with the generation prompt."""
+        try:
+            return self.tokenizer.chat_ids(messages)
+        except InputError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+
+    def max_new_tokens(self, prompt_length: int, asked: int | None) -> int:
+        """``asked``, or what the cache leaves after the prompt; refused when it cannot fit (400)."""
+        room = self.capacity - prompt_length + 1
+        if room < 1:
+            raise ApiError(400, f"the prompt is {prompt_length} tokens; this server holds at most {self.capacity} "
+                                f"per sequence", param="messages", code="context_length_exceeded")
+        if asked is None:
+            return room
+        if asked > room:
+            raise ApiError(400, f"max_tokens {asked} and the prompt's {prompt_length} tokens exceed the "
+                                f"{self.capacity} tokens a sequence may hold (at most {room} new tokens for this "
+                                f"prompt)", param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    @staticmethod
+    def sampling(temperature: float, top_p: float, top_k: int | None, seed: int | None) -> SamplingConfig:
+        """The request's token choice: temperature 0 is greedy (``top_p``/``top_k`` then do not apply)."""
+        if temperature == 0:
+            return SamplingConfig()
+        return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def generate(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+                 stops: Sequence[str]) -> "TextRequest":
+        """Submit one request now (so a refusal comes before any reply is sent); iterate the returned
+        :class:`TextRequest` for its text. Call from the event loop's thread.
+
+        Raises: ApiError: 400 a bad prompt, 429 the queue is full, 503 shutting down.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[SequenceEvent] = asyncio.Queue()
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down", type="server_error")
+        try:
+            ticket = self.batcher.submit(ids, max_new_tokens, sampling, self.tokenizer.eos_ids,
+                                         lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except BusyError as exc:
+            raise ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+        except (InputError, CacheCapacityError) as exc:
+            raise ApiError(400, str(exc)) from None
+        if self.metrics is not None:
+            self.metrics.requested(ticket)
+        return TextRequest(self, ticket, events, stops)
+
+
+class TextRequest:
+    """One submitted request: iterate it (``async for``) for its :class:`Piece` s; the last has its
+    ``finish_reason``. Leaving the iteration early, or :meth:`cancel`, ends the request and frees its row.
+
+    Raises (while iterated): ApiError: 408 past the request timeout, 500 the engine failed, 503 shutting down.
+    """
+
+    def __init__(self, service: Service, ticket, events: asyncio.Queue, stops: Sequence[str]):
+        self.service, self.ticket, self.events, self.stops = service, ticket, events, stops
+        self.prompt_tokens, self.tokens = ticket.prompt_length, 0
+
+    def cancel(self) -> None:
+        self.ticket.cancel("cancelled")
+
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        service, ticket = self.service, self.ticket
+        loop = asyncio.get_running_loop()
+        detokenizer, stop = service.tokenizer.detokenizer(), StopText(self.stops)
+        timeout = service.options.request_timeout
+        deadline, done = ticket.submitted - time.perf_counter() + loop.time() + timeout, False
+        try:
+            while not done:
+                try:
+                    event = await asyncio.wait_for(self.events.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"the request took longer than {timeout:g} s", type="timeout_error",
+                                   code="timeout") from None
+                if event.finished == "error":
+                    raise ApiError(500, f"the engine failed: {event.error}", type="server_error")
+                if event.token is None:  # ended without a token: cancelled at shutdown
+                    raise ApiError(503, "the server is shutting down", type="server_error")
+                self.tokens += 1
+                if service.metrics is not None:
+                    service.metrics.token(ticket, self.tokens)
+                text = detokenizer.push(event.token) + (detokenizer.flush() if event.finished else "")
+                shown, hit = stop.feed(text)
+                if hit:
+                    ticket.cancel("stop")
+                    done = True
+                    yield Piece(shown, self.tokens, "stop")
+                elif event.finished:
+                    done = True
+                    yield Piece(shown + stop.flush(), self.tokens, FINISH[event.finished])
+                elif shown:
+                    yield Piece(shown, self.tokens)
+        finally:
+            if not done:
+                ticket.cancel("cancelled")
+            if service.metrics is not None:
+                service.metrics.ended(ticket)
