@@ -178,7 +178,10 @@ class ContinuousBatcher:
                         return
                     self._wake.wait(poll)
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # a bug: the running requests get an error, the thread goes on serving
+                self._fail_running(f"{type(exc).__name__}: {exc}")
 
     def step(self) -> None:
         """End the cancelled sequences, admit waiting requests into free rows, run one decode step."""
@@ -198,6 +201,19 @@ class ContinuousBatcher:
             self._admit(self.slots.index(None), ticket)
         if any(t is not None for t in self.slots):
             self._decode()
+
+    def _fail_running(self, error: str) -> None:
+        """End every running sequence with ``error`` (an unexpected failure of a step)."""
+        for row, ticket in enumerate(self.slots):
+            if ticket is not None:
+                self.slots[row] = None
+                self.engine.clear(self.state, row)
+                self.stats.finished["error"] += 1
+                try:
+                    ticket.on_event(SequenceEvent(None, "error", error))
+                except Exception:  # its caller is gone as well
+                    pass
+        self.stats.active = 0
 
     def _admit(self, row: int, ticket: Ticket) -> None:
         """Prefill ``ticket``'s prompt into the free ``row`` and report its first token."""

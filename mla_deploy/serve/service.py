@@ -167,7 +167,7 @@ class Service:
             raise ApiError(503, "the server is shutting down", type="server_error")
         try:
             ticket = self.batcher.submit(ids, max_new_tokens, sampling, self.tokenizer.eos_ids,
-                                         lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+                                         lambda event: _deliver(loop, events, event))
         except BusyError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
@@ -176,6 +176,15 @@ class Service:
         if self.metrics is not None:
             self.metrics.requested(ticket)
         return TextRequest(self, ticket, events, stops)
+
+
+def _deliver(loop, events: asyncio.Queue, event: SequenceEvent) -> None:
+    """Hand ``event`` from the engine's thread to the request's queue on ``loop`` (dropped once the loop has closed:
+    the server is gone, and so is the request)."""
+    try:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+    except RuntimeError:
+        pass
 
 
 class TextRequest:

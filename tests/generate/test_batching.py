@@ -4,6 +4,9 @@ requests that cannot fit are refused or ended as documented."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -102,3 +105,23 @@ def test_refusals(engine):
 def test_a_concat_cache_has_no_rows_to_batch_in():
     with pytest.raises(CacheCapacityError, match="--cache-mode static"):
         ContinuousBatcher(OrtEngine(tiny_artifact("concat"), threads=1), max_batch=2)
+
+
+def test_a_failing_step_ends_the_running_requests_with_an_error_and_serving_goes_on(engine):
+    batcher = ContinuousBatcher(engine, max_batch=2)
+    thread = threading.Thread(target=batcher.run)
+
+    def broken(event):
+        raise RuntimeError("a caller's bug")
+
+    _, bystander = collect(batcher, PROMPTS[0], 5)
+    batcher.submit(PROMPTS[1], 5, on_event=broken)
+    thread.start()
+    deadline = time.time() + 60
+    while not batcher.idle and time.time() < deadline:
+        time.sleep(0.01)
+    _, after = collect(batcher, PROMPTS[2], 4)
+    batcher.close()
+    thread.join(60)
+    assert bystander[-1].finished == "error" and "a caller's bug" in bystander[-1].error
+    assert [e.finished for e in after] == [None, None, None, "length"]
