@@ -210,6 +210,11 @@ class CacheLayout:
         """An empty cache for ``batch`` sequences; ``allocate(shape)`` makes one zeroed array of the engine's kind."""
         raise NotImplementedError
 
+    def room(self, prompt_length: int, capacity: int | None) -> int | None:
+        """The most new tokens a sequence of ``prompt_length`` can get in ``capacity`` rows (its last token is not
+        cached): at most 0 when the prompt alone does not fit; None where the cache grows."""
+        return None
+
     def check_request(self, prompt_length: int, new_tokens: int, capacity: int | None) -> None:
         """Refuse a generation whose prompt plus new tokens cannot fit (fixed-capacity layouts)."""
 
@@ -368,8 +373,11 @@ class StaticLayout(CacheLayout):
         caches = [allocate(self.cache_shape(batch, capacity, width)) for _ in range(layers)]
         return CacheState(np.zeros(batch, dtype=np.int64), caches, capacity=int(capacity))
 
+    def room(self, prompt_length, capacity):
+        return (capacity or 0) - prompt_length + 1
+
     def check_request(self, prompt_length, new_tokens, capacity):
-        if prompt_length + new_tokens - 1 > (capacity or 0):
+        if new_tokens > self.room(prompt_length, capacity):
             raise CacheCapacityError(f"a prompt of {prompt_length} tokens plus {new_tokens} new ones exceeds the "
                                      f"static cache capacity {capacity} (export with a larger max_cache_length)")
 

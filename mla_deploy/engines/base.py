@@ -25,7 +25,7 @@ import numpy as np
 
 from ..artifact import Manifest
 from ..cache_layout import CacheState
-from ..errors import InputError, ShapeError
+from ..errors import InputError, RuntimeMissingError, ShapeError
 from ..generate.loop import Generation, GenerationStream, generate_tokens, stream_tokens
 from ..generate.request import check_ids
 from ..generate.sampling import SamplingConfig
@@ -106,7 +106,8 @@ class Engine:
     def _rows(self, cache, start: int, stop: int):
         """A view of the sequences ``start .. stop - 1`` of one in-place cache array (same memory), that
         :meth:`_run` binds like the array itself."""
-        raise NotImplementedError(f"{type(self).__name__} has no view of some rows of its cache")
+        raise RuntimeMissingError(f"{type(self).__name__} cannot run some rows of its cache alone (continuous "
+                                  f"batching runs on ONNX Runtime)")
 
     def _sliceable(self, cache):
         """``cache`` as an array that can be sliced (default: itself; a GPU cache is sliced before it is copied)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from ..lazy import lazy_getattr
 
 _LAZY = {
+    "BatchingEngine": ".engine",
     "GenerationEngine": ".engine",
     "BATCH_FINISH_REASONS": ".batching",
     "ContinuousBatcher": ".batching",

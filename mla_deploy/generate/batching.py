@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BusyError, InputError, MLADeployError
-from .engine import GenerationEngine
+from .engine import BatchingEngine
 from .request import check_ids
 from .sampling import Sampler, SamplingConfig
 
@@ -101,18 +101,23 @@ class ContinuousBatcher:
     """One running batch of sequences over ``engine`` (see the module docstring).
 
     Args:
-        engine: an engine whose cache is in place (the static layout: :meth:`Engine.rows`).
+        engine: a :class:`~mla_deploy.generate.engine.BatchingEngine` (an engine of :mod:`mla_deploy.engines` over a
+            static-cache artifact).
         max_batch: ``B``, rows of the cache: the most sequences decoded together.
         capacity: rows each sequence may hold (prompt plus new tokens minus one); None: the engine's capacity.
             Every decode step attends over all of them, so keep it to what requests need.
         max_queue: the most requests waiting for a row; past it :meth:`submit` raises :class:`BusyError`.
     Raises:
-        InputError: ``max_batch`` or ``max_queue`` below 1. CacheCapacityError: the engine's cache is not in place.
+        InputError: ``max_batch`` or ``max_queue`` below 1, ``capacity`` past the engine's.
+        CacheCapacityError: the engine's cache is not in place.
     """
 
-    def __init__(self, engine: GenerationEngine, max_batch: int, capacity: int | None = None, max_queue: int = 256):
+    def __init__(self, engine: BatchingEngine, max_batch: int, capacity: int | None = None, max_queue: int = 256):
         if max_batch < 1 or max_queue < 1:
             raise InputError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
+        if capacity is not None and engine.capacity and capacity > engine.capacity:
+            raise InputError(f"a row of {capacity} tokens per sequence exceeds the artifact's cache capacity "
+                             f"{engine.capacity} (its max_cache_length)")
         self.engine, self.max_queue = engine, int(max_queue)
         self.state = engine.new_state(int(max_batch), rows=capacity)
         engine.rows(self.state, 0, 1)  # refuses a cache that is not in place, before anything is submitted
@@ -125,6 +130,10 @@ class ContinuousBatcher:
         self._closed = False
 
     # any thread -----------------------------------------------------------------------------------------------
+    def room(self, prompt_length: int) -> int:
+        """The most new tokens a prompt of ``prompt_length`` can get in a row (< 1: the prompt does not fit)."""
+        return self.engine.layout.room(prompt_length, self.capacity)
+
     def check(self, prompt_length: int, max_new_tokens: int) -> None:
         """Refuse a request that can never run: ``max_new_tokens < 1``, an empty prompt, or more rows than a slot
         holds. Raises: InputError, CacheCapacityError."""
@@ -140,10 +149,10 @@ class ContinuousBatcher:
         Raises: InputError (an id outside the vocabulary, as :meth:`check`), CacheCapacityError, BusyError: the
             queue is full or the batcher is closed.
         """
-        self.check(len(prompt), max_new_tokens)
-        check_ids(np.asarray(prompt, dtype=np.int64), self.engine.vocab_size)
         ticket = Ticket(prompt, max_new_tokens, sampling or SamplingConfig(), frozenset(int(i) for i in eos_ids),
                         on_event)
+        self.check(ticket.prompt_length, ticket.max_new_tokens)
+        check_ids(ticket.prompt, self.engine.vocab_size)
         with self._wake:
             if self._closed:
                 raise BusyError("the server is shutting down")
@@ -196,7 +205,7 @@ class ContinuousBatcher:
                 break
             if ticket.cancel_reason:
                 self.stats.finished[ticket.cancel_reason] += 1
-                self._report(ticket, SequenceEvent(None, ticket.cancel_reason))
+                ticket.on_event(SequenceEvent(None, ticket.cancel_reason))
                 continue
             self._admit(self.slots.index(None), ticket)
         if any(t is not None for t in self.slots):
@@ -218,6 +227,7 @@ class ContinuousBatcher:
     def _admit(self, row: int, ticket: Ticket) -> None:
         """Prefill ``ticket``'s prompt into the free ``row`` and report its first token."""
         self.slots[row] = ticket
+        self.stats.active += 1
         self.stats.admitted += 1
         self.stats.prompt_tokens += ticket.prompt_length
         self.engine.clear(self.state, row)
@@ -274,13 +284,13 @@ class ContinuousBatcher:
         self.stats.generated_tokens += 1
         reason = "eos" if token in ticket.eos_ids else "length" if len(ticket.tokens) >= ticket.max_new_tokens \
             else None
-        self._report(ticket, SequenceEvent(token, reason))
+        ticket.on_event(SequenceEvent(token, reason))
         if reason is not None:
             self._free(row, reason)
 
     def _finish(self, row: int, reason: str, error: str | None = None) -> None:
         """End ``row``'s sequence without a new token (cancelled, stopped, failed)."""
-        self._report(self.slots[row], SequenceEvent(None, reason, error))
+        self.slots[row].on_event(SequenceEvent(None, reason, error))
         self._free(row, reason)
 
     def _free(self, row: int, reason: str) -> None:
@@ -288,8 +298,4 @@ class ContinuousBatcher:
         self.engine.clear(self.state, row)
         self.next_tokens[row] = 0
         self.stats.finished[reason] += 1
-        self.stats.active = sum(t is not None for t in self.slots)
-
-    def _report(self, ticket: Ticket, event: SequenceEvent) -> None:
-        self.stats.active = sum(t is not None for t in self.slots)
-        ticket.on_event(event)
+        self.stats.active -= 1

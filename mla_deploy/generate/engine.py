@@ -53,3 +53,23 @@ class GenerationEngine(Protocol):
 
     def info(self) -> dict[str, Any]:
         """What the engine runs (provider, precision, cache, runtime facts), for reports."""
+
+
+class BatchingEngine(GenerationEngine, Protocol):
+    """What continuous batching (:mod:`mla_deploy.generate.batching`) needs besides the loop's interface: an
+    in-place cache whose rows can run alone.
+
+    Attributes:
+        layout: the cache layout (:class:`~mla_deploy.cache_layout.CacheLayout`: its ``room`` and ``check_request``).
+        capacity: rows per sequence of the engine's cache (None: a growing cache).
+    """
+
+    layout: Any
+    capacity: int | None
+
+    def rows(self, state: Any, start: int, stop: int) -> Any:
+        """Sequences ``start .. stop - 1`` of ``state`` as a state sharing its memory (prefill and decode on it
+        write them in place). Raises CacheCapacityError for a growing cache."""
+
+    def clear(self, state: Any, row: int) -> None:
+        """Empty sequence ``row`` of ``state`` for a new sequence."""

@@ -85,7 +85,10 @@ def test_eos_sampling_and_cancellation(engine):
 
 
 def test_refusals(engine):
+    with pytest.raises(InputError, match="exceeds the artifact's cache capacity 64"):
+        ContinuousBatcher(engine, max_batch=1, capacity=65)
     batcher = ContinuousBatcher(engine, max_batch=1, capacity=16, max_queue=1)
+    assert batcher.room(10) == 7 and batcher.room(17) == 0
     with pytest.raises(CacheCapacityError, match="capacity 16"):
         batcher.submit([1] * 10, 8)
     with pytest.raises(InputError, match="outside the vocabulary"):
