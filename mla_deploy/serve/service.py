@@ -74,8 +74,8 @@ class Service:
         artifact: the export directory (static cache, with its tokenizer files).
         options: :class:`ServeOptions`.
     Raises:
-        ArtifactError: no tokenizer in the artifact. CacheCapacityError: a concat-cache artifact (no rows to batch
-            in). As :class:`~mla_deploy.engines.ort_engine.OrtEngine`.
+        ArtifactError: no tokenizer in the artifact. As :class:`~mla_deploy.engines.ort_engine.OrtEngine` and
+            :class:`~mla_deploy.generate.batching.ContinuousBatcher` (a concat cache has no rows to batch in).
     """
 
     def __init__(self, artifact: str | Path, options: ServeOptions):
@@ -83,18 +83,11 @@ class Service:
         from ..generate.tokenizer import load_tokenizer
 
         self.options = options
-        self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine)
-        if not self.engine.layout.in_place:
-            raise CacheCapacityError(f"{artifact} has a {self.engine.cache_mode} cache; serving batches sequences in "
-                                     f"the rows of a static cache: export with --cache-mode static")
-        self.tokenizer = load_tokenizer(artifact)
+        self.tokenizer = load_tokenizer(artifact)  # before the engine: opening a full-size one takes seconds
         if self.tokenizer is None:
             raise ArtifactError(f"{artifact} has no tokenizer files; export it with --hf from a checkpoint that has "
                                 f"them to serve text")
-        if options.max_cache_length is not None and self.engine.capacity and \
-                options.max_cache_length > self.engine.capacity:
-            raise InputError(f"--max-cache-length {options.max_cache_length} exceeds the artifact's cache capacity "
-                             f"{self.engine.capacity}")
+        self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine)
         self.model_name = options.model_name or self.engine.manifest.name
         self.created = int(time.time())
         self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue)
@@ -118,13 +111,7 @@ class Service:
     # a request ------------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt) -> list[int]:
         """A completion prompt's ids: a string encoded with the tokenizer, or ids as given (checked later)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return ids
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """The ids of a conversation through the artifact's chat template, with the generation prompt."""
@@ -135,7 +122,7 @@ class Service:
 
     def max_new_tokens(self, prompt_length: int, asked: int | None) -> int:
         """``asked``, or what the cache leaves after the prompt; refused when it cannot fit (400)."""
-        room = self.capacity - prompt_length + 1
+        room = self.batcher.room(prompt_length)
         if room < 1:
             raise ApiError(400, f"the prompt is {prompt_length} tokens; this server holds at most {self.capacity} "
                                 f"per sequence", param="messages", code="context_length_exceeded")
@@ -173,8 +160,6 @@ class Service:
                            headers={"Retry-After": "1"}) from None
         except (InputError, CacheCapacityError) as exc:
             raise ApiError(400, str(exc)) from None
-        if self.metrics is not None:
-            self.metrics.requested(ticket)
         return TextRequest(self, ticket, events, stops)
 
 
@@ -207,6 +192,7 @@ class TextRequest:
         detokenizer, stop = service.tokenizer.detokenizer(), StopText(self.stops)
         timeout = service.options.request_timeout
         deadline, done = ticket.submitted - time.perf_counter() + loop.time() + timeout, False
+        last = ticket.submitted  # the time of the previous token (the submission before the first)
         try:
             while not done:
                 try:
@@ -219,8 +205,10 @@ class TextRequest:
                 if event.token is None:  # ended without a token: cancelled at shutdown
                     raise ApiError(503, "the server is shutting down", type="server_error")
                 self.tokens += 1
+                now = time.perf_counter()
                 if service.metrics is not None:
-                    service.metrics.token(ticket, self.tokens)
+                    service.metrics.token(now - last, first=self.tokens == 1)
+                last = now
                 text = detokenizer.push(event.token) + (detokenizer.flush() if event.finished else "")
                 shown, hit = stop.feed(text)
                 if hit:
@@ -235,5 +223,3 @@ class TextRequest:
         finally:
             if not done:
                 ticket.cancel("cancelled")
-            if service.metrics is not None:
-                service.metrics.ended(ticket)

@@ -32,11 +32,13 @@ PROMPTS = TEXT_PROMPTS + ["The quick brown fox", "你好", "emoji 🙂🙂 and m
 KEY = "sk-test-key"
 
 
-def export_text(out):
+def export_text(out, cache_mode: str = "static"):
     from cli_run import cli, ok
 
-    text_checkpoint(out.parent / "serve-ckpt", 2, "post_processor")
-    ok(cli("export", "--hf", out.parent / "serve-ckpt", "--out", out, "--cache-mode", "static"))
+    checkpoint = out.parent / "serve-ckpt"
+    if not checkpoint.exists():
+        text_checkpoint(checkpoint, 2, "post_processor")
+    ok(cli("export", "--hf", checkpoint, "--out", out, "--cache-mode", cache_mode))
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +300,8 @@ def test_what_cannot_be_served_is_refused_in_one_line(artifact, tmp_path):
     from cli_run import cli
 
     assert "has no tokenizer files" in one_line_error(cli("serve", tiny_artifact("static"), "--port", "0"))
-    assert "--cache-mode static" in one_line_error(cli("serve", tiny_artifact("concat"), "--port", "0"))
+    concat = made_once("serve-text-v2-concat", lambda out: export_text(out, "concat"))
+    assert "--cache-mode static" in one_line_error(cli("serve", concat, "--port", "0"))
     assert "exceeds the artifact's cache capacity" in one_line_error(
         cli("serve", artifact, "--port", "0", "--max-cache-length", "100000"))
     assert "manifest" in one_line_error(cli("serve", tmp_path, "--port", "0"))
