@@ -144,7 +144,7 @@ def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
     transient = bool(quantized) and s.quantize_from not in kinds  # made only to be quantized, then removed
     steps = [download(s, pip), extract(s), configure(s), build(s), converter_deps(s, pip)]
     steps += [convert(s, key, k) for k in kinds if k in CONVERTER_TYPES]
-    if quantized and s.quantize_from not in kinds:
+    if transient:
         steps.append(convert(s, key, s.quantize_from, done=all(s.gguf(key, k).is_file() for k in quantized)))
     steps += [quantize(s, key, k, drop=transient and k == quantized[-1]) for k in quantized]
     steps += [mla_bench(s)] + [llama_bench(s, key, k) for k in kinds]
