@@ -268,12 +268,13 @@ class ContinuousBatcher:
 
     def _choose(self, logits, tickets: Sequence[Ticket | None]) -> np.ndarray:
         """``[width]`` int64: each row's next token by its own sampler (the engine's argmax for greedy rows)."""
-        tokens = self.engine.argmax(logits)
         sampled = [r for r, t in enumerate(tickets) if t is not None and not t.sampler.greedy]
-        if sampled:
-            host = self.engine.to_host(logits)
-            for row in sampled:
-                tokens[row] = tickets[row].sampler.choose(host[row: row + 1])[0]
+        if not sampled:
+            return self.engine.argmax(logits)  # where the logits are (a GPU's)
+        host = self.engine.to_host(logits)  # one copy for the greedy rows and the draws
+        tokens = host.argmax(-1).astype(np.int64)
+        for row in sampled:
+            tokens[row] = tickets[row].sampler.choose(host[row: row + 1])[0]
         return tokens
 
     def _record(self, row: int, token: int) -> None:
