@@ -86,3 +86,18 @@ def reference_model(artifact: Path):
     from mla_deploy.validate.reference import load_reference_model
 
     return load_reference_model(artifact, load_manifest(artifact))
+
+
+def text_artifact(cache_mode: str = "static") -> Path:
+    """An export (``mla-deploy export --hf``) of a transformers-written tiny DeepSeek-V2 checkpoint saved with its
+    tokenizer (tests/hf_oracle.py's ``text_checkpoint``), made once per run per cache mode."""
+    return made_once(f"text-v2-{cache_mode}", functools.partial(_export_text, cache_mode=cache_mode))
+
+
+def _export_text(out: Path, cache_mode: str) -> None:
+    from cli_run import cli, ok
+    from hf_oracle import text_checkpoint
+
+    checkpoint = out.parent / f"{out.name}-checkpoint"
+    text_checkpoint(checkpoint, 2, "post_processor")
+    ok(cli("export", "--hf", checkpoint, "--out", out, "--cache-mode", cache_mode))

@@ -3,8 +3,8 @@
 Requests by endpoint and status; time to first token and inter-token latency histograms (observed by each
 request as its tokens reach the server); and, read from the batcher's :class:`~mla_deploy.generate.batching.BatchStats`
 when scraped: the queue depth, rows in use, latent cache rows held, prompt and generated tokens, decode steps and
-the rows they carried (their ratio: mean batch occupancy), and the engine's generated tokens per second of its own
-step time.
+the rows they carried (their ratio: mean batch occupancy), the seconds spent in engine steps and the engine's
+generated tokens per second of that time.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class _BatcherCollector:
             "generated_tokens": ("tokens generated", stats.generated_tokens),
             "decode_steps": ("decode steps run", stats.decode_steps),
             "decode_rows": ("running sequences summed over decode steps", stats.decode_rows),
+            "engine_seconds": ("seconds in engine steps (prefill and decode)", stats.step_seconds),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mla_deploy_{name}", doc, value=value)

@@ -23,8 +23,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("transformers")
 
-from artifacts import made_once  # noqa: E402
-from hf_oracle import TEXT_PROMPTS, text_checkpoint  # noqa: E402
+from artifacts import text_artifact  # noqa: E402
+from hf_oracle import TEXT_PROMPTS  # noqa: E402
 from mla_deploy.engines.ort_engine import OrtEngine  # noqa: E402
 from mla_deploy.generate import SamplingConfig, generate_text, load_tokenizer  # noqa: E402
 
@@ -32,18 +32,9 @@ PROMPTS = TEXT_PROMPTS + ["The quick brown fox", "你好", "emoji 🙂🙂 and m
 KEY = "sk-test-key"
 
 
-def export_text(out, cache_mode: str = "static"):
-    from cli_run import cli, ok
-
-    checkpoint = out.parent / "serve-ckpt"
-    if not checkpoint.exists():
-        text_checkpoint(checkpoint, 2, "post_processor")
-    ok(cli("export", "--hf", checkpoint, "--out", out, "--cache-mode", cache_mode))
-
-
 @pytest.fixture(scope="module")
 def artifact():
-    return made_once("serve-text-v2", export_text)
+    return text_artifact("static")
 
 
 class Server:
@@ -300,8 +291,7 @@ def test_what_cannot_be_served_is_refused_in_one_line(artifact, tmp_path):
     from cli_run import cli
 
     assert "has no tokenizer files" in one_line_error(cli("serve", tiny_artifact("static"), "--port", "0"))
-    concat = made_once("serve-text-v2-concat", lambda out: export_text(out, "concat"))
-    assert "--cache-mode static" in one_line_error(cli("serve", concat, "--port", "0"))
+    assert "--cache-mode static" in one_line_error(cli("serve", text_artifact("concat"), "--port", "0"))
     assert "exceeds the artifact's cache capacity" in one_line_error(
         cli("serve", artifact, "--port", "0", "--max-cache-length", "100000"))
     assert "manifest" in one_line_error(cli("serve", tmp_path, "--port", "0"))
