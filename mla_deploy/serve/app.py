@@ -63,6 +63,7 @@ def create_app(service: Service):
     async def _guard(request: Request, call_next):
         """The API key on ``/v1/*``, and the request counter."""
         path = request.url.path
+        label = path if path in _ROUTES else "other"  # a bounded set of label values, whatever paths are asked
         if service.options.api_key and path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             expected = f"Bearer {service.options.api_key}"
@@ -70,10 +71,10 @@ def create_app(service: Service):
                 reply = error_reply(ApiError(401, "Incorrect API key provided" if given else
                                              "You didn't provide an API key (Authorization: Bearer KEY)",
                                              code="invalid_api_key"))
-                metrics.requests.labels(path, "401").inc()
+                metrics.requests.labels(label, "401").inc()
                 return reply
         reply = await call_next(request)
-        metrics.requests.labels(path if path in _ROUTES else "other", str(reply.status_code)).inc()
+        metrics.requests.labels(label, str(reply.status_code)).inc()
         return reply
 
     @app.get("/health")
@@ -105,8 +106,8 @@ def create_app(service: Service):
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
         requests: list[TextRequest] = []
         try:
-            for prompt in prompts:
-                ids = service.prompt_ids(prompt)
+            for prompt in prompts:  # tokenized off the event loop: a long prompt does not stall the other streams
+                ids = await asyncio.to_thread(service.prompt_ids, prompt)
                 requests.append(service.generate(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
                                                  body.stop))
         except ApiError:
@@ -125,7 +126,7 @@ def create_app(service: Service):
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check(service, body)
-        ids = service.chat_ids(body.template_messages())
+        ids = await asyncio.to_thread(service.chat_ids, body.template_messages())
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
         text_request = service.generate(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop)

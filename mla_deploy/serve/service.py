@@ -125,7 +125,7 @@ class Service:
         room = self.batcher.room(prompt_length)
         if room < 1:
             raise ApiError(400, f"the prompt is {prompt_length} tokens; this server holds at most {self.capacity} "
-                                f"per sequence", param="messages", code="context_length_exceeded")
+                                f"per sequence", code="context_length_exceeded")
         if asked is None:
             return room
         if asked > room:
