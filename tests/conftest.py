@@ -17,6 +17,11 @@ if _HERE not in sys.path:
 from artifacts import ROOT_ENV  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--serve-load-seconds", type=float, default=6.0,
+                     help="how long the serving load test keeps its 64 clients streaming (the issue's run: 60)")
+
+
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the main process (a worker inherits the variable)
         config._shared_artifacts = tempfile.mkdtemp(prefix="mla-deploy-tests-")

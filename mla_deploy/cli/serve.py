@@ -27,14 +27,25 @@ from .options import Int, Positive
               help="Seconds a request may run before it is ended (408).")
 @click.option("--grace", default=30.0, show_default=True, type=Positive(),
               help="Seconds in-flight requests get to finish at SIGTERM/SIGINT before they are cancelled.")
+@click.option("--replicas", type=Int(),
+              help="Serve N copies of the model on Ray Serve behind its HTTP proxy (a local Ray cluster, or the one "
+                   "at --ray-address), each with its own engine and rows. Needs `pip install 'mla-deploy[ray]'`.")
+@click.option("--ray-address", help="With --replicas: a running Ray cluster to deploy on (`auto`, or "
+                                    "ray://HEAD:10001); the artifact's path must be readable on its nodes.")
 @RuntimeArgs()
-def serve(artifact, runtime: Runtime, **server):
+def serve(artifact, runtime: Runtime, replicas, ray_address, **server):
     """Serve ARTIFACT over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions (streamed or not),
     /v1/models, /health and /metrics (Prometheus). Concurrent requests share one engine by continuous batching on
     the static latent cache. Binds 127.0.0.1 unless told otherwise; SIGTERM or SIGINT stops it gracefully."""
-    from ..serve.server import serve as run_server
     from ..serve.service import ServeOptions
 
     server["api_key"] = server["api_key"] or None
     options = ServeOptions(threads=runtime.threads, provider=runtime.provider, use_engine=runtime.use_engine, **server)
-    run_server(artifact, options, announce=lambda line: click.echo(f"mla-deploy: {line}", err=True))
+    announce = lambda line: click.echo(f"mla-deploy: {line}", err=True)  # noqa: E731
+    if replicas is None and ray_address is None:
+        from ..serve.server import serve as run_server
+
+        return run_server(artifact, options, announce=announce)
+    from ..serve.ray_serve import serve_on_ray
+
+    serve_on_ray(artifact, options, replicas or 1, ray_address, announce=announce)

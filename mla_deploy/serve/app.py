@@ -79,9 +79,11 @@ def create_app(service: Service):
 
     @app.get("/health")
     async def health():
-        if service.stopping:
-            return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok"}
+        problem = service.problem()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "reason": problem, "instance": service.instance},
+                                status_code=503)
+        return {"status": "ok", "instance": service.instance}
 
     @app.get("/metrics")
     async def _metrics():

@@ -8,6 +8,8 @@ The HTTP layer (:mod:`mla_deploy.serve.app`) knows nothing of engines; this modu
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -80,24 +82,53 @@ class Service:
 
     def __init__(self, artifact: str | Path, options: ServeOptions):
         from ..engines.ort_engine import OrtEngine
-        from ..generate.tokenizer import load_tokenizer
 
         self.options = options
-        self.tokenizer = load_tokenizer(artifact)  # before the engine: opening a full-size one takes seconds
-        if self.tokenizer is None:
-            raise ArtifactError(f"{artifact} has no tokenizer files; export it with --hf from a checkpoint that has "
-                                f"them to serve text")
+        self.tokenizer = _tokenizer(artifact)  # before the engine: opening a full-size one takes seconds
         self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine)
         self.model_name = options.model_name or self.engine.manifest.name
         self.created = int(time.time())
+        self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (/health), one of many
         self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue)
         self.capacity = self.batcher.capacity
         self.metrics = None  # set by the app (mla_deploy.serve.metrics.Metrics)
         self._thread = threading.Thread(target=self.batcher.run, name="mla-deploy-engine", daemon=True)
         self.stopping = False
 
+    @staticmethod
+    def check(artifact: str | Path, options: ServeOptions) -> str:
+        """What :class:`Service` refuses of ``artifact`` and ``options`` that can be told without opening the engine
+        (a driver that starts replicas elsewhere calls it first); returns the model's id in the API.
+
+        Raises: ArtifactError: no artifact, a broken manifest, no tokenizer. CacheCapacityError: a concat cache.
+            InputError: ``max_batch``, ``max_queue`` or ``max_cache_length`` out of range.
+        """
+        from ..artifact.check import check_artifact
+
+        manifest = check_artifact(artifact, verify_hashes=False, check_graphs=False)
+        _tokenizer(artifact)
+        if not manifest.layout.in_place:
+            raise CacheCapacityError(f"{artifact} has a {manifest.layout.mode} cache, which has no rows to batch in: "
+                                     f"export it with --cache-mode static to serve it")
+        capacity = manifest.capacity
+        if min(options.max_batch, options.max_queue) < 1 or (options.max_cache_length or 1) < 1:
+            raise InputError(f"max_batch, max_queue and max_cache_length must be >= 1, got {options.max_batch}, "
+                             f"{options.max_queue} and {options.max_cache_length}")
+        if capacity and options.max_cache_length and options.max_cache_length > capacity:
+            raise InputError(f"a row of {options.max_cache_length} tokens per sequence exceeds the artifact's cache "
+                             f"capacity {capacity} (its max_cache_length)")
+        return options.model_name or manifest.name
+
     def start(self) -> None:
         self._thread.start()
+
+    def problem(self) -> str | None:
+        """Why this service cannot take requests (None: it can): shutting down, or its engine thread has died."""
+        if self.stopping:
+            return "the server is shutting down"
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return "the engine thread has stopped"
+        return None
 
     def stop(self, grace: float | None = None) -> None:
         """Accept nothing more, let the running requests finish for ``grace`` seconds, then cancel the rest."""
@@ -161,6 +192,17 @@ class Service:
         except (InputError, CacheCapacityError) as exc:
             raise ApiError(400, str(exc)) from None
         return TextRequest(self, ticket, events, stops)
+
+
+def _tokenizer(artifact: str | Path):
+    """The artifact's tokenizer. Raises: ArtifactError: it has none."""
+    from ..generate.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(artifact)
+    if tokenizer is None:
+        raise ArtifactError(f"{artifact} has no tokenizer files; export it with --hf from a checkpoint that has them "
+                            f"to serve text")
+    return tokenizer
 
 
 def _deliver(loop, events: asyncio.Queue, event: SequenceEvent) -> None:

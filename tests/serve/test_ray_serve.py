@@ -1,0 +1,85 @@
+"""`mla-deploy serve --replicas 2`: the same app as a Ray Serve deployment of two replicas on a local Ray cluster,
+called through Serve's HTTP proxy with the official `openai` client; and the application builder Ray's own command
+line and config files use. Skipped only where Ray is not installed or cannot start here."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'mla-deploy[ray]')")
+
+from serving import PROMPTS, Server, one_line_error  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster(artifact):
+    try:
+        running = Server(artifact, "--replicas", "2", "--max-batch", "4", "--max-queue", "16")
+    except AssertionError as exc:
+        if "Ray could not start" in str(exc):
+            pytest.skip(f"Ray cannot start here: {exc}")
+        raise
+    yield running
+    assert running.stop(signal.SIGTERM, timeout=120) == 0
+
+
+def test_two_replicas_behind_the_proxy_answer_as_one_server_would(cluster, alone):
+    client = cluster.client()
+    assert [m.id for m in client.models.list()] == [cluster.model]
+    instances = {cluster.raw("/health")[2]["instance"] for _ in range(24)}
+    assert len(instances) == 2, instances  # the proxy spreads requests over both replicas
+    cases = [(p, n) for p in PROMPTS for n in (6, 13)]
+    expected = [alone(alone.tokenizer.encode(p), n)[0] for p, n in cases]
+    replies, errors = [None] * len(cases), []
+
+    def one(i, prompt, new):
+        try:
+            stream = cluster.client().completions.create(model=cluster.model, prompt=prompt, max_tokens=new,
+                                                         temperature=0, stream=True)
+            replies[i] = "".join(c.choices[0].text for c in stream if c.choices)
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i, *case)) for i, case in enumerate(cases)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and replies == expected
+    chat = client.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1
+    status, _, reply = cluster.raw("/v1/completions", b'{"model": "x", "prompt": "hi"}', method="POST")
+    assert status == 404 and "does not exist" in reply["error"]["message"]  # OpenAI's errors through the proxy
+
+
+def test_the_builder_takes_rays_key_value_arguments(artifact):
+    from mla_deploy.errors import InputError
+    from mla_deploy.serve.ray_serve import app_builder
+
+    app = app_builder({"artifact": str(artifact), "replicas": "3", "max_batch": "2", "use_engine": "false"})
+    deployment = app._bound_deployment
+    assert deployment.num_replicas == 3 and deployment.max_ongoing_requests == 2 + 256
+    assert deployment.init_args[1].max_batch == 2 and deployment.init_args[1].use_engine is False
+    with pytest.raises(InputError, match="unknown argument"):
+        app_builder({"artifact": str(artifact), "max_btach": "2"})
+    with pytest.raises(InputError, match="max_batch='two' is not an int"):
+        app_builder({"artifact": str(artifact), "max_batch": "two"})
+    with pytest.raises(InputError, match="artifact=PATH"):
+        app_builder({"replicas": "2"})
+
+
+def test_what_cannot_be_scaled_out_is_refused_in_one_line(artifact, tmp_path):
+    from artifacts import tiny_artifact
+    from cli_run import cli
+
+    assert "has no tokenizer files" in one_line_error(cli("serve", tiny_artifact("static"), "--replicas", "2"))
+    assert "manifest" in one_line_error(cli("serve", tmp_path, "--replicas", "2"))
+    assert "--replicas" in one_line_error(cli("serve", artifact, "--replicas", "0"))
+    assert "Ray could not start at 127.0.0.1:1" in one_line_error(
+        cli("serve", artifact, "--ray-address", "127.0.0.1:1"))
