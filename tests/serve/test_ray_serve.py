@@ -83,3 +83,24 @@ def test_what_cannot_be_scaled_out_is_refused_in_one_line(artifact, tmp_path):
     assert "--replicas" in one_line_error(cli("serve", artifact, "--replicas", "0"))
     assert "Ray could not start at 127.0.0.1:1" in one_line_error(
         cli("serve", artifact, "--ray-address", "127.0.0.1:1"))
+
+
+def test_the_samples_ray_configs_are_valid_serve_configs(artifact):
+    """samples/04_ray_serve: the Serve config and the KubeRay RayService's serveConfigV2 pass Ray's own schema, and
+    their arguments build the application (on this test's artifact)."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from mla_deploy.serve.ray_serve import app_builder
+
+    folder = Path(__file__).resolve().parents[2] / "samples" / "04_ray_serve"
+    config = yaml.safe_load((folder / "serve_config.yaml").read_text())
+    service = yaml.safe_load((folder / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService" and yaml.safe_load(service["spec"]["serveConfigV2"]) == config
+    for app in ServeDeploySchema.model_validate(config).applications:
+        assert app.import_path == "mla_deploy.serve.ray_serve:app_builder"
+        deployment = app_builder({**app.args, "artifact": str(artifact)})._bound_deployment
+        assert deployment.num_replicas == app.args["replicas"]
+        assert deployment.ray_actor_options["num_cpus"] == app.args["cpus_per_replica"]
