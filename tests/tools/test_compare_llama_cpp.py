@@ -149,7 +149,8 @@ def test_dry_run_prints_every_command_and_makes_nothing(checkpoint, tmp_path):
     lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if ":" in line}
     assert "--no-binary llama-cpp-python --no-deps llama-cpp-python==0.3.36" in lines["download"]
     assert "-DCMAKE_BUILD_TYPE=Release" in lines["configure"] and "-DGGML_NATIVE=ON" in lines["configure"]
-    assert "--target llama-bench llama-quantize" in lines["build"]
+    assert "--target llama-bench llama-quantize llama-server" in lines["build"]
+    assert "-DLLAMA_BUILD_SERVER=ON" in lines["configure"] and "-DLLAMA_USE_PREBUILT_UI=OFF" in lines["configure"]
     assert "model-F32.gguf.partial --outtype f32" in lines["convert-F32"]  # renamed once it succeeded
     assert "model-Q8_0.gguf.partial --outtype q8_0" in lines["convert-Q8_0"]
     assert "/model-F32.gguf " in lines["quantize-Q4_0"]
@@ -162,10 +163,15 @@ def test_dry_run_prints_every_command_and_makes_nothing(checkpoint, tmp_path):
 
 
 def test_dry_run_of_one_precision_with_llama_cpp_built(checkpoint, tmp_path):
-    """int4 alone: F32 converted, Q4_0 quantized from it; a recorded build is not built again."""
+    """int4 alone: F32 converted, Q4_0 quantized from it; a recorded build is not built again, unless it was
+    recorded without a tool the comparisons now need (llama-server)."""
     cache = tmp_path / "cache"
     (cache / "llama.cpp-0.3.36").mkdir(parents=True)
-    (cache / "llama.cpp-0.3.36" / "build.json").write_text("{}")
+    record = cache / "llama.cpp-0.3.36" / "build.json"
+    record.write_text(json.dumps({"targets": ["llama-bench", "llama-quantize"]}))
+    older = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int4")
+    assert older.returncode == 0 and "\nbuild: cmake --build" in older.stdout, older.stderr
+    record.write_text(json.dumps({"targets": ["llama-bench", "llama-quantize", "llama-server"]}))
     proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int4")
     assert proc.returncode == 0, proc.stderr
     names = [line.split(":", 1)[0] for line in proc.stdout.splitlines()]

@@ -4,7 +4,7 @@ int4/Q4_0, blocks of 32), batch 1, in one run; prints one table and writes compa
 llama-bench's JSON, bench.json, the logs) into --out.
 
 llama.cpp comes from the llama-cpp-python source distribution on the package index (its vendored llama.cpp,
-built natively with cmake: llama-bench and llama-quantize, Release), kept under the cache with the GGUF files
+built natively with cmake: llama-bench, llama-quantize and llama-server, Release), kept under the cache with the GGUF files
 of each checkpoint, so a second run neither rebuilds nor converts. --dry-run prints the command lines.
 """
 
@@ -75,7 +75,7 @@ def settings(args) -> Settings:
 def dry_run(s: Settings, planned: list[steps.Step]) -> int:
     print("\n".join(step.line() for step in planned))
     missing = missing_build_tools()
-    if missing and not s.build_record.is_file():
+    if missing and not s.built:
         print(f"missing to build llama.cpp: {', '.join(missing)}")
     return 0
 
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         planned = steps.plan(s, key, pip_command())
         if args.dry_run:
             return dry_run(s, planned)
-        if not s.build_record.is_file():
+        if not s.built:
             require_build_tools()
         s.out.mkdir(parents=True, exist_ok=True)
         s.gguf_dir(key).mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(text)
-    print(f"\nwrote {s.out / 'compare.json'} and {s.out / 'compare.md'}")
+    print(f"\nwrote {s.out / 'compare.json'} and {s.out / 'compare.md'}; llama.cpp's tools (llama-server among them) "
+          f"are in {s.build / 'bin'}, the GGUF files in {s.gguf_dir(key)}")
     return 0
 
 

@@ -17,8 +17,8 @@ CONVERTER_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
 QUANTIZE_SOURCES = ("F32", "BF16", "Q8_0")
 #: Hugging Face architectures both llama.cpp's converter and mla-deploy take
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-#: the llama.cpp tools the comparison needs
-TARGETS = ("llama-bench", "llama-quantize")
+#: the llama.cpp tools the comparisons need (llama-server: tools/serve_bench.py --llama-server)
+TARGETS = ("llama-bench", "llama-quantize", "llama-server")
 
 
 class CompareError(Exception):
@@ -88,6 +88,18 @@ class Settings:
     def build_record(self) -> Path:
         """Written after a successful build: a later run reuses the build."""
         return self.llama_dir / "build.json"
+
+    @property
+    def built(self) -> bool:
+        """The build is recorded with every tool of :data:`TARGETS` (one recorded before a tool was added is built
+        again)."""
+        import json
+
+        try:
+            targets = json.loads(self.build_record.read_text()).get("targets", ())
+        except (OSError, ValueError, AttributeError):
+            return False
+        return set(TARGETS) <= set(targets)
 
     def tool(self, name: str) -> Path:
         return self.build / "bin" / name

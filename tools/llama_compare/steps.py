@@ -1,6 +1,6 @@
 """The command lines of a comparison, in the order they run, each skipped when the cache already holds what it
-makes: download the ``llama-cpp-python`` sdist, build its vendored llama.cpp (``llama-bench`` and
-``llama-quantize`` only, Release, native CPU), convert the checkpoint to F32 and Q8_0 with llama.cpp's converter
+makes: download the ``llama-cpp-python`` sdist, build its vendored llama.cpp (``llama-bench``, ``llama-quantize``
+and ``llama-server`` only, without the server's web UI, Release, native CPU), convert the checkpoint to F32 and Q8_0 with llama.cpp's converter
 and quantize Q4_0, then ``mla-deploy bench model`` and ``llama-bench`` per type."""
 
 from __future__ import annotations
@@ -57,29 +57,29 @@ def download(s: Settings, pip: list[str]) -> Step:
     argv = (*pip, "download", "--no-binary", "llama-cpp-python", "--no-deps", f"llama-cpp-python=={s.version}",
             "--dest", str(s.llama_dir / "sdist"))
     archive = s.llama_dir / "sdist" / f"llama_cpp_python-{s.version}.tar.gz"
-    return Step("download", argv, done=s.build_record.is_file() or archive.is_file())
+    return Step("download", argv, done=s.built or archive.is_file())
 
 
 def extract(s: Settings) -> Step:
     """The sdist unpacked (Python's own tarfile command line) into ``s.source``."""
     archive = s.llama_dir / "sdist" / f"llama_cpp_python-{s.version}.tar.gz"
     argv = (sys.executable, "-m", "tarfile", "-e", str(archive), str(s.source))
-    return Step("extract", argv, done=s.build_record.is_file() or s.vendored.is_dir())
+    return Step("extract", argv, done=s.built or s.vendored.is_dir())
 
 
 def configure(s: Settings) -> Step:
     generator = ("-G", "Ninja") if shutil.which("ninja") else ()
     compiler = (f"-DCMAKE_CXX_COMPILER={compilers()[0]}",) if os.environ.get("CXX") and compilers() else ()
     flags = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF",
-             "-DLLAMA_OPENSSL=OFF")
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF")
     argv = ("cmake", "-S", str(s.vendored), "-B", str(s.build), *generator, *compiler, *flags)
-    return Step("configure", argv, done=s.build_record.is_file())
+    return Step("configure", argv, done=s.built)
 
 
 def build(s: Settings) -> Step:
     argv = ("cmake", "--build", str(s.build), "--target", *TARGETS, "-j", str(os.cpu_count() or 1))
-    return Step("build", argv, done=s.build_record.is_file())
+    return Step("build", argv, done=s.built)
 
 
 def missing_converter_modules() -> list[str]:
