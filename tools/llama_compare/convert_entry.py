@@ -3,12 +3,15 @@ that runs the comparison, with the vendored ``gguf-py`` on its path):
 
     python convert_entry.py LLAMA_CPP_DIR CHECKPOINT [converter options ...]
 
-Two adaptations, both in a subclass of the converter's own class for the checkpoint's architecture, neither
+Three adaptations, all in a subclass of the converter's own class for the checkpoint's architecture, none
 touching a weight:
 
 * A checkpoint without tokenizer files (the random ones `samples/03_random_checkpoint` writes) gets a GGUF whose
   tokenizer model is ``none`` with the config's vocabulary size (llama.cpp then holds that many placeholder
   tokens). llama-bench feeds random token ids, so the timings do not depend on the vocabulary.
+* A tokenizer whose pre-tokenizer llama.cpp does not recognise (the tests' small byte-level BPE, which
+  ``tools/serve_bench.py``'s checkpoint carries) is written with llama.cpp's ``default`` pre-tokenizer: text may
+  split into other ids than transformers gives, token ids decode to the same text (the serving bench sends ids).
 * A checkpoint without a query compression (``q_lora_rank`` null, as DeepSeek-V2-Lite) gets
   ``attention.q_lora_rank = 0``: llama.cpp takes a model without that key for the "lite" layout only at 26 or 27
   layers, so the first N layers of V2-Lite would not load without it; with 0 it builds the same plain query
@@ -38,6 +41,12 @@ def _adapt(architecture: str, vocabless: bool) -> None:
                 self.gguf_writer.add_tokenizer_model("none")
             else:
                 super().set_vocab()
+
+        def get_vocab_base_pre(self, tokenizer) -> str:
+            try:
+                return super().get_vocab_base_pre(tokenizer)
+            except NotImplementedError:  # an unrecognised pre-tokenizer: see the module docstring
+                return "default"
 
         def set_gguf_parameters(self) -> None:
             super().set_gguf_parameters()
