@@ -1,17 +1,27 @@
-"""The serving benchmark: start `mla-deploy serve` on an artifact, drive it through real HTTP with the `openai`
-client at several concurrencies, print one table.
+"""The serving benchmark: start `mla-deploy serve` on an artifact (and, with --llama-server, llama.cpp's
+`llama-server` on a GGUF of the same checkpoint), drive each through real HTTP with the `openai` client at several
+concurrencies, and run the same prompts through `mla-deploy run` as one batch (no server); print one table.
 
-    python tools/serve_bench.py ARTIFACT [--concurrency 1,4,16] [--requests 3] [--prompt-length 16]
-        [--max-tokens 48] [--threads N] [--max-cache-length N] [--json FILE]
+    python tools/serve_bench.py ARTIFACT [--concurrency 1,4,16,64] [--requests 3] [--prompt-length 16]
+        [--max-tokens 48] [--threads N] [--max-cache-length N] [--llama-server BIN --gguf FILE] [--no-run]
+        [--json FILE]
 
 Each of ``c`` clients sends ``--requests`` streamed completions one after another (token-id prompts of
-``--prompt-length`` ids drawn from the tokenizer's vocabulary, seeded; greedy; exactly ``--max-tokens`` new tokens
-unless a sequence meets its end-of-sequence id), after one warm-up request. Per concurrency: generated tokens
-per second of wall time for all clients together, its ratio to concurrency 1, mean time to first token and mean
-inter-token latency (the server's histograms: when a token reaches its request), the mean rows per decode step,
-and the client's request latency p50/p90. At concurrency 1 it also reports the server's own overhead: the share
-of the wall time not spent in engine steps (HTTP, tokenization, scheduling, the client's turn-around).
-The server runs with ``--max-batch`` = the largest concurrency.
+``--prompt-length`` ids drawn from the tokenizer's vocabulary, seeded, the same for every server; greedy;
+exactly ``--max-tokens`` new tokens unless a sequence meets its end-of-sequence id), after a warm-up (a prompt
+as long as a row, whose prefill reads nearly every expert, then one request like the timed ones). The servers run
+side by side, each concurrency on each in turn (then through `mla-deploy run`), so that a drift of the machine's
+speed falls on all alike. Per server and concurrency: generated tokens per second of wall time for all clients together, its ratio to the
+same server at concurrency 1, the mean time to first token and the mean inter-token latency as the client sees
+them (the first streamed text; the rest of the stream over its tokens), and the request latency p50/p90. For
+mla-deploy also the mean rows per decode step and, at concurrency 1, the server's own overhead: the share of the
+wall time not spent in engine steps (HTTP, tokenization, scheduling, the client's turn-around). Each server has
+as many rows (``--max-batch``; llama-server's ``-np`` slots) as the largest concurrency, each row
+``--prompt-length + --max-tokens + 8`` tokens unless --max-cache-length says otherwise; both get ``--threads``.
+
+The ``mla-deploy run`` rows are the engine alone: each client's first prompt, all ``c`` of them as one static
+batch (one prefill, then decode steps over every row), timed by ``run --json`` from its prefill to its last token:
+what batching gives without a server or sequences joining and leaving.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,25 +55,36 @@ def ints(text: str) -> list[int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact")
-    p.add_argument("--concurrency", type=ints, default=[1, 4, 16])
+    p.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
     p.add_argument("--requests", type=int, default=3, help="requests per client, one after another")
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--threads", type=int, default=None, help="the server's ONNX Runtime threads")
-    p.add_argument("--max-cache-length", type=int, default=None, help="the server's tokens per row")
+    p.add_argument("--threads", type=int, default=None, help="each server's threads")
+    p.add_argument("--max-cache-length", type=int, default=None, help="tokens per row (default: what a request needs)")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run beside mla-deploy")
+    p.add_argument("--gguf", default=None, help="with --llama-server: the GGUF of the same checkpoint")
+    p.add_argument("--no-run", action="store_true", help="leave out the `mla-deploy run` rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     return p
 
 
-class Server:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlaServer:
     """A `mla-deploy serve` process on a free port of 127.0.0.1 (stopped with SIGTERM)."""
+
+    name = "mla-deploy"
 
     def __init__(self, args):
         argv = [sys.executable, "-m", "mla_deploy", "serve", args.artifact, "--port", "0",
-                "--max-batch", str(max(args.concurrency))]
+                "--max-batch", str(max(args.concurrency)), "--max-queue", str(4 * max(args.concurrency)),
+                "--max-cache-length", str(row_tokens(args))]
         argv += ["--threads", str(args.threads)] if args.threads else []
-        argv += ["--max-cache-length", str(args.max_cache_length)] if args.max_cache_length else []
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         line = self.process.stderr.readline()
         match = re.search(r"serving (\S+) at (http://\S+/v1)", line)
@@ -79,28 +102,88 @@ class Server:
         return self.process.wait(120)
 
 
-def load(server: Server, clients: int, args, vocabulary: int, rng: np.random.Generator) -> dict:
-    """One concurrency: ``clients`` threads, ``args.requests`` streamed requests each. Returns the table's row."""
+class LlamaServer:
+    """llama.cpp's ``llama-server`` on a free port of 127.0.0.1: ``-np`` slots as the largest concurrency, each of
+    the same tokens as ours (``-c`` is their sum), continuous batching (its default), ``-t``/``-tb`` threads."""
+
+    name = "llama-server"
+
+    def __init__(self, args):
+        slots, port = max(args.concurrency), free_port()
+        argv = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                "-c", str(slots * row_tokens(args)), "--no-webui", "--log-disable"]
+        argv += ["-t", str(args.threads), "-tb", str(args.threads)] if args.threads else []
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.base, self.model = f"http://127.0.0.1:{port}/v1", "gguf"
+        deadline = time.time() + 600
+        while time.time() < deadline and self.process.poll() is None:  # 503 while the model loads
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.process.kill()
+        sys.exit(f"serve_bench: llama-server did not start: {self.process.stderr.read()[-2000:].strip()}")
+
+    def metrics(self) -> None:
+        return None
+
+    def stop(self) -> int:
+        self.process.terminate()
+        status = self.process.wait(120)
+        return 0 if status in (0, -signal.SIGTERM) else status
+
+
+def row_tokens(args) -> int:
+    return args.max_cache_length or args.prompt_length + args.max_tokens + 8
+
+
+def draw_prompts(args, vocabulary: int) -> tuple[list, dict[int, list]]:
+    """The warm-up requests, ``[(prompts [1, 1, length], max_tokens)]``, and per concurrency ``c`` its prompts
+    ``[c, requests, prompt_length]`` (seeded: the same for every server and for `mla-deploy run`). The warm-up is
+    a prompt as long as a row holds (its prefill routes to nearly every expert, so that no server meets a weight
+    for the first time while timed, as llama-bench's prompt test does for its points), then a request like the
+    timed ones."""
+    rng = np.random.default_rng(args.seed)
+    warmup = [(rng.integers(0, vocabulary, (1, 1, row_tokens(args) - 2)).tolist(), 1),
+              (rng.integers(0, vocabulary, (1, 1, args.prompt_length)).tolist(), args.max_tokens)]
+    return warmup, {c: rng.integers(0, vocabulary, (c, args.requests, args.prompt_length)).tolist()
+                    for c in args.concurrency}
+
+
+def load(server, prompts: list, args, max_tokens: int) -> dict:
+    """One concurrency: a thread per client of ``prompts [clients, requests, length]``, its requests of
+    ``max_tokens`` streamed one after another. Returns the table's row."""
     from openai import OpenAI
 
-    prompts = rng.integers(0, vocabulary, (clients, args.requests, args.prompt_length)).tolist()
-    latencies, tokens, errors, lock = [], [0], [], threading.Lock()
+    clients = len(prompts)
+    latencies, firsts, gaps, tokens, errors, lock = [], [], [], [0], [], threading.Lock()
+
+    def one(api, prompt) -> None:
+        start, first, used, last = time.perf_counter(), None, 0, None
+        stream = api.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                last = time.perf_counter()
+                first = first or last
+            used = chunk.usage.completion_tokens if chunk.usage else used
+        with lock:
+            latencies.append(time.perf_counter() - start)
+            tokens[0] += used
+            if first is not None:
+                firsts.append(first - start)
+                if used > 1:
+                    gaps.append((last - first) / (used - 1))
 
     def client(i: int) -> None:
         api = OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=3600)
         for prompt in prompts[i]:
-            start = time.perf_counter()
             try:
-                stream = api.completions.create(model=server.model, prompt=prompt, max_tokens=args.max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
-                used = sum(chunk.usage.completion_tokens for chunk in stream if chunk.usage)
+                one(api, prompt)
             except Exception as exc:  # counted and shown: a benchmark reports failures, it does not hide them
                 with lock:
                     errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            with lock:
-                latencies.append(time.perf_counter() - start)
-                tokens[0] += used
 
     before = server.metrics()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -110,34 +193,91 @@ def load(server: Server, clients: int, args, vocabulary: int, rng: np.random.Gen
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - start
-    delta = {k: v - before[k] for k, v in server.metrics().items()}
-    mean = lambda name: delta[f"{name}_sum"] / delta[f"{name}_count"] if delta[f"{name}_count"] else float("nan")  # noqa: E731
-    return {"concurrency": clients, "requests": clients * args.requests, "errors": len(errors),
-            "first_error": errors[0] if errors else None, "tokens": tokens[0], "seconds": wall,
-            "tokens_per_second": tokens[0] / wall,
-            "ttft_ms": 1e3 * mean("mla_deploy_time_to_first_token_seconds"),
-            "inter_token_ms": 1e3 * mean("mla_deploy_inter_token_latency_seconds"),
-            "rows_per_step": delta["mla_deploy_decode_rows_total"] / max(1.0, delta["mla_deploy_decode_steps_total"]),
-            "engine_share": delta["mla_deploy_engine_seconds_total"] / wall,
-            "latency_p50_s": float(np.percentile(latencies, 50)) if latencies else float("nan"),
-            "latency_p90_s": float(np.percentile(latencies, 90)) if latencies else float("nan")}
+    row = {"server": server.name, "concurrency": clients, "requests": sum(map(len, prompts)), "errors": len(errors),
+           "first_error": errors[0] if errors else None, "tokens": tokens[0], "seconds": wall,
+           "tokens_per_second": tokens[0] / wall, "ttft_ms": 1e3 * mean(firsts), "inter_token_ms": 1e3 * mean(gaps),
+           "latency_p50_s": percentile(latencies, 50), "latency_p90_s": percentile(latencies, 90)}
+    if before is not None:
+        delta = {k: v - before[k] for k, v in server.metrics().items()}
+        row["rows_per_step"] = delta["mla_deploy_decode_rows_total"] / max(1.0, delta["mla_deploy_decode_steps_total"])
+        row["engine_share"] = delta["mla_deploy_engine_seconds_total"] / wall
+    return row
+
+
+def mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def table(rows: list[dict]) -> str:
-    single = next((r["tokens_per_second"] for r in rows if r["concurrency"] == 1), None)
-    lines = ["| concurrency | tok/s (all clients) | x concurrency 1 | mean TTFT ms | mean inter-token ms | rows/step | "
-             "request p50 s | request p90 s | errors |", "|" + "---|" * 9]
+    single = {r["server"]: r["tokens_per_second"] for r in rows if r["concurrency"] == 1}
+    theirs = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["server"] == "llama-server"}
+    lines = ["| server | concurrency | tok/s (all clients) | x concurrency 1 | mla-deploy / llama-server | mean TTFT ms | "
+             "mean inter-token ms | rows/step | request p50 s | request p90 s | errors |", "|" + "---|" * 11]
     for r in rows:
-        ratio = f"{r['tokens_per_second'] / single:.2f}x" if single else ""
-        lines.append(f"| {r['concurrency']} | {r['tokens_per_second']:.1f} | {ratio} | {r['ttft_ms']:.0f} | "
-                     f"{r['inter_token_ms']:.1f} | {r['rows_per_step']:.1f} | {r['latency_p50_s']:.2f} | "
+        ratio = f"{r['tokens_per_second'] / single[r['server']]:.2f}x" if single.get(r["server"]) else ""
+        versus = (f"{r['tokens_per_second'] / theirs[r['concurrency']]:.2f}x"
+                  if r["server"] == "mla-deploy" and theirs.get(r["concurrency"]) else "")
+        steps = f"{r['rows_per_step']:.1f}" if "rows_per_step" in r else ""
+        lines.append(f"| {r['server']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | {ratio} | {versus} | "
+                     f"{r['ttft_ms']:.0f} | {r['inter_token_ms']:.1f} | {steps} | {r['latency_p50_s']:.2f} | "
                      f"{r['latency_p90_s']:.2f} | {r['errors']} |")
-    one = next((r for r in rows if r["concurrency"] == 1), None)
+    one = next((r for r in rows if r["concurrency"] == 1 and "engine_share" in r), None)
     if one is not None:
-        lines.append(f"\nat concurrency 1 the engine's steps took {100 * one['engine_share']:.1f}% of the wall time: "
-                     f"the server's own overhead (HTTP, tokenization, scheduling, the client) is "
+        lines.append(f"\nat concurrency 1 mla-deploy's engine steps took {100 * one['engine_share']:.1f}% of the wall "
+                     f"time: the server's own overhead (HTTP, tokenization, scheduling, the client) is "
                      f"{100 * (1 - one['engine_share']):.1f}%")
     return "\n".join(lines)
+
+
+def bench(args, warmup: list, prompts: dict[int, list]) -> tuple[list[dict], list[int]]:
+    """Every server started and warmed up, then each concurrency run on each server in turn (and through `mla-deploy
+    run`), so that a drift of the machine's speed during the run falls on all of them alike; the servers stopped.
+    Returns the rows and the servers' exit statuses at SIGTERM."""
+    servers, rows, statuses = [], [], []
+    try:
+        for make in (MlaServer, LlamaServer) if args.llama_server else (MlaServer,):
+            servers.append(make(args))
+            for prompt_set, tokens in warmup:
+                load(servers[-1], prompt_set, args, tokens)
+        for c in args.concurrency:
+            rows += [load(server, prompts[c], args, args.max_tokens) for server in servers]
+            rows += [] if args.no_run else [run_batch(args, prompts[c])]
+    finally:
+        for server in servers:
+            statuses.append(server.stop())
+            if statuses[-1] != 0:
+                print(f"serve_bench: {server.name} exited {statuses[-1]} at SIGTERM", file=sys.stderr)
+    order = {"mla-deploy": 0, "llama-server": 1, "mla-deploy run": 2}
+    return sorted(rows, key=lambda r: (order[r["server"]], r["concurrency"])), statuses
+
+
+def run_batch(args, prompts: list) -> dict:
+    """`mla-deploy run` over each client's first prompt of ``prompts [clients, requests, prompt_length]`` as one
+    batch (greedy, ``--max-tokens`` new tokens each): the table's row, timed by ``run --json``."""
+    argv = [sys.executable, "-m", "mla_deploy", "run", args.artifact, "--max-new-tokens", str(args.max_tokens),
+            "--json"]
+    for client in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, client[0]))]
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    result = subprocess.run(argv, capture_output=True, text=True)
+    row = {"server": "mla-deploy run", "concurrency": len(prompts), "requests": len(prompts)}
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or [f"exit status {result.returncode}"]
+        return {**row, "errors": len(prompts), "first_error": lines[-1], "tokens": 0, "seconds": float("nan"),
+                "tokens_per_second": float("nan"), "ttft_ms": float("nan"), "inter_token_ms": float("nan"),
+                "latency_p50_s": float("nan"), "latency_p90_s": float("nan")}
+    report = json.loads(result.stdout)
+    timings = report["timings"]
+    tokens = sum(len(s["tokens"]) for s in report["sequences"])
+    seconds = timings["time_to_first_token_s"] + timings["decode_s"]
+    return {**row, "errors": 0, "first_error": None, "tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / seconds, "ttft_ms": 1e3 * timings["time_to_first_token_s"],
+            "inter_token_ms": 1e3 * timings["decode_s"] / max(1, timings["decode_steps"]),
+            "latency_p50_s": seconds, "latency_p90_s": seconds}
 
 
 def main(argv=None) -> int:
@@ -145,24 +285,23 @@ def main(argv=None) -> int:
     from mla_deploy.artifact import load_manifest
     from mla_deploy.generate import load_tokenizer
 
+    if (args.llama_server is None) != (args.gguf is None):
+        sys.exit("serve_bench: --llama-server and --gguf go together")
     tokenizer = load_tokenizer(args.artifact)
     if tokenizer is None:
         sys.exit(f"serve_bench: {args.artifact} has no tokenizer files (mla-deploy serve needs them)")
     vocabulary = min(tokenizer.backend.get_vocab_size(), load_manifest(args.artifact).config.vocab_size)
-    server = Server(args)
-    try:
-        rng = np.random.default_rng(args.seed)
-        load(server, 1, argparse.Namespace(**{**vars(args), "requests": 1}), vocabulary, rng)  # warm-up
-        rows = [load(server, c, args, vocabulary, rng) for c in args.concurrency]
-    finally:
-        status = server.stop()
+    warmup, prompts = draw_prompts(args, vocabulary)
+    rows, statuses = bench(args, warmup, prompts)
     print(table(rows))
+    for r in rows:
+        if r["errors"]:
+            print(f"serve_bench: {r['server']} at concurrency {r['concurrency']}: {r['errors']} failed requests, the "
+                  f"first: {r['first_error']}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
-    if status != 0:
-        print(f"serve_bench: the server exited {status} at SIGTERM", file=sys.stderr)
-    return 1 if status != 0 or any(r["errors"] for r in rows) else 0
+    return 1 if any(statuses) or any(r["errors"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -27,10 +27,17 @@ def test_the_serving_bench_prints_one_row_per_concurrency(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| concurrency | tok/s (all clients) |" in result.stdout and "server's own overhead" in result.stdout
     rows = json.loads(out.read_text())
-    assert [r["concurrency"] for r in rows] == [1, 3] and [r["requests"] for r in rows] == [2, 6]
-    for row in rows:
+    served = [r for r in rows if r["server"] == "mla-deploy"]
+    assert [r["concurrency"] for r in served] == [1, 3] and [r["requests"] for r in served] == [2, 6]
+    for row in served:
         assert row["errors"] == 0 and 0 < row["tokens"] <= 5 * row["requests"]
         assert row["tokens_per_second"] > 0 and 0 < row["engine_share"] < 1 and row["rows_per_step"] >= 1
+    # the same first prompts as one `mla-deploy run` batch: one request per client, as many tokens
+    batches = [r for r in rows if r["server"] == "mla-deploy run"]
+    assert [(r["concurrency"], r["requests"], r["errors"]) for r in batches] == [(1, 1, 0), (3, 3, 0)]
+    for row in batches:
+        assert 0 < row["tokens"] <= 5 * row["requests"] and row["tokens_per_second"] > 0 and row["ttft_ms"] > 0
+    assert "| mla-deploy run | 3 |" in result.stdout
 
 
 def test_an_artifact_without_a_tokenizer_is_refused_in_one_line():
@@ -40,3 +47,25 @@ def test_an_artifact_without_a_tokenizer_is_refused_in_one_line():
                             text=True, timeout=600)
     assert result.returncode == 1 and result.stderr.strip().endswith("has no tokenizer files (mla-deploy serve needs them)")
     assert "Traceback" not in result.stderr
+
+
+def test_llama_server_needs_its_gguf():
+    result = subprocess.run([sys.executable, str(SCRIPT), str(text_artifact("static")), "--llama-server", "x"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and result.stderr.strip() == "serve_bench: --llama-server and --gguf go together"
+
+
+def test_the_bench_tokenizer_covers_the_whole_vocabulary(tmp_path):
+    """tools/bench_tokenizer.py: every id of the config decodes to text (what llama.cpp's converter keeps as a
+    user-defined token, not a control token it would not print)."""
+    from tokenizers import Tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    script = SCRIPT.parent / "bench_tokenizer.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "1000 ids" in result.stdout, result.stderr
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 1000 and tokenizer.decode([999]) == "[t999]"
+    assert (tmp_path / "chat_template.jinja").is_file()
+    refused = subprocess.run([sys.executable, str(script), str(tmp_path / "none")], capture_output=True, text=True)
+    assert refused.returncode == 1 and "usage:" in refused.stderr and "Traceback" not in refused.stderr
