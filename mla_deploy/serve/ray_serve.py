@@ -16,6 +16,7 @@ This module imports Ray only inside its functions: ``pip install 'mla-deploy[ray
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import signal
 import threading
@@ -119,7 +120,9 @@ def serve_on_ray(artifact: str | Path, options: ServeOptions, replicas: int, add
     ``address``: a running cluster's (``auto``, ``ray://HOST:10001``); None starts a local one. Serve's proxy
     listens on ``options.host:options.port`` (a cluster already serving keeps the proxy options it started with).
     Raises (before anything is announced): as :func:`Service.check`; RuntimeMissingError: no Ray, or Ray cannot
-    start; MLADeployError: a replica failed to start (its error, in one line).
+    start; MLADeployError: a replica failed to start (its error, in one line). When the cluster does not answer
+    within ``options.grace`` + :data:`TAKE_DOWN_MARGIN` seconds of the signal (a local cluster's processes got the
+    signal too), it says so in one line and the process exits 1 at once.
     """
     serve = require_ray()
     import ray
@@ -143,11 +146,41 @@ def serve_on_ray(artifact: str | Path, options: ServeOptions, replicas: int, add
         announce(f"serving {name} at http://{host}:{port}/v1 ({replicas} replica{'s' * (replicas > 1)} on Ray Serve, "
                  f"each {options.max_batch} rows)")
         _wait_for_signal()
-        serve.delete(name)
-    finally:
-        if address is None:
+    except BaseException:  # a start that failed: the cluster answers, take down what was started
+        _take_down(serve, ray, None, local=address is None)
+        raise
+    limit = options.grace + TAKE_DOWN_MARGIN
+    if not _within(limit, _take_down, serve, ray, name, address is None):
+        # the cluster died with us: a signal sent to the whole process group (`timeout`, `kill -- -PGID`, systemd's
+        # control-group stop) reaches a local cluster's GCS and raylet too, and Ray would wait a minute for them here
+        # and again at exit; nothing is left to finish, so say so and leave at once
+        announce(f"error: the Ray cluster did not answer within {limit:.0f} s of the signal (it got the signal too: "
+                 f"send SIGTERM or SIGINT to mla-deploy alone); `ray stop` ends what is left of a local cluster")
+        os._exit(1)
+
+
+#: seconds past ``--grace`` the application and a local cluster get to go down before the cluster counts as gone
+TAKE_DOWN_MARGIN = 15.0
+
+
+def _take_down(serve, ray, name: str | None, local: bool) -> None:
+    """Delete application ``name`` (None: none was announced), stop Serve when the cluster is ``local`` (this call
+    started it), disconnect from Ray."""
+    try:
+        if name is not None:
+            serve.delete(name)
+        if local:
             serve.shutdown()
+    finally:
         ray.shutdown()
+
+
+def _within(seconds: float, call: Callable, *args) -> bool:
+    """Run ``call(*args)`` on a daemon thread; True when it returned (or raised) within ``seconds``."""
+    thread = threading.Thread(target=call, args=args, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
 
 
 def _check_reachable(address: str | None) -> None:

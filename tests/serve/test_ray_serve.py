@@ -4,8 +4,10 @@ line and config files use. Skipped only where Ray is not installed or cannot sta
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -104,3 +106,30 @@ def test_the_samples_ray_configs_are_valid_serve_configs(artifact):
         deployment = app_builder({**app.args, "artifact": str(artifact)})._bound_deployment
         assert deployment.num_replicas == app.args["replicas"]
         assert deployment.ray_actor_options["num_cpus"] == app.args["cpus_per_replica"]
+
+
+def test_a_signal_to_the_whole_process_group_ends_it_within_the_grace_in_one_line(artifact):
+    """`timeout`, `kill -- -PGID` and systemd's control-group stop signal a local cluster's own processes (its GCS and
+    raylet) as well as the command: it must not wait a minute per Ray call for a cluster that is gone, nor print
+    Ray's tracebacks. Either the application still went down cleanly (exit 0) or one line says the cluster did not
+    answer (exit 1), within --grace plus the margin."""
+    from mla_deploy.serve.ray_serve import TAKE_DOWN_MARGIN
+
+    try:
+        server = Server(artifact, "--replicas", "1", "--grace", "1", new_session=True)
+    except AssertionError as exc:
+        if "Ray could not start" in str(exc):
+            pytest.skip(f"Ray cannot start here: {exc}")
+        raise
+    start = time.monotonic()
+    os.killpg(server.process.pid, signal.SIGTERM)
+    try:
+        status = server.process.wait(1 + TAKE_DOWN_MARGIN + 20)
+    finally:
+        server.process.kill()
+    took = time.monotonic() - start
+    err = server.process.stderr.read()
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("mla-deploy: error:")]
+    assert (status, lines) == (0, []) or (status == 1 and len(lines) == 1 and "did not answer" in lines[0]), err
+    assert took < 1 + TAKE_DOWN_MARGIN + 15, took
