@@ -46,21 +46,35 @@ COUNTERS = ("mla_deploy_time_to_first_token_seconds_sum", "mla_deploy_time_to_fi
 
 
 def ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",")]
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"positive integers, comma-separated, got {text!r}")
     return values
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact")
     p.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
-    p.add_argument("--requests", type=int, default=3, help="requests per client, one after another")
-    p.add_argument("--prompt-length", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--threads", type=int, default=None, help="each server's threads")
-    p.add_argument("--max-cache-length", type=int, default=None, help="tokens per row (default: what a request needs)")
+    p.add_argument("--requests", type=positive, default=3, help="requests per client, one after another")
+    p.add_argument("--prompt-length", type=positive, default=16)
+    p.add_argument("--max-tokens", type=positive, default=48)
+    p.add_argument("--threads", type=positive, default=None, help="each server's threads")
+    p.add_argument("--max-cache-length", type=positive, default=None,
+                   help="tokens per row (default: what a request needs, --prompt-length + --max-tokens + 8)")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run beside mla-deploy")
     p.add_argument("--gguf", default=None, help="with --llama-server: the GGUF of the same checkpoint")
     p.add_argument("--no-run", action="store_true", help="leave out the `mla-deploy run` rows")
@@ -86,11 +100,13 @@ class MlaServer:
                 "--max-cache-length", str(row_tokens(args))]
         argv += ["--threads", str(args.threads)] if args.threads else []
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-        line = self.process.stderr.readline()
-        match = re.search(r"serving (\S+) at (http://\S+/v1)", line)
+        seen = []  # the announcement, after whatever a library printed before it
+        while not seen or (seen[-1] and not re.search(r"serving \S+ at http://\S+/v1", seen[-1])):
+            seen.append(self.process.stderr.readline())
+        match = re.search(r"serving (\S+) at (http://\S+/v1)", seen[-1])
         if not match:
             self.process.wait(10)
-            sys.exit(f"serve_bench: the server did not start: {(line + self.process.stderr.read()).strip()}")
+            sys.exit(f"serve_bench: mla-deploy serve did not start: {last_line(''.join(seen), self.process)}")
         self.model, self.base = match.group(1), match.group(2)
 
     def metrics(self) -> dict[str, float]:
@@ -123,7 +139,8 @@ class LlamaServer:
             except OSError:
                 time.sleep(0.5)
         self.process.kill()
-        sys.exit(f"serve_bench: llama-server did not start: {self.process.stderr.read()[-2000:].strip()}")
+        self.process.wait()
+        sys.exit(f"serve_bench: llama-server did not start: {last_line(self.process.stderr.read(), self.process)}")
 
     def metrics(self) -> None:
         return None
@@ -132,6 +149,12 @@ class LlamaServer:
         self.process.terminate()
         status = self.process.wait(120)
         return 0 if status in (0, -signal.SIGTERM) else status
+
+
+def last_line(text: str, process: subprocess.Popen) -> str:
+    """What a process that failed to start said last (a line), else its exit status."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {process.returncode}"
 
 
 def row_tokens(args) -> int:
@@ -280,6 +303,24 @@ def run_batch(args, prompts: list) -> dict:
             "latency_p50_s": seconds, "latency_p90_s": seconds}
 
 
+def check(args) -> None:
+    """Refuse in one line, before anything starts, what would fail later: a row too short for a request, a
+    llama-server or GGUF that is not there, a --json file that cannot be written."""
+    import os
+
+    if args.max_cache_length is not None and args.max_cache_length < args.prompt_length + args.max_tokens + 2:
+        sys.exit(f"serve_bench: --max-cache-length {args.max_cache_length} is shorter than a request needs "
+                 f"(--prompt-length + --max-tokens + 2 = {args.prompt_length + args.max_tokens + 2})")
+    if args.llama_server and not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
+        sys.exit(f"serve_bench: --llama-server {args.llama_server} is not an executable file")
+    if args.gguf and not os.path.isfile(args.gguf):
+        sys.exit(f"serve_bench: --gguf {args.gguf} is not a file")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            sys.exit(f"serve_bench: --json {args.json} cannot be written")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from mla_deploy.artifact import load_manifest
@@ -287,10 +328,17 @@ def main(argv=None) -> int:
 
     if (args.llama_server is None) != (args.gguf is None):
         sys.exit("serve_bench: --llama-server and --gguf go together")
-    tokenizer = load_tokenizer(args.artifact)
+    check(args)
+    from mla_deploy.errors import MLADeployError
+
+    try:
+        tokenizer = load_tokenizer(args.artifact)
+        manifest = load_manifest(args.artifact)
+    except MLADeployError as exc:
+        sys.exit(f"serve_bench: {exc}")
     if tokenizer is None:
         sys.exit(f"serve_bench: {args.artifact} has no tokenizer files (mla-deploy serve needs them)")
-    vocabulary = min(tokenizer.backend.get_vocab_size(), load_manifest(args.artifact).config.vocab_size)
+    vocabulary = min(tokenizer.backend.get_vocab_size(), manifest.config.vocab_size)
     warmup, prompts = draw_prompts(args, vocabulary)
     rows, statuses = bench(args, warmup, prompts)
     print(table(rows))

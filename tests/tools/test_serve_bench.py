@@ -49,10 +49,25 @@ def test_an_artifact_without_a_tokenizer_is_refused_in_one_line():
     assert "Traceback" not in result.stderr
 
 
-def test_llama_server_needs_its_gguf():
-    result = subprocess.run([sys.executable, str(SCRIPT), str(text_artifact("static")), "--llama-server", "x"],
+@pytest.mark.parametrize("args, line", [
+    (["--llama-server", "x"], "serve_bench: --llama-server and --gguf go together"),
+    (["--llama-server", "/nonexistent/llama-server", "--gguf", "x.gguf"],
+     "serve_bench: --llama-server /nonexistent/llama-server is not an executable file"),
+    (["--llama-server", sys.executable, "--gguf", "/nonexistent/x.gguf"], "serve_bench: --gguf /nonexistent/x.gguf is not a file"),
+    (["--max-cache-length", "20"], "serve_bench: --max-cache-length 20 is shorter than a request needs "
+                                   "(--prompt-length + --max-tokens + 2 = 66)"),
+    (["--json", "/nonexistent/rows.json"], "serve_bench: --json /nonexistent/rows.json cannot be written"),
+])
+def test_bad_settings_are_refused_in_one_line_before_anything_starts(args, line):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(text_artifact("static")), *args],
                             capture_output=True, text=True, timeout=600)
-    assert result.returncode == 1 and result.stderr.strip() == "serve_bench: --llama-server and --gguf go together"
+    assert (result.returncode, result.stderr.strip(), result.stdout) == (1, line, "")
+
+
+def test_a_folder_that_is_no_artifact_is_refused_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "no manifest.json" in result.stderr
+    assert result.stderr.startswith("serve_bench: ")
 
 
 def test_the_bench_tokenizer_covers_the_whole_vocabulary(tmp_path):
