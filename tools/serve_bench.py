@@ -6,18 +6,18 @@ concurrencies, and run the same prompts through `mla-deploy run` as one batch (n
         [--max-tokens 48] [--threads N] [--max-cache-length N] [--llama-server BIN --gguf FILE] [--no-run]
         [--json FILE]
 
-Each of ``c`` clients sends ``--requests`` streamed completions one after another (token-id prompts of
-``--prompt-length`` ids drawn from the tokenizer's vocabulary, seeded, the same for every server; greedy;
-exactly ``--max-tokens`` new tokens unless a sequence meets its end-of-sequence id), after a warm-up (a prompt
-as long as a row, whose prefill reads nearly every expert, then one request like the timed ones). The servers run
-side by side, each concurrency on each in turn (then through `mla-deploy run`), so that a drift of the machine's
-speed falls on all alike. Per server and concurrency: generated tokens per second of wall time for all clients together, its ratio to the
-same server at concurrency 1, the mean time to first token and the mean inter-token latency as the client sees
-them (the first streamed text; the rest of the stream over its tokens), and the request latency p50/p90. For
-mla-deploy also the mean rows per decode step and, at concurrency 1, the server's own overhead: the share of the
-wall time not spent in engine steps (HTTP, tokenization, scheduling, the client's turn-around). Each server has
-as many rows (``--max-batch``; llama-server's ``-np`` slots) as the largest concurrency, each row
-``--prompt-length + --max-tokens + 8`` tokens unless --max-cache-length says otherwise; both get ``--threads``.
+Each of ``c`` clients sends ``--requests`` streamed completions one after another (token-id prompts of ``--prompt-
+length`` ids drawn from the tokenizer's vocabulary, seeded, the same for every server; greedy; exactly ``--max-
+tokens`` new tokens unless a sequence meets its end-of-sequence id), after a warm-up (a prompt as long as a row,
+whose prefill reads nearly every expert, then one request like the timed ones). The servers run side by side, each
+concurrency on each in turn (then through `mla-deploy run`), so that a drift of the machine's speed falls on all
+alike. Per server and concurrency: generated tokens per second of wall time for all clients together, its ratio to
+the same server at concurrency 1, the mean time to first token and the mean inter-token latency as the client sees
+them (the first streamed text; the rest of the stream over its tokens), and the request latency p50/p90. For mla-
+deploy also the mean rows per decode step and, at concurrency 1, the server's own overhead: the share of the wall
+time not spent in engine steps (HTTP, tokenization, scheduling, the client's turn-around). Each server has as many
+rows (``--max-batch``; llama-server's ``-np`` slots) as the largest concurrency, each row ``--prompt-length + --max-
+tokens + 8`` tokens unless --max-cache-length says otherwise; both get ``--threads``.
 
 The ``mla-deploy run`` rows are the engine alone: each client's first prompt, all ``c`` of them as one static
 batch (one prefill, then decode steps over every row), timed by ``run --json`` from its prefill to its last token:
@@ -39,10 +39,8 @@ import urllib.request
 
 import numpy as np
 
-COUNTERS = ("mla_deploy_time_to_first_token_seconds_sum", "mla_deploy_time_to_first_token_seconds_count",
-            "mla_deploy_inter_token_latency_seconds_sum", "mla_deploy_inter_token_latency_seconds_count",
-            "mla_deploy_decode_rows_total", "mla_deploy_decode_steps_total", "mla_deploy_engine_seconds_total",
-            "mla_deploy_generated_tokens_total")
+#: the server's counters a row reads (rows per decode step, the engine's share of the wall time)
+COUNTERS = ("mla_deploy_decode_rows_total", "mla_deploy_decode_steps_total", "mla_deploy_engine_seconds_total")
 
 
 def ints(text: str) -> list[int]:
@@ -106,7 +104,8 @@ class MlaServer:
         match = re.search(r"serving (\S+) at (http://\S+/v1)", seen[-1])
         if not match:
             self.process.wait(10)
-            sys.exit(f"serve_bench: mla-deploy serve did not start: {last_line(''.join(seen), self.process)}")
+            said = last_line("".join(seen), self.process.returncode)
+            sys.exit(f"serve_bench: mla-deploy serve did not start: {said}")
         self.model, self.base = match.group(1), match.group(2)
 
     def metrics(self) -> dict[str, float]:
@@ -140,7 +139,8 @@ class LlamaServer:
                 time.sleep(0.5)
         self.process.kill()
         self.process.wait()
-        sys.exit(f"serve_bench: llama-server did not start: {last_line(self.process.stderr.read(), self.process)}")
+        said = last_line(self.process.stderr.read(), self.process.returncode)
+        sys.exit(f"serve_bench: llama-server did not start: {said}")
 
     def metrics(self) -> None:
         return None
@@ -151,10 +151,10 @@ class LlamaServer:
         return 0 if status in (0, -signal.SIGTERM) else status
 
 
-def last_line(text: str, process: subprocess.Popen) -> str:
-    """What a process that failed to start said last (a line), else its exit status."""
+def last_line(text: str, status: int | None) -> str:
+    """What a process that failed said last (a line), else its exit status."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit status {process.returncode}"
+    return lines[-1] if lines else f"exit status {status}"
 
 
 def row_tokens(args) -> int:
@@ -238,8 +238,9 @@ def percentile(values: list[float], q: float) -> float:
 def table(rows: list[dict]) -> str:
     single = {r["server"]: r["tokens_per_second"] for r in rows if r["concurrency"] == 1}
     theirs = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["server"] == "llama-server"}
-    lines = ["| server | concurrency | tok/s (all clients) | x concurrency 1 | mla-deploy / llama-server | mean TTFT ms | "
-             "mean inter-token ms | rows/step | request p50 s | request p90 s | errors |", "|" + "---|" * 11]
+    lines = ["| server | concurrency | tok/s (all clients) | x concurrency 1 | mla-deploy / llama-server | "
+             "mean TTFT ms | mean inter-token ms | rows/step | request p50 s | request p90 s | errors |",
+             "|" + "---|" * 11]
     for r in rows:
         ratio = f"{r['tokens_per_second'] / single[r['server']]:.2f}x" if single.get(r["server"]) else ""
         versus = (f"{r['tokens_per_second'] / theirs[r['concurrency']]:.2f}x"
@@ -280,7 +281,8 @@ def bench(args, warmup: list, prompts: dict[int, list]) -> tuple[list[dict], lis
 
 def run_batch(args, prompts: list) -> dict:
     """`mla-deploy run` over each client's first prompt of ``prompts [clients, requests, prompt_length]`` as one
-    batch (greedy, ``--max-tokens`` new tokens each): the table's row, timed by ``run --json``."""
+    batch (greedy, ``--max-tokens`` new tokens each): the table's row, timed by ``run --json``. Its rows hold the
+    artifact's whole ``max_cache_length`` (`run` has no shorter row), where the servers' hold a request's tokens."""
     argv = [sys.executable, "-m", "mla_deploy", "run", args.artifact, "--max-new-tokens", str(args.max_tokens),
             "--json"]
     for client in prompts:
@@ -289,8 +291,8 @@ def run_batch(args, prompts: list) -> dict:
     result = subprocess.run(argv, capture_output=True, text=True)
     row = {"server": "mla-deploy run", "concurrency": len(prompts), "requests": len(prompts)}
     if result.returncode != 0:
-        lines = result.stderr.strip().splitlines() or [f"exit status {result.returncode}"]
-        return {**row, "errors": len(prompts), "first_error": lines[-1], "tokens": 0, "seconds": float("nan"),
+        error = last_line(result.stderr, result.returncode)
+        return {**row, "errors": len(prompts), "first_error": error, "tokens": 0, "seconds": float("nan"),
                 "tokens_per_second": float("nan"), "ttft_ms": float("nan"), "inter_token_ms": float("nan"),
                 "latency_p50_s": float("nan"), "latency_p90_s": float("nan")}
     report = json.loads(result.stdout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,6 @@ class Settings:
     def built(self) -> bool:
         """The build is recorded with every tool of :data:`TARGETS` (one recorded before a tool was added is built
         again)."""
-        import json
-
         try:
             targets = json.loads(self.build_record.read_text()).get("targets", ())
         except (OSError, ValueError, AttributeError):
