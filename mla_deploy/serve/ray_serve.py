@@ -15,6 +15,7 @@ This module imports Ray only inside its functions: ``pip install 'mla-deploy[ray
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -136,27 +137,33 @@ def serve_on_ray(artifact: str | Path, options: ServeOptions, replicas: int, add
     except Exception as exc:  # ConnectionError, RuntimeError, ValueError: Ray's words, in one line
         raise RuntimeMissingError(f"Ray could not start{' at ' + address if address else ''}: "
                                   f"{_last_line(str(exc))}") from None
-    try:
-        serve.start(http_options={"host": options.host, "port": port}, logging_config={"log_level": "WARNING"})
+    # from here on SIGTERM and SIGINT only set `stop` (ray.init put Ray's own handler in place, which aborts the
+    # process with a stack dump): one arriving while Serve starts takes the application down once it is up, a
+    # second one while it goes down is ignored
+    with _stop_signals() as stop:
         try:
-            serve.run(application(artifact, options, replicas), name=name, route_prefix="/", blocking=False)
-        except RuntimeError as exc:
-            raise MLADeployError(f"a replica failed to start: {_last_line(str(exc))}") from None
+            serve.start(http_options={"host": options.host, "port": port}, logging_config={"log_level": "WARNING"})
+            try:
+                serve.run(application(artifact, options, replicas), name=name, route_prefix="/", blocking=False)
+            except RuntimeError as exc:
+                raise MLADeployError(f"a replica failed to start: {_last_line(str(exc))}") from None
+        except BaseException:  # a start that failed: the cluster answers, take down what was started
+            _take_down(serve, ray, None, local=address is None)
+            raise
         host = f"[{options.host}]" if ":" in options.host else options.host
         announce(f"serving {name} at http://{host}:{port}/v1 ({replicas} replica{'s' * (replicas > 1)} on Ray Serve, "
                  f"each {options.max_batch} rows)")
-        _wait_for_signal()
-    except BaseException:  # a start that failed: the cluster answers, take down what was started
-        _take_down(serve, ray, None, local=address is None)
-        raise
-    limit = options.grace + TAKE_DOWN_MARGIN
-    if not _within(limit, _take_down, serve, ray, name, address is None):
-        # the cluster died with us: a signal sent to the whole process group (`timeout`, `kill -- -PGID`, systemd's
-        # control-group stop) reaches a local cluster's GCS and raylet too, and Ray would wait a minute for them here
-        # and again at exit; nothing is left to finish, so say so and leave at once
-        announce(f"error: the Ray cluster did not answer within {limit:.0f} s of the signal (it got the signal too: "
-                 f"send SIGTERM or SIGINT to mla-deploy alone); `ray stop` ends what is left of a local cluster")
-        os._exit(1)
+        while not stop.wait(0.5):
+            pass
+        limit = options.grace + TAKE_DOWN_MARGIN
+        if not _within(limit, _take_down, serve, ray, name, address is None):
+            # the cluster died with us: a signal sent to the whole process group (`timeout`, `kill -- -PGID`,
+            # systemd's control-group stop) reaches a local cluster's GCS and raylet too, and Ray would wait a minute
+            # for them here and again at exit; nothing is left to finish, so say so and leave at once
+            announce(f"error: the Ray cluster did not answer within {limit:.0f} s of the signal (it got the signal "
+                     f"too: send SIGTERM or SIGINT to mla-deploy alone); `ray stop` ends what is left of a local "
+                     f"cluster")
+            os._exit(1)
 
 
 #: seconds past ``--grace`` the application and a local cluster get to go down before the cluster counts as gone
@@ -198,13 +205,13 @@ def _check_reachable(address: str | None) -> None:
                                   f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
-def _wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
+@contextlib.contextmanager
+def _stop_signals():
+    """An event that SIGTERM and SIGINT set while the block runs (the handlers before it are put back after)."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while not stop.wait(0.5):
-            pass
+        yield stop
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
