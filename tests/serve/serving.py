@@ -23,10 +23,6 @@ from mla_deploy.generate import SamplingConfig, generate_text, load_tokenizer
 
 PROMPTS = TEXT_PROMPTS + ["The quick brown fox", "你好", "emoji 🙂🙂 and more", "world hello world"]
 KEY = "sk-test-key"
-#: the run-wide lock (tests/artifacts.py's ``exclusive``) of the serving tests that must not share the two cores:
-#: a local Ray cluster's start takes both for seconds, and the 64-client load test's occupancy check needs its client
-#: threads not starved (seen in CI: 2.8 rows per step instead of about 7 while a cluster started beside it)
-CPU_HEAVY = "serve-cpu-heavy"
 
 
 class Server:

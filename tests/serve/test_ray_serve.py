@@ -15,15 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'mla-deploy[ray]')")
 
-from artifacts import exclusive  # noqa: E402
-from serving import CPU_HEAVY, PROMPTS, Server, one_line_error  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_load_test_beside():
-    """This module's Ray clusters start while no other process of the run holds the serving load test's cores."""
-    with exclusive(CPU_HEAVY):
-        yield
+from serving import PROMPTS, Server, one_line_error  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("transformers")
 
-from artifacts import exclusive, text_artifact  # noqa: E402
+from artifacts import text_artifact  # noqa: E402
 from hf_oracle import TEXT_PROMPTS  # noqa: E402
-from serving import CPU_HEAVY, KEY, PROMPTS, Server, load, one_line_error  # noqa: E402
+from serving import KEY, PROMPTS, Server, load, one_line_error  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -85,26 +85,24 @@ def test_models_health_and_metrics(server):
 def test_64_streaming_clients_share_the_batch_with_their_solo_replies_and_no_leak(artifact, alone, request):
     """64 clients stream at once, each sending request after request for --serve-load-seconds (default 6; the issue's
     one minute: --serve-load-seconds 60): every reply equals its solo run, none fails, the rows and the queue are
-    empty afterwards and the server's memory is flat (after a first round at full load has warmed it up). No Ray
-    cluster starts beside it (:data:`serving.CPU_HEAVY`)."""
-    with exclusive(CPU_HEAVY):
-        server = Server(artifact, "--max-batch", "8", "--max-queue", "64")
-        try:
-            warm = load(server, alone, clients=64, seconds=0)
-            assert not warm.errors and warm.wrong == [], (warm.errors[:3], warm.wrong[:3])
-            before = server.rss()
-            steps, rows = server.metric("mla_deploy_decode_steps_total"), server.metric("mla_deploy_decode_rows_total")
-            run = load(server, alone, clients=64, seconds=request.config.getoption("--serve-load-seconds"))
-            assert not run.errors and run.wrong == [], (run.errors[:3], run.wrong[:3])
-            assert run.replies >= 2 * 64
-            rows_per_step = (server.metric("mla_deploy_decode_rows_total") - rows) / (
-                server.metric("mla_deploy_decode_steps_total") - steps)
-            assert rows_per_step > 3  # sequences really were decoded together
-            assert server.metric("mla_deploy_batch_rows_in_use") == 0 and server.metric("mla_deploy_queue_depth") == 0
-            grown = server.rss() - before
-            assert grown < max(16 << 20, before // 20), f"RSS grew by {grown >> 20} MiB from {before >> 20} MiB"
-        finally:
-            assert server.stop() == 0
+    empty afterwards and the server's memory is flat (after a first round at full load has warmed it up)."""
+    server = Server(artifact, "--max-batch", "8", "--max-queue", "64")
+    try:
+        warm = load(server, alone, clients=64, seconds=0)
+        assert not warm.errors and warm.wrong == [], (warm.errors[:3], warm.wrong[:3])
+        before = server.rss()
+        steps, rows = server.metric("mla_deploy_decode_steps_total"), server.metric("mla_deploy_decode_rows_total")
+        run = load(server, alone, clients=64, seconds=request.config.getoption("--serve-load-seconds"))
+        assert not run.errors and run.wrong == [], (run.errors[:3], run.wrong[:3])
+        assert run.replies >= 2 * 64
+        rows_per_step = (server.metric("mla_deploy_decode_rows_total") - rows) / (
+            server.metric("mla_deploy_decode_steps_total") - steps)
+        assert rows_per_step > 3  # sequences really were decoded together
+        assert server.metric("mla_deploy_batch_rows_in_use") == 0 and server.metric("mla_deploy_queue_depth") == 0
+        grown = server.rss() - before
+        assert grown < max(16 << 20, before // 20), f"RSS grew by {grown >> 20} MiB from {before >> 20} MiB"
+    finally:
+        assert server.stop() == 0
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
