@@ -122,9 +122,20 @@ def collect(providers: bool = True) -> dict[str, Any]:
         "gpu": gpu, "onnx": _version("onnx"), "polygraphy": _version("polygraphy"),
         "tensorrt": _version("tensorrt"), "triton": _version("triton"),
         "onnxruntime": probe_providers() if providers else _listed_providers(),
+        "huge_pages": _huge_pages(),
     }
     info["commands"] = commands(info)
     return info
+
+
+def _huge_pages() -> dict[str, Any]:
+    """Whether this process's large allocations (ONNX Runtime's weights) land on huge pages, with the system's THP
+    setting and ``GLIBC_TUNABLES`` (see :mod:`mla_deploy.engines.huge_pages`)."""
+    from .engines import huge_pages
+
+    state = huge_pages.huge_pages()
+    return {"in_use": huge_pages.probe(), "setting": state.setting, "requested": state.requested,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
 
 
 def commands(info: dict[str, Any]) -> dict[str, str]:
@@ -167,6 +178,11 @@ def format_report(info: dict[str, Any]) -> str:
             lines.append("  (not tried; run without --no-providers to see which really load)")
         for name, state in (ort.get("loaded") or {}).items():
             lines.append(f"  {name:<28} " + ("loads" if state["ok"] else f"does not load ({state['reason']})"))
+    pages = info.get("huge_pages") or {}
+    if pages:
+        how = f"THP {pages['setting']}, GLIBC_TUNABLES={pages['glibc_tunables'] or '(unset)'}"
+        lines.append("huge pages   " + ("yes: weights load on 2 MiB pages" if pages["in_use"] else
+                                         "no: weights load on 4 KiB pages") + f" ({how})")
     lines += [
         f"tensorrt     {info['tensorrt'] or 'not installed'}",
         f"polygraphy   {info['polygraphy'] or 'not installed'}",

@@ -15,7 +15,7 @@ from .. import __version__
 from . import bench, build, doctor, export, presets, run, serve, validate
 from .contract import EXIT_BUG, MainGroup
 
-__all__ = ["EXIT_BUG", "MainGroup", "main"]
+__all__ = ["EXIT_BUG", "MainGroup", "entry", "main"]
 
 
 @click.group(cls=MainGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,3 +28,29 @@ def main() -> None:
 for _command in (presets.inspect, presets.presets, export.export, run.run, validate.validate, doctor.doctor,
                  build.build, bench.bench, serve.serve):
     main.add_command(_command)
+
+
+def entry() -> None:
+    """The ``mla-deploy`` program (its console script and ``python -m mla_deploy``): :data:`main`, in a process
+    whose weights glibc puts on huge pages.
+
+    Where the system allows transparent huge pages and glibc has the ``glibc.malloc.hugetlb`` tunable, the process
+    re-executes itself once, the same command line with the tunable added to ``GLIBC_TUNABLES``
+    (:mod:`mla_deploy.engines.huge_pages` says why and how much it gains); the pid, open files and signals are
+    the same. A ``GLIBC_TUNABLES`` naming the tunable already (``glibc.malloc.hugetlb=0`` turns it off) is kept.
+    """
+    import os
+    import sys
+
+    from ..engines.huge_pages import environment_with_huge_pages
+
+    environ = environment_with_huge_pages(os.environ)
+    command = getattr(sys, "orig_argv", None)
+    if environ is not None and command and sys.executable:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execve(sys.executable, [sys.executable, *command[1:]], environ)
+        except OSError:  # cannot re-execute (a vanished interpreter): run on, on small pages
+            pass
+    main()

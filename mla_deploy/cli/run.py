@@ -76,7 +76,8 @@ def _run_record(result, info: dict, prompts: list[list[int]], texts, sampling) -
         if texts is not None:
             record["text"] = texts[i]
         sequences.append(record)
-    return {"provider": result.provider, "graphs": info["graphs"], "precision": info["precision"],
+    return {"provider": result.provider, "graphs": info["graphs"], "huge_pages": info.get("huge_pages"),
+            "precision": info["precision"],
             "cache_mode": info["cache_mode"],
             "sampling": dataclasses.asdict(sampling), "sequences": sequences,
             "timings": {"time_to_first_token_s": result.prefill_seconds, "decode_s": result.decode_seconds,

@@ -20,6 +20,7 @@ from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
 from ..io_spec import PRECISIONS, past_name, present_name
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from .base import Engine
+from .huge_pages import huge_pages
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -61,13 +62,18 @@ def check_precision(precision: str, provider: str) -> None:
                                   "fp16 or fp32 to run on the CPU")
 
 
-def session_options(threads: int | None = None, log_severity: int = 4):
-    """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's
-    default), no spinning (a waiting thread sleeps instead of burning a core), and no CPU memory arena: the
-    arena keeps the largest step's activations and grows by powers of two, so a batch-8 prefill of a 4-layer
-    V2-Lite left the process at 13.5 GiB for 8.4 GiB of weights, against 10.9 GiB without it, at the same
-    decode speed (measured here, 2 threads). How quantized weights are computed is the artifact's quantization's
-    to say (:meth:`mla_deploy.quant.Quantization.session`, applied by :func:`open_session`)."""
+def session_options(threads: int | None = None, log_severity: int = 4, spin: bool = False):
+    """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's default)
+    and no CPU memory arena: the arena keeps the largest step's activations and grows by powers of two, so a batch-8
+    prefill of a 4-layer V2-Lite left the process at 13.5 GiB for 8.4 GiB of weights, against 10.9 GiB without
+    it, at the same decode speed (measured here, 2 threads).
+
+    ``spin``: the intra-op threads spin a while for the next operator's work instead of sleeping at once. A decode
+    step is hundreds of short operators, each waking the other threads: spinning made a 4-layer V2-Lite int4 decode
+    step about 4% faster (median of 6 alternating runs, 2 threads, 17.6 -> 16.8 ms). Off, a waiting thread leaves
+    its core to others at once (a server's event loop on the same cores). How quantized weights are computed is the
+    artifact's quantization's to say (:meth:`mla_deploy.quant.Quantization.session`, applied by
+    :func:`open_session`)."""
     import onnxruntime as ort
 
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
@@ -76,7 +82,7 @@ def session_options(threads: int | None = None, log_severity: int = 4):
     options.log_severity_level = log_severity
     if threads:
         options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     options.enable_cpu_mem_arena = False
     return options
 
@@ -100,8 +106,10 @@ def _preload_cuda_libraries(ort) -> None:
 
 
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
-                 quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False):
+                 quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False,
+                 spin: bool = False):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
+    ``threads``, ``log_severity``, ``spin``: :func:`session_options`.
 
     ``optimized``: ``path`` is a graph ONNX Runtime already optimised (a CPU engine's,
     :mod:`~mla_deploy.engines.cpu_build`): opened with graph optimisation disabled (``ORT_DISABLE_ALL``).
@@ -122,7 +130,7 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
         _preload_cuda_libraries(ort)
-    options = session_options(threads, log_severity)
+    options = session_options(threads, log_severity, spin)
     # ONNX Runtime's memory-reuse planning (which activation buffers may share memory) took 6 of the 10-15 s a 4-layer
     # V2-Lite int4 session needed to open, and grows faster than the graph; without it: open in 7.6-9.3 s, the same
     # tokens, decode as fast, peak RSS no higher (a 4 x 256 prefill: 2.04 GiB against 2.39), measured on the CPU here
@@ -172,6 +180,8 @@ class OrtEngine(Engine):
             (``ARTIFACT/cpu``, ``mla-deploy build ARTIFACT --target cpu``) instead of the source graphs when it has
             one; a stale or foreign engine is refused (:func:`~mla_deploy.artifact.cpu_engine.check_cpu_engine`).
             False: always the source graphs. :meth:`info` says which (``graphs``).
+        spin: the intra-op threads spin for the next operator's work (:func:`session_options`); False for an
+            engine sharing its cores with other work (a server's event loop).
 
     The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
     describes its graphs, their I/O and the weights they hold quantized).
@@ -179,7 +189,7 @@ class OrtEngine(Engine):
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
                  capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
-                 use_engine: bool = True):
+                 use_engine: bool = True, spin: bool = True):
         ort = require_onnxruntime()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -204,7 +214,8 @@ class OrtEngine(Engine):
             session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
             if session is None:
                 session = open_session(self._graph_path(graph.file), provider, threads, log_severity,
-                                       quantized_compute, manifest.quantization, optimized=self.built is not None)
+                                       quantized_compute, manifest.quantization, optimized=self.built is not None,
+                                       spin=spin)
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
@@ -217,9 +228,11 @@ class OrtEngine(Engine):
         return self.root / file if self.built is None else self.built.engine_path(self.root, file)
 
     def info(self) -> dict:
-        """:meth:`Engine.info` and ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``."""
+        """:meth:`Engine.info`, ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``,
+        and ``huge_pages``: how much of the process's memory (its weights) is on huge pages
+        (:mod:`~mla_deploy.engines.huge_pages`)."""
         graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
-        return {**super().info(), "graphs": graphs}
+        return {**super().info(), "graphs": graphs, "huge_pages": huge_pages().describe()}
 
     def _allocate(self, shape):
         array = np.zeros(shape, dtype=self.dtype)

@@ -85,7 +85,9 @@ class Service:
 
         self.options = options
         self.tokenizer = _tokenizer(artifact)  # before the engine: opening a full-size one takes seconds
-        self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine)
+        # no spinning: the engine's threads share the cores with the event loop that brings the requests
+        self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine,
+                                spin=False)
         self.model_name = options.model_name or self.engine.manifest.name
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (/health), one of many

@@ -206,7 +206,7 @@ PROTOCOL = {
     "ours_cache": ("a fixed-capacity (static) cache is made exactly as large as the point needs (its "
                    "steps attend to every slot); the context is filled with prefill steps in chunks whose "
                    f"logits and scores stay under {CHUNK_BYTES >> 20} MiB (fill_seconds)"),
-    "ort": "OrtEngine(threads=threads): intra_op_num_threads = threads, spinning off",
+    "ort": "OrtEngine(threads=threads): intra_op_num_threads = threads, spinning on",
     "torch": "torch.set_num_threads(threads), one interop thread, OMP/MKL threads = threads",
     "memory": "peak RSS (VmHWM) of the path's process; per point: reset before the point, so it counts the "
               "resident weights and whatever earlier points left resident (allocator arenas); the decode "
@@ -437,8 +437,9 @@ def _notes(report: dict) -> list[str]:
         if not info["available"]:
             lines.append(f"{path}: not available ({info['reason']})")
         elif info.get("peak_rss_bytes"):
-            graphs = (info.get("runtime") or {}).get("graphs")
-            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s{f' ({graphs})' if graphs else ''}; peak RSS "
+            runtime = info.get("runtime") or {}
+            how = "; ".join(v for v in (runtime.get("graphs"), runtime.get("huge_pages")) if v)
+            lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s{f' ({how})' if how else ''}; peak RSS "
                          f"{format_bytes(info['peak_rss_bytes'])}")
     return lines + [_routing_line(report)] + [line for line in [_agreement_line(report)] if line]
 
@@ -485,8 +486,10 @@ def markdown(report: dict) -> str:
         if not info["available"]:
             line += f" — **not available**: {info['reason']}"
         elif info.get("peak_rss_bytes"):
+            pages = (info.get("runtime") or {}).get("huge_pages")
             line += (f" — loaded in {info['load_seconds']:.1f} s, peak RSS {format_bytes(info['peak_rss_bytes'])} "
-                     f"(after loading {format_bytes(info['peak_rss_after_load_bytes'])})")
+                     f"(after loading {format_bytes(info['peak_rss_after_load_bytes'])})"
+                     f"{f'; {pages}' if pages else ''}")
         lines.append(line)
     lines += ["", "## Bound", "", p["bound"] + ".", "", f"* {_routing_line(report)}"]
     if report.get("bound_check"):

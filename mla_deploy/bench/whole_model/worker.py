@@ -56,7 +56,8 @@ class OursPath:
         self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"], use_engine=spec.engine)
         self.spec, self.config = spec, self.engine.config
         self.itemsize = np.dtype(self.engine.dtype).itemsize
-        self.info = {"provider": self.engine.provider, "graphs": self.engine.info()["graphs"],
+        info = self.engine.info()
+        self.info = {"provider": self.engine.provider, "graphs": info["graphs"], "huge_pages": info["huge_pages"],
                      "precision": self.engine.precision,
                      **self.engine.manifest.quantization.run_info(),
                      "cache_mode": self.engine.cache_mode, "intra_op_threads": spec.threads,
