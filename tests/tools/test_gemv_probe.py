@@ -1,0 +1,58 @@
+"""tools/gemv_probe as a user runs it: the C kernel is built, it and ONNX Runtime's MatMulNBits compute the same
+int4 product on the same weights (both within the int8 vector's rounding of the float product, and of each
+other), once over 4 KiB pages and once over huge pages; bad settings are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "gemv_probe"
+sys.path.insert(0, str(TOOL.parent))
+
+from gemv_probe.__main__ import BLOCK, relative_error  # noqa: E402
+
+needs_cc = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="no C compiler")
+
+
+@needs_cc
+def test_the_kernel_and_matmulnbits_compute_the_same_product(tmp_path):
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, str(TOOL), "--shape", "300,544", "--threads", "2", "--repeat", "2",
+                             "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"].split()[0], r["huge_pages"]) for r in rows] == [
+        ("int4_gemv.c", False), ("MatMulNBits", False), ("int4_gemv.c", True), ("MatMulNBits", True)]
+    for row in rows:  # an int8 vector per block of 32: a few 1e-3 of the row's absolute sum, not more
+        assert 0 < row["max_relative_error"] < 1e-2, row
+        assert row["seconds"] > 0 and row["gbps"] > 0
+    assert "GB/s" in result.stdout and "int4 GEMV [300 x 544]" in result.stdout
+
+
+def test_the_error_measure_sees_a_wrong_product():
+    rng = np.random.default_rng(1)
+    weights = rng.integers(0, 256, size=(8, 64 // BLOCK, BLOCK // 2), dtype=np.uint8)
+    scales = rng.random((8, 64 // BLOCK), dtype=np.float32) + 0.1
+    x = rng.standard_normal(64, dtype=np.float32)
+    values = np.stack([weights & 15, weights >> 4], axis=-1).reshape(8, -1, BLOCK).astype(np.float64) - 8
+    exact = ((values * scales[:, :, None]).reshape(8, -1) * x).sum(axis=1)
+    assert relative_error(exact.astype(np.float32), weights, scales, x) < 1e-6
+    swapped = np.stack([weights >> 4, weights & 15], axis=-1).reshape(8, -1, BLOCK).astype(np.float64) - 8
+    wrong = ((swapped * scales[:, :, None]).reshape(8, -1) * x).sum(axis=1)  # nibbles in the other order
+    assert relative_error(wrong.astype(np.float32), weights, scales, x) > 0.05
+
+
+@pytest.mark.parametrize("args, message", [(["--shape", "10,30"], "multiple of 32"),
+                                           (["--shape", "ten"], "expected N,K"),
+                                           (["--threads", "0"], "integer >= 1")])
+def test_bad_settings_are_one_line(args, message):
+    result = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,204 @@
+"""python tools/gemv_probe [--shape N,K] [--threads T] [--repeat R] [--json FILE]: how fast this machine streams an
+int4 matrix-vector product (4 bits, blocks of 32, zero point 8, fp32 scales, the vector quantized to int8 per
+block) with ONNX Runtime's ``MatMulNBits`` (``accuracy_level`` 4, as mla-deploy runs it) and with a kernel written
+for it (``int4_gemv.c``, AVX-512 VNNI), on the same weights, over 4 KiB pages and over huge pages.
+
+Why: a quantized decode step is such products; this says what a kernel of our own would gain over ONNX Runtime's
+on this machine before anyone writes the operator. Both are checked against the float product of the same
+weights (error relative to the row's absolute sum; the int8 vector's rounding is the only difference). Each
+measurement runs in its own process: ``MatMulNBits`` under ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` or ``=0``
+(how mla-deploy's command line loads weights, or not), the C kernel on memory advised to huge pages or not.
+Needs a C compiler with OpenMP (``cc``, ``$CC``); the kernel is built into a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BLOCK = 32
+SOURCE = Path(__file__).with_name("int4_gemv.c")
+#: a product computed from an int8 vector is this close to the float one (measured: 2-4e-3 at K = 2048)
+TOLERANCE = 1e-2
+
+
+class ProbeError(Exception):
+    """A bad setting or a missing tool, said in one line."""
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N,K, got {text!r}") from None
+    if n < 1 or k < BLOCK or k % BLOCK:
+        raise argparse.ArgumentTypeError(f"N >= 1 and K a multiple of {BLOCK}, got {n},{k}")
+    return n, k
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def build(into: Path) -> Path:
+    """``int4_gemv`` compiled for this CPU (``-O3 -march=native -fopenmp``) into ``into``."""
+    compiler = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if compiler is None:
+        raise ProbeError("no C compiler found (cc, gcc, clang, or $CC)")
+    binary = into / "int4_gemv"
+    proc = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(SOURCE), "-lm"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ProbeError(f"{compiler} could not build {SOURCE.name}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return binary
+
+
+def write_inputs(folder: Path, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random weights ``[N, K/32, 16]`` uint8, scales ``[N, K/32]`` and a vector ``[K]`` (float32), written as the
+    kernel reads them."""
+    rng = np.random.default_rng(seed)
+    weights = rng.integers(0, 256, size=(n, k // BLOCK, BLOCK // 2), dtype=np.uint8)
+    scales = (rng.random((n, k // BLOCK), dtype=np.float32) * 0.02 + 1e-4).astype(np.float32)
+    x = rng.standard_normal(k, dtype=np.float32)
+    weights.tofile(folder / "weights.bin")
+    scales.tofile(folder / "scales.bin")
+    x.tofile(folder / "x.bin")
+    return weights, scales, x
+
+
+def relative_error(y: np.ndarray, weights: np.ndarray, scales: np.ndarray, x: np.ndarray) -> float:
+    """The largest ``|y - W x| / sum|W * x|`` over the rows, ``W`` dequantized in float64, in chunks of rows."""
+    n = weights.shape[0]
+    worst = 0.0
+    for start in range(0, n, 4096):
+        packed = weights[start:start + 4096].astype(np.int16)
+        values = np.stack([packed & 15, packed >> 4], axis=-1).reshape(len(packed), -1, BLOCK) - 8
+        w = (values * scales[start:start + 4096, :, None].astype(np.float64)).reshape(len(packed), -1)
+        terms = w * x.astype(np.float64)
+        reference, magnitude = terms.sum(axis=1), np.abs(terms).sum(axis=1)
+        worst = max(worst, float((np.abs(y[start:start + 4096] - reference) / np.maximum(magnitude, 1e-30)).max()))
+    return worst
+
+
+def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int) -> dict:
+    """``MatMulNBits`` on the written weights in this process: the best of ``repeat`` runs; writes ``y_ort.bin``."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = np.fromfile(folder / "weights.bin", dtype=np.uint8).reshape(n, k // BLOCK, BLOCK // 2)
+    scales = np.fromfile(folder / "scales.bin", dtype=np.float32).reshape(n, k // BLOCK)
+    x = np.fromfile(folder / "x.bin", dtype=np.float32).reshape(1, k)
+    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=BLOCK, accuracy_level=4)
+    graph = helper.make_graph([node], "gemv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              initializer=[numpy_helper.from_array(weights, "w"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.enable_cpu_mem_arena = False
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    del model, graph, weights
+    best = float("inf")
+    for i in range(repeat + 1):  # the first run is untimed
+        start = time.perf_counter()
+        y = session.run(None, {"x": x})[0]
+        if i:
+            best = min(best, time.perf_counter() - start)
+    y.reshape(n).astype(np.float32).tofile(folder / "y_ort.bin")
+    from mla_deploy.engines.huge_pages import huge_pages
+
+    return {"seconds": best, "huge_page_bytes": huge_pages().huge_bytes}
+
+
+def measure(n: int, k: int, threads: int, repeat: int) -> list[dict]:
+    """One row per (kernel, pages): milliseconds, GB/s streamed, huge-page bytes and the error against float."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gemv-probe-") as tmp:
+        folder = Path(tmp)
+        binary = build(folder)
+        weights, scales, x = write_inputs(folder, n, k)
+        nbytes = weights.nbytes + scales.nbytes
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close"}
+        for huge in (0, 1):
+            proc = subprocess.run([str(binary), str(n), str(k), str(repeat), str(huge), str(folder)],
+                                  capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise ProbeError(f"int4_gemv failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+            out = json.loads(proc.stdout)
+            y = np.fromfile(folder / "y.bin", dtype=np.float32)
+            rows.append({"kernel": "int4_gemv.c" + ("" if out["vnni"] else " (no AVX-512 VNNI: scalar)"),
+                         "huge_pages": bool(huge), "seconds": out["seconds"],
+                         "huge_page_bytes": out["huge_page_bytes"],
+                         "max_relative_error": relative_error(y, weights, scales, x)})
+            tunable = f"glibc.malloc.hugetlb={huge}"
+            proc = subprocess.run([sys.executable, str(Path(__file__).parent), "--ort-worker", str(folder),
+                                   "--shape", f"{n},{k}", "--threads", str(threads), "--repeat", str(repeat)],
+                                  capture_output=True, text=True, env={**env, "GLIBC_TUNABLES": tunable})
+            if proc.returncode != 0:
+                raise ProbeError(f"MatMulNBits failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            y = np.fromfile(folder / "y_ort.bin", dtype=np.float32)
+            rows.append({"kernel": "MatMulNBits", "huge_pages": bool(huge), "seconds": out["seconds"],
+                         "huge_page_bytes": out["huge_page_bytes"],
+                         "max_relative_error": relative_error(y, weights, scales, x)})
+    for row in rows:
+        row["gbps"] = nbytes / row["seconds"] / 1e9
+    return rows
+
+
+def table(rows: list[dict], n: int, k: int, threads: int) -> str:
+    lines = [f"int4 GEMV [{n} x {k}], blocks of {BLOCK}, int8 vector, {threads} thread(s): best of the timed calls",
+             "", f"{'kernel':<40} {'pages':<6} {'ms':>8} {'GB/s':>6} {'on huge pages':>14} {'max rel. error':>14}"]
+    for r in rows:
+        lines.append(f"{r['kernel']:<40} {'2 MiB' if r['huge_pages'] else '4 KiB':<6} {r['seconds'] * 1e3:8.3f} "
+                     f"{r['gbps']:6.1f} {r['huge_page_bytes'] / 2**20:10.0f} MiB {r['max_relative_error']:14.2e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tools/gemv_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", type=_shape, default=(102400, 2048),
+                        help="N,K (default: 102400,2048, DeepSeek-V2-Lite's lm_head)")
+    parser.add_argument("--threads", type=_positive, default=2)
+    parser.add_argument("--repeat", type=_positive, default=30)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--ort-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    n, k = args.shape
+    if args.ort_worker:
+        print(json.dumps(ort_worker(args.ort_worker, n, k, args.threads, args.repeat)))
+        return 0
+    try:
+        rows = measure(n, k, args.threads, args.repeat)
+        if args.json:
+            args.json.write_text(json.dumps({"n": n, "k": k, "threads": args.threads, "rows": rows}, indent=2))
+    except (ProbeError, OSError) as exc:
+        print(f"gemv_probe: {exc}", file=sys.stderr)
+        return 1
+    print(table(rows, n, k, args.threads))
+    bad = [r["kernel"] for r in rows if r["max_relative_error"] > TOLERANCE]
+    if bad:
+        print(f"gemv_probe: {', '.join(bad)} off the float product by more than {TOLERANCE:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
