@@ -50,9 +50,12 @@ def check_bound(achieved: dict[str, tuple[float, float]], read_gbps: float, gemm
 
 
 def bound_check_line(check: dict) -> str:
-    """One line saying whether :func:`check_bound` held, plainly."""
-    gemm = check["gemm_gflops"]
+    """One line saying whether :func:`check_bound` held, plainly (``int8_gemm_gops``, where the check has it: the
+    rate the quantized artifacts' steps were checked against)."""
+    gemm, int8 = check["gemm_gflops"], check.get("int8_gemm_gops")
     rates = f"{check['read_gbps']:.1f} GB/s" + (f" and GEMM rate {gemm:.0f} GFLOP/s" if gemm is not None else "")
+    if int8 is not None and gemm is not None and int8 != gemm:
+        rates += f" (int8 {int8:.0f} GOP/s for the quantized artifacts)"
     if check["holds"]:
         fastest = (f"; the fastest, {check['fastest']}, streamed {check['fastest_gbps']:.1f} GB/s"
                    if check["fastest"] else "")

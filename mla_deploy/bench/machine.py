@@ -171,7 +171,12 @@ def probe(threads: int, probe_mib: int = 512, reps: int = 5) -> dict:
     The read bandwidth is the best the machine reaches: the fastest call of the fastest of several kernels (one
     kernel alone underestimates the memory: a plain ``torch.sum`` read 26.9 GB/s where llama.cpp streamed 34).
 
-    Returns: :func:`read_bandwidth`'s fields and ``"gemm_gflops", "gemm_n"``.
+    The int8 GEMM rate (``torch._int_mm``, int8 x int8 -> int32: oneDNN's VNNI kernels where the CPU has them) bounds
+    the steps of quantized artifacts, whose products ONNX Runtime computes with int8 activations: on an AVX-512 VNNI
+    machine they run several times faster than any fp32 GEMM, so the fp32 rate would be no bound for them.
+
+    Returns: :func:`read_bandwidth`'s fields and ``"gemm_gflops", "gemm_n", "int8_gemm_gops"`` (None where torch
+    has no int8 product on this CPU).
     """
     import torch
 
@@ -182,8 +187,22 @@ def probe(threads: int, probe_mib: int = 512, reps: int = 5) -> dict:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen)
     b = torch.randn(n, n, generator=gen)
-    gemm = 2 * n ** 3 / _best_seconds(lambda: a @ b, max(3, reps // 2))[0] / 1e9
-    return {**read, "gemm_gflops": gemm, "gemm_n": n}
+    calls = max(3, reps // 2)
+    gemm = 2 * n ** 3 / _best_seconds(lambda: a @ b, calls)[0] / 1e9
+    return {**read, "gemm_gflops": gemm, "gemm_n": n, "int8_gemm_gops": _int8_gemm(n, calls)}
+
+
+def _int8_gemm(n: int, calls: int) -> float | None:
+    """The fastest int8 ``n x n x n`` product (``torch._int_mm``) in GOP/s, or None where torch has none here."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randint(-128, 128, (n, n), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, n), generator=gen, dtype=torch.int8)
+    try:
+        return 2 * n ** 3 / _best_seconds(lambda: torch._int_mm(a, b), calls)[0] / 1e9
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 def summarize(values, unit: str | None = None) -> dict | None:

@@ -38,6 +38,7 @@ def machine_summary(described: dict, threads: int, probes: list[dict], when: str
     info["threads"] = threads
     info["read_gbps"] = summarize([p["read_gbps"] for p in probes], "GB/s")
     info["gemm_gflops"] = summarize([p["gemm_gflops"] for p in probes], "GFLOP/s")
+    info["int8_gemm_gops"] = summarize([p.get("int8_gemm_gops") for p in probes], "GOP/s")
     info["loadavg_1min_during_run"] = summarize([p.get("loadavg_1min") for p in probes])
     first = probes[0] if probes else {}
     kernels = sorted({p["read_kernel"] for p in probes if p.get("read_kernel")})
@@ -46,17 +47,27 @@ def machine_summary(described: dict, threads: int, probes: list[dict], when: str
                           f"over {first.get('read_mib', '?')} MiB ({', '.join(sorted(pages)) or 'normal pages'}), "
                           f"{threads} threads, 5 calls each (read_kernel: the fastest, here "
                           f"{', '.join(kernels) or '-'}); {when}; the bound takes the best probe (max)")
-    info["gemm_probe"] = (f"torch.mm fp32 {first.get('gemm_n', '?')}^3, {threads} threads, the fastest of 3 calls, "
-                          f"same times; the bound takes the best probe (max)")
+    info["gemm_probe"] = (f"torch.mm fp32 {first.get('gemm_n', '?')}^3 and torch._int_mm int8 (the rate of quantized "
+                          f"artifacts' steps, whose products compute with int8 activations), {threads} threads, the "
+                          f"fastest of 3 calls each, same times; the bound takes the best probe (max)")
     info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return info
 
 
-def bound_rates(machine: dict) -> tuple[float, float] | None:
-    """``(read GB/s, GEMM GFLOP/s)`` a report's bounds use: the best of the run's probes (a bound is the best the
-    machine reaches), from :func:`machine_summary`'s ``machine``; None when no probe ran."""
+def bound_rates(machine: dict, int8: bool = False) -> tuple[float, float] | None:
+    """``(read GB/s, GEMM rate in G(FL)OP/s)`` a report's bounds use: the best of the run's probes (a bound is the
+    best the machine reaches), from :func:`machine_summary`'s ``machine``; None when no probe ran.
+
+    ``int8``: the steps of an engine whose products compute with int8 activations (a quantized artifact): the int8
+    GEMM rate where it was measured and is the faster (a looser bound, as it must be for the fp32 parts of such a
+    step), else the fp32 one."""
     bw, gemm = machine.get("read_gbps"), machine.get("gemm_gflops")
-    return (bw["max"], gemm["max"]) if bw and gemm else None
+    if not (bw and gemm):
+        return None
+    rate = gemm["max"]
+    if int8 and machine.get("int8_gemm_gops"):
+        rate = max(rate, machine["int8_gemm_gops"]["max"])
+    return bw["max"], rate
 
 
 def machine_line(report: dict) -> str:
@@ -67,7 +78,11 @@ def machine_line(report: dict) -> str:
     if bw and gemm:
         text += (f"; read bandwidth {bw['max']:.1f} GB/s, the best of {bw['n']} probes (median {bw['median']:.1f}, min "
                  f"{bw['min']:.1f}); fp32 GEMM {gemm['max']:.0f} GFLOP/s (median {gemm['median']:.0f}, min "
-                 f"{gemm['min']:.0f}); the bounds take the best")
+                 f"{gemm['min']:.0f})")
+        int8 = m.get("int8_gemm_gops")
+        if int8:
+            text += f"; int8 GEMM {int8['max']:.0f} GOP/s (median {int8['median']:.0f}, quantized artifacts' bound)"
+        text += "; the bounds take the best"
     if m.get("loadavg_1min_during_run"):
         load = m["loadavg_1min_during_run"]
         text += (f"; 1-min load average during the run {load['median']:.2f} (min {load['min']:.2f}, max "
