@@ -22,6 +22,8 @@ import resource
 import time
 
 GEMM_N = 2048
+#: Linux's madvise advice that collapses a range into huge pages now (6.1+; Python's mmap has no name for it)
+MADV_COLLAPSE = 25
 #: columns of the matrix the matrix-vector read kernel streams
 READ_COLUMNS = 4096
 
@@ -29,7 +31,9 @@ READ_COLUMNS = 4096
 def _region(nbytes: int):
     """``(fp32 tensor over nbytes of anonymous memory, the mmap behind it, whether huge pages were advised)``:
     the memory is advised to transparent huge pages (``MADV_HUGEPAGE``) where the platform offers it, then
-    written, so its pages exist before any timing."""
+    written, so its pages exist before any timing, then collapsed (``MADV_COLLAPSE``) so that pages a fault could
+    not get as huge ones (memory fragmented by a page cache full of weights) are huge too: without it, the same
+    probe gave 37 GB/s in one run and 64 GB/s in the next on the development machine."""
     import mmap
 
     import torch
@@ -44,6 +48,11 @@ def _region(nbytes: int):
             pass
     buf = torch.frombuffer(region, dtype=torch.float32)
     buf.fill_(1.0)
+    if huge:  # pages the fault could not get as huge ones (fragmented memory) are collapsed now: Linux 6.1+
+        try:
+            region.madvise(MADV_COLLAPSE)
+        except OSError:  # an older kernel, or no huge page free: the bound says which pages it had
+            pass
     return buf, region, huge
 
 

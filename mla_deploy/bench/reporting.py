@@ -54,20 +54,22 @@ def machine_summary(described: dict, threads: int, probes: list[dict], when: str
     return info
 
 
-def bound_rates(machine: dict, int8: bool = False) -> tuple[float, float] | None:
+#: the probe whose rate bounds the FLOPs of each arithmetic (:attr:`mla_deploy.quant.Quantization.arithmetic`)
+GEMM_PROBES = {"fp32": "gemm_gflops", "int8": "int8_gemm_gops"}
+
+
+def bound_rates(machine: dict, arithmetic: str = "fp32") -> tuple[float, float] | None:
     """``(read GB/s, GEMM rate in G(FL)OP/s)`` a report's bounds use: the best of the run's probes (a bound is the
     best the machine reaches), from :func:`machine_summary`'s ``machine``; None when no probe ran.
 
-    ``int8``: the steps of an engine whose products compute with int8 activations (a quantized artifact): the int8
-    GEMM rate where it was measured and is the faster (a looser bound, as it must be for the fp32 parts of such a
-    step), else the fp32 one."""
+    ``arithmetic``: that of the step's products (a quantized artifact's: ``int8``, activations quantized per block):
+    its GEMM rate where it was measured and is the faster (a looser bound, as it must be for the fp32 parts of such
+    a step), else the fp32 one."""
     bw, gemm = machine.get("read_gbps"), machine.get("gemm_gflops")
     if not (bw and gemm):
         return None
-    rate = gemm["max"]
-    if int8 and machine.get("int8_gemm_gops"):
-        rate = max(rate, machine["int8_gemm_gops"]["max"])
-    return bw["max"], rate
+    own = machine.get(GEMM_PROBES.get(arithmetic, "gemm_gflops"))
+    return bw["max"], max(gemm["max"], own["max"]) if own else gemm["max"]
 
 
 def machine_line(report: dict) -> str:

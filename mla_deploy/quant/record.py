@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ArtifactError, ConfigError
-from .formats import DEFAULT_FORMAT, FAST_COMPUTE, FORMATS, QDQ, WeightFormat, accuracy_level
+from .formats import DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, QDQ, WeightFormat, accuracy_level
 from .formats import session as format_session
 from .graph import GraphQuantization, WeightPart, quantize_graph_weights
 from .scheme import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, fake_quantize
@@ -96,6 +96,12 @@ class Quantization:
     def run_info(self) -> dict[str, Any]:
         """What a run reports of the weights: ``{"weights", "quantized_compute"}`` (an engine's default compute)."""
         return {"weights": FLOAT_WEIGHTS, "quantized_compute": None}
+
+    @property
+    def arithmetic(self) -> str:
+        """The arithmetic of the weights' products under an engine's default compute: ``fp32`` for float weights,
+        ``int8`` (activations quantized per block) for quantized ones; what bounds a step's FLOPs in a bench."""
+        return EXACT_COMPUTE
 
     @property
     def tensorrt_format(self) -> bool:
@@ -211,6 +217,10 @@ class Quantized(Quantization):
 
     def run_info(self) -> dict[str, Any]:
         return {"weights": self.scheme.to_dict(), "quantized_compute": f"{FAST_COMPUTE} (the engine's default)"}
+
+    @property
+    def arithmetic(self) -> str:
+        return FAST_COMPUTE
 
     @property
     def tensorrt_format(self) -> bool:

@@ -58,6 +58,7 @@ def test_quantized_steps_are_bounded_by_the_int8_gemm_rate_and_float_ones_by_the
     """A quantized artifact's step computes with int8 activations: it may beat the fp32 GEMM rate, not the int8
     one; a float step that beats the fp32 rate breaks the bound. Without an int8 probe the fp32 rate stands."""
     from mla_deploy.bench.bound import bound_check_line
+    from mla_deploy.quant import plan
     from mla_deploy.bench.machine import probe
     from mla_deploy.bench.reporting import bound_rates, summarize
     from mla_deploy.bench.whole_model.report import bound_check
@@ -66,13 +67,13 @@ def test_quantized_steps_are_bounded_by_the_int8_gemm_rate_and_float_ones_by_the
     assert measured["int8_gemm_gops"] is None or measured["int8_gemm_gops"] > 0
     machine = {"read_gbps": summarize([40.0], "GB/s"), "gemm_gflops": summarize([150.0, 170.0], "GFLOP/s"),
                "int8_gemm_gops": summarize([800.0], "GOP/s")}
-    assert bound_rates(machine) == (40.0, 170.0) and bound_rates(machine, int8=True) == (40.0, 800.0)
+    assert bound_rates(machine) == (40.0, 170.0) and bound_rates(machine, "int8") == (40.0, 800.0)
 
     def row(path, gflops, gbps=1.0):
         return {"path": path, "point": "prefill/B1", "status": "ok",
                 "bound": {"achieved_gbps": gbps, "achieved_gflops": gflops}}
 
-    quantized = frozenset({"ours-int4"})
+    quantized = {"ours": "fp32", "ours-int4": "int8"}
     check = bound_check(machine, [row("ours", 160.0), row("ours-int4", 400.0, gbps=2.0)], quantized)
     assert check["holds"] and check["fastest"] == "ours-int4 prefill/B1"
     assert (check["gemm_gflops"], check["int8_gemm_gops"]) == (170.0, 800.0)
@@ -80,9 +81,10 @@ def test_quantized_steps_are_bounded_by_the_int8_gemm_rate_and_float_ones_by_the
     assert not bound_check(machine, [row("ours", 160.0), row("ours-int4", 900.0)], quantized)["holds"]
     failed = bound_check(machine, [row("ours", 200.0), row("ours-int4", 400.0)], quantized)
     assert not failed["holds"] and [b["label"] for b in failed["beaten_by"]] == ["ours prefill/B1"]
-    assert not bound_check(machine, [row("ours-int4", 400.0)], frozenset())["holds"]  # not said to be quantized
+    assert not bound_check(machine, [row("ours-int4", 400.0)], {})["holds"]  # not said to be quantized: fp32
     del machine["int8_gemm_gops"]
-    assert bound_rates(machine, int8=True) == (40.0, 170.0)
+    assert bound_rates(machine, "int8") == (40.0, 170.0)
+    assert FLOAT.arithmetic == "fp32" and plan("int4").arithmetic == plan("int8").arithmetic == "int8"
 
 
 def test_smoke_writes_the_report_and_keeps_the_export(smoke):

@@ -17,12 +17,13 @@ from __future__ import annotations
 import datetime
 import statistics
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
 from ...quant import plan
 from ..bound import bound_check_line, check_bound, roofline
-from ..reporting import bound_rates, format_bytes, format_ms, machine_line, machine_summary, versions
+from ..reporting import GEMM_PROBES, bound_rates, format_bytes, format_ms, machine_line, machine_summary, versions
 from .cost import CHUNK_BYTES, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
 from .spec import PREFILL, TRANSFORMERS, WholeModelSpec, parse_point, path_label, points, prompt_ids
 
@@ -46,10 +47,10 @@ class _Bounds:
     """The bound of each point's steps, from the routing records (or the uniform expectation)."""
 
     def __init__(self, spec: WholeModelSpec, config, groups, routing: dict, routing_records: dict, machine: dict,
-                 int8: bool = False):
+                 arithmetic: str = "fp32"):
         self.spec, self.config, self.groups = spec, config, groups
         self.method, self.records = routing["method"], routing_records
-        self.rates = bound_rates(machine, int8)  # int8: a quantized artifact, its products on int8 activations
+        self.rates = bound_rates(machine, arithmetic)  # a quantized artifact's products run on int8 activations
 
     def _experts(self, key: str, step: int | None, tokens: int) -> tuple[list[float], str]:
         n = len(self.groups.moe_layers)
@@ -158,26 +159,32 @@ def _compare(rows: list[dict], records: dict, routed: dict, primary: str) -> Non
             theirs["tokens_compared_with"] = primary
 
 
-def bound_check(machine: dict, rows: list[dict], quantized: frozenset[str] = frozenset()) -> dict | None:
+def _arithmetic(prepared) -> dict[str, str]:
+    """``{path: the arithmetic of its artifact's products}`` (:attr:`mla_deploy.quant.Quantization.arithmetic`);
+    a path without an artifact (transformers) computes in fp32."""
+    return {v.path: v.manifest.quantization.arithmetic for v in prepared.variants}
+
+
+def bound_check(machine: dict, rows: list[dict], arithmetic: Mapping[str, str] | None = None) -> dict | None:
     """:func:`~..bound.check_bound` over the rows with a bound: did any measured step stream more bytes (or
-    compute more FLOPs) per second than the machine's best probe? The rows of ``quantized`` paths are checked
-    against the int8 GEMM rate (:func:`~..reporting.bound_rates`), the others against the fp32 one, each in a
-    check of its own; the first that fails is the answer. None when no probe ran."""
+    compute more FLOPs) per second than the machine's best probe? Each path's rows are checked against the GEMM
+    rate of its products' ``arithmetic`` (``{path: "fp32" | "int8"}``, :func:`~..reporting.bound_rates`; fp32 where
+    a path is not named), in one check per arithmetic; the first that fails is the answer (``int8_gemm_gops``: the
+    int8 rate, where int8 steps were checked). None when no probe ran."""
     if bound_rates(machine) is None:
         return None
-    checks = []
-    for int8 in (False, True):
+    kind = {r["path"]: (arithmetic or {}).get(r["path"], "fp32") for r in rows}
+    checks = {}
+    for each in sorted(set(kind.values()) | {"fp32"}):
         achieved = {f"{r['path']} {r['point']}": (r["bound"]["achieved_gbps"], r["bound"]["achieved_gflops"])
-                    for r in rows if r["status"] == "ok" and r.get("bound") and (r["path"] in quantized) == int8}
-        if achieved or not int8:
-            checks.append(check_bound(achieved, *bound_rates(machine, int8)))
-    rates = {"read_gbps": checks[0]["read_gbps"], "gemm_gflops": checks[0]["gemm_gflops"]}
-    if len(checks) > 1:
-        rates["int8_gemm_gops"] = checks[1]["gemm_gflops"]
-    failed = [c for c in checks if not c["holds"]]
+                    for r in rows if r["status"] == "ok" and r.get("bound") and kind[r["path"]] == each}
+        checks[each] = check_bound(achieved, *bound_rates(machine, each))
+    rates = {"read_gbps": checks["fp32"]["read_gbps"],
+             **{GEMM_PROBES[each]: check["gemm_gflops"] for each, check in checks.items()}}
+    failed = [c for c in checks.values() if not c["holds"]]
     if failed:
         return {**failed[0], **rates}
-    return {**max(checks, key=lambda c: c["fastest_gbps"] or 0.0), **rates}
+    return {**max(checks.values(), key=lambda c: c["fastest_gbps"] or 0.0), **rates}
 
 
 def _weights_protocol(variants) -> str:
@@ -245,9 +252,9 @@ def _rows(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: 
     groups[TRANSFORMERS] = weight_groups(config, 4)  # transformers runs the checkpoint in fp32
     artifacts = {v.path: str(v.artifact) for v in prepared.variants}
     records = {path: r.get("records", {}) for path, r in routed.items()}
-    quantized = {v.path for v in prepared.variants if v.manifest.quantization.quantized}
+    arithmetic = _arithmetic(prepared)
     bounds = {path: _Bounds(spec, config, g, routing, records.get(path if path in artifacts else primary, {}), machine,
-                            path in quantized)
+                            arithmetic.get(path, "fp32"))
               for path, g in groups.items()}
     paths = {path: _path_info(path, status[path], results.get(path), groups[path], artifacts.get(path))
              for path in groups}
@@ -315,8 +322,7 @@ def build_report(spec: WholeModelSpec, prepared, status: dict, routing: dict, re
             **PROTOCOL,
         },
         "routing": _routing(routing, routed, rows), "machine": machine,
-        "bound_check": bound_check(machine, rows, frozenset(v.path for v in prepared.variants
-                                                              if v.manifest.quantization.quantized)),
+        "bound_check": bound_check(machine, rows, _arithmetic(prepared)),
         "paths": paths, "rows": rows,
         "versions": versions(VERSIONS),
     }
