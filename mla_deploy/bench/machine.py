@@ -32,8 +32,9 @@ def _region(nbytes: int):
     """``(fp32 tensor over nbytes of anonymous memory, the mmap behind it, whether huge pages were advised)``:
     the memory is advised to transparent huge pages (``MADV_HUGEPAGE``) where the platform offers it, then
     written, so its pages exist before any timing, then collapsed (``MADV_COLLAPSE``) so that pages a fault could
-    not get as huge ones (memory fragmented by a page cache full of weights) are huge too: without it, the same
-    probe gave 37 GB/s in one run and 64 GB/s in the next on the development machine."""
+    not get as huge ones are huge too. Without it, the same probe gave 37 GB/s in one run and 64 GB/s in the next
+    on the development machine; huge pages missing for part of the buffer would explain that, but it was not
+    traced."""
     import mmap
 
     import torch
