@@ -222,6 +222,8 @@ class OrtEngine(Engine):
                                     f"manifest {(graph.input_names, graph.output_names)}")
             self.sessions[role] = session
         self.provider = PROVIDERS[provider]
+        # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
+        self.huge_pages = huge_pages().describe()
 
     def _graph_path(self, file: str) -> Path:
         """What runs the artifact's graph ``file``: its CPU engine's graph, or the file itself."""
@@ -229,10 +231,10 @@ class OrtEngine(Engine):
 
     def info(self) -> dict:
         """:meth:`Engine.info`, ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``,
-        and ``huge_pages``: how much of the process's memory (its weights) is on huge pages
+        and ``huge_pages``: how much of the process's memory was on huge pages once the weights were loaded
         (:mod:`~mla_deploy.engines.huge_pages`)."""
         graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
-        return {**super().info(), "graphs": graphs, "huge_pages": huge_pages().describe()}
+        return {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
 
     def _allocate(self, shape):
         array = np.zeros(shape, dtype=self.dtype)

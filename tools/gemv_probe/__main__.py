@@ -93,7 +93,8 @@ def relative_error(y: np.ndarray, weights: np.ndarray, scales: np.ndarray, x: np
 
 
 def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int) -> dict:
-    """``MatMulNBits`` on the written weights in this process: the best of ``repeat`` runs; writes ``y_ort.bin``."""
+    """``MatMulNBits`` on the written weights in this process, with the engine's session options: the best of
+    ``repeat`` runs; writes ``y_ort.bin``."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -109,11 +110,11 @@ def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int) -> dict:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
     onnx.checker.check_model(model)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    options.enable_cpu_mem_arena = False
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    from mla_deploy.engines.ort_engine import session_options
+
+    # the engine's own session options (threads, spinning, no arena), as `mla-deploy run` opens its graphs
+    session = ort.InferenceSession(model.SerializeToString(), session_options(threads, spin=True),
+                                   providers=["CPUExecutionProvider"])
     del model, graph, weights
     best = float("inf")
     for i in range(repeat + 1):  # the first run is untimed
