@@ -14,7 +14,9 @@ weights (``model.data``), and this record. An engine is only valid for:
 * its own files: each engine graph's sha256 and each data file's size (the data file is not hashed at open: it is
   as large as the weights);
 * the session settings baked in (:data:`SESSION`): optimised at ``ORT_ENABLE_ALL`` with quantized products in the
-  fast compute (``int8``, ``accuracy_level`` 4), opened with graph optimisation disabled.
+  fast compute (``int8``, ``accuracy_level`` 4), opened with graph optimisation disabled;
+* where its graphs hold mla-deploy's own experts operator (:mod:`mla_deploy.engines.cpu_ops`): the operator library
+  compiled into ``cpu/`` (its sha256) from the operator source of this mla-deploy (its sha256).
 
 :meth:`CpuEngineRecord.staleness` names the first difference; :func:`check_cpu_engine` turns it into one line.
 This module imports neither onnxruntime nor onnx: the caller passes the running ORT version.
@@ -35,7 +37,7 @@ from .manifest import Manifest
 CPU_ENGINE_DIR = "cpu"
 CPU_ENGINE_RECORD = "engine.json"
 RECORD_FORMAT = "mla-deploy-cpu-engine"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 #: the ``/proc/cpuinfo`` flags ONNX Runtime's CPU kernels (MLAS) dispatch on, x86-64 and Arm
 CPU_FEATURES = ("sse3", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
                 "avx512vl", "avx512cd", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avxvnni", "avx_vnni_int8",
@@ -106,6 +108,39 @@ class EngineGraph:
 
 
 @dataclass(frozen=True)
+class ExpertsOperator:
+    """Which operator computes the engine's routed experts.
+
+    Attributes:
+        nodes: how many ``QMoE`` nodes the build swapped for ``mla_deploy.RoutedExperts`` (0: none, ``QMoE`` kept).
+        library, library_sha256: the operator library in ``cpu/`` and its sha256 (None when ``nodes`` is 0).
+        source_sha256: the sha256 of the operator source it was compiled from.
+        why_not: why the build kept ``QMoE`` (no compiler, no source, no AVX-512 VNNI), or None.
+    """
+
+    nodes: int = 0
+    library: str | None = None
+    library_sha256: str | None = None
+    source_sha256: str | None = None
+    why_not: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "library": self.library, "library_sha256": self.library_sha256,
+                "source_sha256": self.source_sha256, "why_not": self.why_not}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ExpertsOperator":
+        return cls(int(data["nodes"]), data.get("library"), data.get("library_sha256"), data.get("source_sha256"),
+                   data.get("why_not"))
+
+    def describe(self) -> str:
+        """One phrase: ``mla_deploy.RoutedExperts (N nodes)`` or ``QMoE (why)``."""
+        if self.nodes:
+            return f"mla_deploy.RoutedExperts ({self.nodes} node{'s' if self.nodes != 1 else ''}, {self.library})"
+        return f"ONNX Runtime's ({self.why_not})" if self.why_not else "ONNX Runtime's"
+
+
+@dataclass(frozen=True)
 class CpuEngineRecord:
     """``cpu/engine.json``: what the engine was built from, by and for (see the module's docstring).
 
@@ -118,6 +153,7 @@ class CpuEngineRecord:
         session: the session settings baked in (:data:`SESSION` at build).
         prepacked: the kernels whose pre-packed weights the engine stores; every other kernel packs at open.
         created: ISO time of the build; build_seconds: how long it took.
+        experts: which operator computes the routed experts (:class:`ExpertsOperator`).
     """
 
     host: HostCpu
@@ -128,6 +164,11 @@ class CpuEngineRecord:
     prepacked: tuple[str, ...] = ()
     created: str = ""
     build_seconds: float = 0.0
+    experts: ExpertsOperator = field(default_factory=ExpertsOperator)
+
+    def library_path(self, artifact: str | Path) -> Path | None:
+        """The operator library every session of this engine registers, or None."""
+        return None if not self.experts.nodes else Path(artifact) / CPU_ENGINE_DIR / str(self.experts.library)
 
     def graph_for(self, source: str) -> EngineGraph | None:
         """The engine graph built from the artifact's graph file ``source``."""
@@ -147,7 +188,8 @@ class CpuEngineRecord:
                 "machine": self.host.machine, "cpu_features": list(self.host.features),
                 "fingerprint": self.fingerprint, "weights_sha256": self.weights_sha256,
                 "graphs": [g.to_dict() for g in self.graphs], "session": dict(self.session),
-                "prepacked": list(self.prepacked), "created": self.created, "build_seconds": self.build_seconds}
+                "prepacked": list(self.prepacked), "created": self.created, "build_seconds": self.build_seconds,
+                "experts": self.experts.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Any, source: str = CPU_ENGINE_RECORD) -> "CpuEngineRecord":
@@ -162,7 +204,7 @@ class CpuEngineRecord:
             return cls(host, str(data["fingerprint"]), data.get("weights_sha256"),
                        tuple(EngineGraph.from_dict(g) for g in data["graphs"]), dict(data["session"]),
                        tuple(map(str, data.get("prepacked", ()))), str(data.get("created", "")),
-                       float(data.get("build_seconds", 0.0)))
+                       float(data.get("build_seconds", 0.0)), ExpertsOperator.from_dict(data["experts"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"{source} is malformed ({type(exc).__name__}: {exc})") from None
 
@@ -171,12 +213,12 @@ class CpuEngineRecord:
 
         Compares, in this order: the ONNX Runtime version, the architecture, the CPU features, the baked session
         settings, the model (fingerprint, weights sha256), each source graph (the manifest's sha256 and the file's
-        own), each engine file (graph sha256, data file size)."""
+        own), each engine file (graph sha256, data file size), the experts operator (its source, its library)."""
         for differs in (_host_difference(self.host, host), _session_difference(self.session),
                         _model_difference(self, manifest)):
             if differs:
                 return differs
-        return _files_difference(self, root, manifest)
+        return _files_difference(self, root, manifest) or _operator_difference(self, root)
 
 
 def _host_difference(built: HostCpu, host: HostCpu) -> str | None:
@@ -229,6 +271,23 @@ def _files_difference(record: CpuEngineRecord, root: Path, manifest: Manifest) -
             if data.stat().st_size != graph.data_bytes:
                 return (f"its weights {data} have {data.stat().st_size} bytes, {CPU_ENGINE_RECORD} says "
                         f"{graph.data_bytes} (truncated or replaced)")
+    return None
+
+
+def _operator_difference(record: CpuEngineRecord, root: Path) -> str | None:
+    experts = record.experts
+    if not experts.nodes:
+        return None
+    from ..engines.cpu_ops import source_path  # no heavy import: paths only
+
+    source = source_path()
+    if source.is_file() and sha256_file(source) != experts.source_sha256:
+        return f"its experts operator was compiled from another version of {source.name}"
+    library = record.library_path(root)
+    if not library.is_file():
+        return f"its operator library {library} is missing"
+    if sha256_file(library) != experts.library_sha256:
+        return f"its operator library {library} was modified (sha256 differs from {CPU_ENGINE_RECORD})"
     return None
 
 

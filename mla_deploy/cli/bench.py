@@ -161,7 +161,8 @@ def attention(preset, recipe, out, **options):
 @click.option("--transformers/--no-transformers", default=True, show_default=True,
               help="Also time transformers' own model on the same checkpoint.")
 @click.option("--engine/--no-engine", default=True, show_default=True,
-              help="Run the artifact's CPU engine (mla-deploy build ARTIFACT --target cpu) when it has one; "
+              help="Run the artifact's CPU engine (mla-deploy build ARTIFACT --target cpu) when it has one, built "
+                   "first for the bench's own exports; "
                    "--no-engine: its source graphs.")
 @click.option("--weights", metavar="LIST",
               help="With --hf, --preset or --recipe: comma list of float, int8, int4; each is exported (OUT/artifact, "

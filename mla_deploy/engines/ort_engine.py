@@ -107,12 +107,13 @@ def _preload_cuda_libraries(ort) -> None:
 
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
                  quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False,
-                 spin: bool = False):
+                 spin: bool = False, library: Path | None = None):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
     ``threads``, ``log_severity``, ``spin``: :func:`session_options`.
 
     ``optimized``: ``path`` is a graph ONNX Runtime already optimised (a CPU engine's,
     :mod:`~mla_deploy.engines.cpu_build`): opened with graph optimisation disabled (``ORT_DISABLE_ALL``).
+    ``library``: the operator library its graph needs (a CPU engine's :mod:`~mla_deploy.engines.cpu_ops`), or None.
 
     ``quantization``: the graph's (its artifact's :attr:`~mla_deploy.artifact.Manifest.quantization`), whose
     quantized products the session computes in ``quantized_compute``: ``int8`` quantizes the activations to int8
@@ -137,6 +138,10 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     options.enable_mem_reuse = provider != "cpu"
     if optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if library is not None:
+        from .cpu_ops import register
+
+        register(options, library)
     model, entries = quantization.session(path, quantized_compute)
     for key, value in entries.items():
         options.add_session_config_entry(key, value)
@@ -215,7 +220,7 @@ class OrtEngine(Engine):
             if session is None:
                 session = open_session(self._graph_path(graph.file), provider, threads, log_severity,
                                        quantized_compute, manifest.quantization, optimized=self.built is not None,
-                                       spin=spin)
+                                       spin=spin, library=None if self.built is None else self.built.library_path(self.root))
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
@@ -234,7 +239,10 @@ class OrtEngine(Engine):
         and ``huge_pages``: how much of the process's memory was on huge pages once the weights were loaded
         (:mod:`~mla_deploy.engines.huge_pages`)."""
         graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
-        return {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
+        info = {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
+        if self.built is not None:
+            info["experts_operator"] = self.built.experts.describe()
+        return info
 
     def _allocate(self, shape):
         array = np.zeros(shape, dtype=self.dtype)

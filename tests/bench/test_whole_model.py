@@ -227,7 +227,9 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     again = prepare(WholeModelSpec(source="preset", location="tiny", layers=1, contexts=(2,), batches=(1,),
                                    prompt_length=4, repeat=1, warmup=0, weights=("float", "int4"), block_size=64),
                     tmp_path, lambda line: None)
-    assert [note.split(" ")[0] for note in again.notes] == ["reused", "reused", "reused"], again.notes
+    # the checkpoint, then each export and its CPU engine (built once, for what the bench runs)
+    assert [note.split(" ")[0] for note in again.notes] == ["reused"] * 5, again.notes
+    assert sum("the CPU engine in" in note for note in again.notes) == 2, again.notes
     assert [v.path for v in again.variants] == ["ours", "ours-int4"]
 
 

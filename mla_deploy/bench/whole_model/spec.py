@@ -60,8 +60,8 @@ class WholeModelSpec:
             as exported).
         block_size: input features per scale of the quantized ones (None: the exporter's default, 32).
         transformers: also time transformers' own model (when it can run).
-        engine: run an artifact's pre-built CPU engine (``mla-deploy build ARTIFACT --target cpu``) when it has one
-            (False: its source graphs).
+        engine: run an artifact's pre-built CPU engine (``mla-deploy build ARTIFACT --target cpu``) when it has one,
+            building it first for the bench's own exports (False: their source graphs).
         probe_mib: size of the read-bandwidth probe buffer.
         memory_fraction: a path or point runs only if its estimated memory is below this fraction of the
             available memory.

@@ -1,0 +1,530 @@
+/* mla_deploy.RoutedExperts: an ONNX Runtime CPU custom operator computing a MoE layer's routed experts from
+ * blockwise-quantized weights in the layout of ONNX Runtime's own com.microsoft QMoE (int4 or int8, blocks of 32,
+ * zero point 2^(bits-1), fp32 scales), as QMoE computes them at accuracy_level 4: each token's vector quantized to
+ * int8 per block of 32, integer dot products, one scale product per block.
+ *
+ * Why: QMoE streams a decode step's chosen experts at 20-25 GB/s on the development machine where a kernel
+ * written for the product reaches 39-42 GB/s (tools/gemv_probe); the routed experts are most of a quantized
+ * DeepSeek decode step. mla-deploy's CPU engine build (mla_deploy/engines/cpu_ops.py) compiles this file for the
+ * CPU it runs on and swaps each eligible QMoE node for this operator, same inputs, same semantics.
+ *
+ * Inputs (T tokens, D hidden, E experts, I intermediate, B = 32, bits 4 or 8):
+ *   0 input           float [T, D]
+ *   1 router_probs    float [T, E]   each token runs its top k experts by this score (ties: the lower index)
+ *   2 fc1 weights     uint8 [E, 2I, D*bits/8]   gate and up rows interleaved (row 2i gate i, row 2i+1 up i)
+ *   3 fc1 scales      float [E, 2I, D/B]
+ *   4 fc2 weights     uint8 [E, D, I*bits/8]
+ *   5 fc2 scales      float [E, D, I/B]
+ * Output 0: float [T, D] = sum over the chosen experts j of w_j * fc2_j(silu(gate_j) * up_j), w the softmax of
+ * router_probs over the k chosen (QMoE's normalize_routing_weights = 1, the only setting taken: with 0, ONNX
+ * Runtime 1.31's CPU QMoE was measured to normalise all the same).
+ * Attributes: k, expert_weight_bits (4, 8), block_size (32), normalize_routing_weights (1).
+ *
+ * ABI: this file declares the few ONNX Runtime C API entries it uses itself (by their fixed positions in the
+ * append-only OrtApi table, ORT >= 1.17), as the C API header is not distributed with the Python wheel; the tests
+ * run it in a real session against QMoE and a NumPy reference. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+#define BLOCK 32
+#define TILE 16 /* weight rows per work item */
+#define API_VERSION 17
+
+/* ---- the ONNX Runtime C API, as far as it is used ---------------------------------------------------------- */
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtShapeInfo OrtShapeInfo;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtCustomOp OrtCustomOp;
+typedef struct OrtApiBase {
+    const void *(*GetApi)(uint32_t version);
+    const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2 };
+
+/* positions in struct OrtApi (zero-based; the table only ever grows at its end) */
+enum {
+    API_CreateStatus = 0,
+    API_ReleaseStatus = 93,
+    API_CreateCustomOpDomain = 26,
+    API_CustomOpDomain_Add = 27,
+    API_AddCustomOpDomain = 28,
+    API_KernelInfoGetAttribute_int64 = 86,
+    API_KernelContext_GetInput = 90,
+    API_KernelContext_GetOutput = 91,
+    API_GetTensorMutableData = 51,
+    API_GetTensorTypeAndShape = 65,
+    API_GetDimensionsCount = 61,
+    API_GetDimensions = 62,
+    API_GetTensorElementType = 60,
+    API_ReleaseTensorTypeAndShapeInfo = 99,
+    API_KernelContext_ParallelFor = 274,
+};
+
+typedef OrtStatus *(*CreateStatus_t)(int code, const char *msg);
+typedef void (*ReleaseStatus_t)(OrtStatus *);
+typedef OrtStatus *(*CreateCustomOpDomain_t)(const char *domain, OrtCustomOpDomain **out);
+typedef OrtStatus *(*CustomOpDomain_Add_t)(OrtCustomOpDomain *domain, const OrtCustomOp *op);
+typedef OrtStatus *(*AddCustomOpDomain_t)(OrtSessionOptions *options, OrtCustomOpDomain *domain);
+typedef OrtStatus *(*KernelInfoGetAttribute_int64_t)(const OrtKernelInfo *info, const char *name, int64_t *out);
+typedef OrtStatus *(*KernelContext_GetInput_t)(const OrtKernelContext *ctx, size_t index, const OrtValue **out);
+typedef OrtStatus *(*KernelContext_GetOutput_t)(OrtKernelContext *ctx, size_t index, const int64_t *dims,
+                                                size_t count, OrtValue **out);
+typedef OrtStatus *(*GetTensorMutableData_t)(OrtValue *value, void **out);
+typedef OrtStatus *(*GetTensorTypeAndShape_t)(const OrtValue *value, OrtShapeInfo **out);
+typedef OrtStatus *(*GetDimensionsCount_t)(const OrtShapeInfo *info, size_t *out);
+typedef OrtStatus *(*GetDimensions_t)(const OrtShapeInfo *info, int64_t *dims, size_t count);
+typedef OrtStatus *(*GetTensorElementType_t)(const OrtShapeInfo *info, int *out);
+typedef void (*ReleaseTensorTypeAndShapeInfo_t)(OrtShapeInfo *);
+typedef OrtStatus *(*KernelContext_ParallelFor_t)(const OrtKernelContext *ctx, void (*fn)(void *, size_t),
+                                                  size_t total, size_t num_batch, void *data);
+
+/* struct OrtCustomOp, up to the fields read at version 16 (the rest zero) */
+struct OrtCustomOp {
+    uint32_t version;
+    void *(*CreateKernel)(const OrtCustomOp *, const void *api, const OrtKernelInfo *);
+    const char *(*GetName)(const OrtCustomOp *);
+    const char *(*GetExecutionProviderType)(const OrtCustomOp *);
+    int (*GetInputType)(const OrtCustomOp *, size_t);
+    size_t (*GetInputTypeCount)(const OrtCustomOp *);
+    int (*GetOutputType)(const OrtCustomOp *, size_t);
+    size_t (*GetOutputTypeCount)(const OrtCustomOp *);
+    void (*KernelCompute)(void *, OrtKernelContext *);
+    void (*KernelDestroy)(void *);
+    int (*GetInputCharacteristic)(const OrtCustomOp *, size_t);
+    int (*GetOutputCharacteristic)(const OrtCustomOp *, size_t);
+    int (*GetInputMemoryType)(const OrtCustomOp *, size_t);
+    int (*GetVariadicInputMinArity)(const OrtCustomOp *);
+    int (*GetVariadicInputHomogeneity)(const OrtCustomOp *);
+    int (*GetVariadicOutputMinArity)(const OrtCustomOp *);
+    int (*GetVariadicOutputHomogeneity)(const OrtCustomOp *);
+    OrtStatus *(*CreateKernelV2)(const OrtCustomOp *, const void *api, const OrtKernelInfo *, void **kernel);
+    OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
+    void *reserved[16]; /* later versions' fields: never read at version 16 */
+};
+
+static void *const *api;
+#define CALL(name) ((name##_t)api[API_##name])
+#define CHECK(expr)                                                                                                \
+    do {                                                                                                           \
+        OrtStatus *status_ = (expr);                                                                               \
+        if (status_) return status_;                                                                               \
+    } while (0)
+
+static OrtStatus *fail(const char *message) { return CALL(CreateStatus)(ORT_INVALID_ARGUMENT, message); }
+
+/* ---- the arithmetic ------------------------------------------------------------------------------------------ */
+
+/* block b of a vector of K quantized to int8 (v: its 32 values): q holds the row (int4 weights: each block's 16 even
+ * elements at [16b, 16b + 16) and its 16 odd ones at K/2 + [16b, 16b + 16); int8 weights: in order), d[b] the
+ * block's scale and corr[b] = -zero * sum(q in block b) * d[b] (the zero point's share of a block's product) */
+static void quantize_block(const float *v, int K, int b, int bits, int8_t *q, float *d, float *corr) {
+    float amax = 0.f;
+    for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+    int sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        const int r = (int)lrintf(v[i] * inv);
+        sum += r;
+        if (bits == 4)
+            q[(i & 1) * (K / 2) + b * 16 + i / 2] = (int8_t)r;
+        else
+            q[b * BLOCK + i] = (int8_t)r;
+    }
+    d[b] = scale;
+    corr[b] = -(float)(1 << (bits - 1)) * (float)sum * scale;
+}
+
+static void quantize_row(const float *x, int K, int bits, int8_t *q, float *d, float *corr) {
+    for (int b = 0; b < K / BLOCK; b++) quantize_block(x + b * BLOCK, K, b, bits, q, d, corr);
+}
+
+/* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes) and block scales s, the
+ * tokens' quantize_row() outputs q, d, corr */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const float *s, int K, int bits, int n,
+                                                          const int8_t *const *q, const float *const *d,
+                                                          const float *const *corr, float *out, size_t stride) {
+    const int blocks = K / BLOCK;
+    float total[4] = {0.f, 0.f, 0.f, 0.f};
+    int b = 0;
+#if VNNI
+    {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        /* lane i takes block 4g + i / 4 (int4: 4 blocks per 64 bytes) or 2g + i / 8 (int8: 2 blocks per 64 bytes) */
+        const __m512i four[4] = {
+            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+            _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+            _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+            _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+        __m512 acc[4], zp[4];
+        for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps(), zp[t] = _mm512_setzero_ps();
+        for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
+            const __m512 sw = _mm512_loadu_ps(s + b);
+            __m512 scale[4];
+            for (int t = 0; t < n; t++) {
+                scale[t] = _mm512_mul_ps(sw, _mm512_loadu_ps(d[t] + b));
+                zp[t] = _mm512_fmadd_ps(sw, _mm512_loadu_ps(corr[t] + b), zp[t]);
+            }
+            if (bits == 4) {
+                for (int g = 0; g < 4; g++) {
+                    const int at = 16 * (b + 4 * g);
+                    const __m512i packed = _mm512_loadu_si512(w + at);
+                    const __m512i even = _mm512_and_si512(packed, low);
+                    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                    for (int t = 0; t < n; t++) {
+                        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512(q[t] + at));
+                        dot = _mm512_dpbusd_epi32(dot, odd, _mm512_loadu_si512(q[t] + K / 2 + at));
+                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[t]), acc[t]);
+                    }
+                }
+            } else {
+                for (int g = 0; g < 8; g++) {
+                    const int at = BLOCK * (b + 2 * g);
+                    const __m512i pair = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                                          2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g,
+                                                          2 * g, 2 * g, 2 * g, 2 * g);
+                    const __m512i packed = _mm512_loadu_si512(w + at);
+                    for (int t = 0; t < n; t++) {
+                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed,
+                                                                _mm512_loadu_si512(q[t] + at));
+                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair, scale[t]), acc[t]);
+                    }
+                }
+            }
+        }
+        for (; bits == 4 && b + 4 <= blocks; b += 4) { /* int4: 4 blocks left at a time */
+            const __m512 sw = _mm512_maskz_loadu_ps(0x000F, s + b);
+            const __m512i packed = _mm512_loadu_si512(w + 16 * b);
+            const __m512i even = _mm512_and_si512(packed, low);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            for (int t = 0; t < n; t++) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512(q[t] + 16 * b));
+                dot = _mm512_dpbusd_epi32(dot, odd, _mm512_loadu_si512(q[t] + K / 2 + 16 * b));
+                const __m512 scale = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(0x000F, d[t] + b));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[0], scale), acc[t]);
+                zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x000F, corr[t] + b), zp[t]);
+            }
+        }
+        for (int t = 0; t < n; t++) total[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], zp[t]));
+    }
+#endif
+    for (; b < blocks; b++) { /* the blocks left over (every block without VNNI) */
+        for (int t = 0; t < n; t++) {
+            int dot = 0;
+            if (bits == 4) {
+                const uint8_t *wb = w + 16 * b;
+                const int8_t *even = q[t] + 16 * b, *odd = q[t] + K / 2 + 16 * b;
+                for (int j = 0; j < 16; j++) dot += (wb[j] & 15) * even[j] + (wb[j] >> 4) * odd[j];
+            } else {
+                const uint8_t *wb = w + BLOCK * b;
+                const int8_t *xb = q[t] + BLOCK * b;
+                for (int j = 0; j < BLOCK; j++) dot += wb[j] * xb[j];
+            }
+            total[t] += s[b] * ((float)dot * d[t][b] + corr[t][b]);
+        }
+    }
+    for (int t = 0; t < n; t++) out[t * stride] = total[t];
+}
+
+/* dot_rows with n and bits constant in each call, so that its loops over tokens unroll into registers */
+static void dot_row(const uint8_t *w, const float *s, int K, int bits, int n, const int8_t *const *q,
+                    const float *const *d, const float *const *corr, float *out, size_t stride) {
+#define CASE(B, N) \
+    case 10 * B + N: dot_rows(w, s, K, B, N, q, d, corr, out, stride); break;
+    switch (10 * bits + n) {
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(8, 1) CASE(8, 2) CASE(8, 3) CASE(8, 4)
+    }
+#undef CASE
+}
+
+/* ---- the operator -------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t k, bits, block, normalize;
+} Kernel;
+
+/* one layer's call: routing, then work items over (expert, tile of weight rows) */
+typedef struct {
+    int T, D, E, I, k, bits;
+    const uint8_t *fc1, *fc2;
+    const float *s1, *s2;
+    size_t fc1_row, fc2_row; /* bytes per weight row */
+    int *count, *start;      /* per expert: how many (token, choice) pairs and where its pairs begin */
+    int *pair_token;         /* the pairs ordered by expert: their token */
+    int *experts_used, used; /* the experts with pairs, and how many */
+    int8_t *xq;              /* [T, D]: the tokens quantized */
+    float *xd, *xc;          /* [T, D/B] */
+    int8_t *aq;              /* [pairs, I]: silu(gate) * up quantized */
+    float *ad, *ac;          /* [pairs, I/B] */
+    float *o;                /* [pairs, D]: fc2's rows */
+    int tiles2;              /* fc2 tiles per expert */
+} Work;
+
+/* the tokens' quantized vectors of pairs first .. first + m - 1 at a stage: the input (stage 1) or the activation */
+static void operands(const Work *w, int stage, int first, int m, const int8_t **q, const float **d, const float **c) {
+    for (int j = 0; j < m; j++) {
+        const int pair = first + j;
+        if (stage == 1) {
+            const size_t t = (size_t)w->pair_token[pair];
+            q[j] = w->xq + t * w->D, d[j] = w->xd + t * (w->D / BLOCK), c[j] = w->xc + t * (w->D / BLOCK);
+        } else {
+            q[j] = w->aq + (size_t)pair * w->I, d[j] = w->ad + (size_t)pair * (w->I / BLOCK);
+            c[j] = w->ac + (size_t)pair * (w->I / BLOCK);
+        }
+    }
+}
+
+/* stage 1, one item: an expert's 64 fc1 rows of one activation block (32 gate and 32 up rows, interleaved) for all
+ * its pairs, then silu(gate) * up of that block quantized into each pair's activation */
+static void run_fc1(void *data, size_t item) {
+    Work *w = (Work *)data;
+    const int blocks = w->I / BLOCK, e = w->experts_used[item / blocks], block = (int)(item % blocks);
+    const int D = w->D, rows = 2 * w->I;
+    const uint8_t *weights = w->fc1 + ((size_t)e * rows + (size_t)block * 2 * BLOCK) * w->fc1_row;
+    const float *scales = w->s1 + ((size_t)e * rows + (size_t)block * 2 * BLOCK) * (D / BLOCK);
+    const int first = w->start[e], n = w->count[e];
+    float h[4][2 * BLOCK], a[BLOCK];
+    for (int p = 0; p < n; p += 4) {
+        const int m = n - p < 4 ? n - p : 4;
+        const int8_t *q[4];
+        const float *d[4], *c[4];
+        operands(w, 1, first + p, m, q, d, c);
+        for (int r = 0; r < 2 * BLOCK; r++)
+            dot_row(weights + (size_t)r * w->fc1_row, scales + (size_t)r * (D / BLOCK), D, w->bits, m, q, d, c,
+                    &h[0][r], 2 * BLOCK);
+        for (int j = 0; j < m; j++) {
+            const size_t pair = (size_t)(first + p + j);
+            for (int i = 0; i < BLOCK; i++) {
+                const float gate = h[j][2 * i], up = h[j][2 * i + 1];
+                a[i] = gate / (1.f + expf(-gate)) * up;
+            }
+            quantize_block(a, w->I, block, w->bits, w->aq + pair * w->I, w->ad + pair * blocks, w->ac + pair * blocks);
+        }
+    }
+}
+
+/* stage 2, one item: an expert's TILE fc2 rows for all its pairs */
+static void run_fc2(void *data, size_t item) {
+    Work *w = (Work *)data;
+    const int e = w->experts_used[item / w->tiles2], tile = (int)(item % w->tiles2);
+    const int D = w->D, K = w->I;
+    const uint8_t *weights = w->fc2 + (size_t)e * D * w->fc2_row;
+    const float *scales = w->s2 + (size_t)e * D * (K / BLOCK);
+    const int r0 = tile * TILE, r1 = r0 + TILE < D ? r0 + TILE : D;
+    const int first = w->start[e], n = w->count[e];
+    for (int p = 0; p < n; p += 4) {
+        const int m = n - p < 4 ? n - p : 4;
+        const int8_t *q[4];
+        const float *d[4], *c[4];
+        operands(w, 2, first + p, m, q, d, c);
+        for (int r = r0; r < r1; r++)
+            dot_row(weights + (size_t)r * w->fc2_row, scales + (size_t)r * (K / BLOCK), K, w->bits, m, q, d, c,
+                    w->o + (size_t)(first + p) * D + r, (size_t)D);
+    }
+}
+
+static OrtStatus *shape_of(const OrtValue *value, int want_type, size_t rank, int64_t *dims, const char *what) {
+    OrtShapeInfo *info;
+    CHECK(CALL(GetTensorTypeAndShape)(value, &info));
+    size_t got = 0;
+    int type = 0;
+    OrtStatus *status = CALL(GetDimensionsCount)(info, &got);
+    if (!status) status = CALL(GetTensorElementType)(info, &type);
+    if (!status && got == rank) status = CALL(GetDimensions)(info, dims, rank);
+    CALL(ReleaseTensorTypeAndShapeInfo)(info);
+    if (status) return status;
+    if (got != rank || type != want_type) return fail(what);
+    return NULL;
+}
+
+static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
+    const Kernel *kernel = (const Kernel *)kernel_data;
+    const OrtValue *in[6];
+    for (size_t i = 0; i < 6; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    int64_t xs[2], rs[2], w1[3], s1[3], w2[3], s2[3];
+    CHECK(shape_of(in[0], TYPE_FLOAT, 2, xs, "RoutedExperts: input must be float [T, D]"));
+    CHECK(shape_of(in[1], TYPE_FLOAT, 2, rs, "RoutedExperts: router_probs must be float [T, E]"));
+    CHECK(shape_of(in[2], TYPE_UINT8, 3, w1, "RoutedExperts: fc1 weights must be uint8 [E, 2I, D*bits/8]"));
+    CHECK(shape_of(in[3], TYPE_FLOAT, 3, s1, "RoutedExperts: fc1 scales must be float [E, 2I, D/32]"));
+    CHECK(shape_of(in[4], TYPE_UINT8, 3, w2, "RoutedExperts: fc2 weights must be uint8 [E, D, I*bits/8]"));
+    CHECK(shape_of(in[5], TYPE_FLOAT, 3, s2, "RoutedExperts: fc2 scales must be float [E, D, I/32]"));
+    const int T = (int)xs[0], D = (int)xs[1], E = (int)rs[1], I = (int)(w1[1] / 2), bits = (int)kernel->bits;
+    const int k = (int)kernel->k;
+    if (rs[0] != T || w1[0] != E || w1[1] != 2 * I || w1[2] != (int64_t)D * bits / 8 || s1[0] != E ||
+        s1[1] != 2 * I || s1[2] != D / BLOCK || w2[0] != E || w2[1] != D || w2[2] != (int64_t)I * bits / 8 ||
+        s2[0] != E || s2[1] != D || s2[2] != I / BLOCK || D % BLOCK || I % BLOCK || k < 1 || k > E)
+        return fail("RoutedExperts: the input shapes do not agree (see routed_experts.c)");
+    OrtValue *output;
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, xs, 2, &output));
+    void *ptr[7];
+    for (int i = 0; i < 6; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    CHECK(CALL(GetTensorMutableData)(output, &ptr[6]));
+    float *y = (float *)ptr[6];
+    if (T == 0) return NULL;
+    const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
+
+    /* routing: each token's top k, its weights, and the pairs grouped by expert */
+    const size_t pairs = (size_t)T * k;
+    int *chosen = malloc(pairs * sizeof(int)), *count = calloc(E, sizeof(int)), *start = malloc(E * sizeof(int));
+    int *pair_token = malloc(pairs * sizeof(int)), *pair_of = malloc(pairs * sizeof(int)), *used = malloc(E * sizeof(int));
+    float *weight = malloc(pairs * sizeof(float));
+    Work w = {0};
+    size_t scratch = (size_t)T * D + (size_t)T * (D / BLOCK) * 2 * sizeof(float) + pairs * I +
+                     pairs * (I / BLOCK) * 2 * sizeof(float) + pairs * D * sizeof(float) + 64 * 8;
+    char *buffer = malloc(scratch);
+    if (!chosen || !count || !start || !pair_token || !pair_of || !used || !weight || !buffer) {
+        free(chosen), free(count), free(start), free(pair_token), free(pair_of), free(used), free(weight), free(buffer);
+        return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
+    }
+    for (int t = 0; t < T; t++) {
+        const float *r = router + (size_t)t * E;
+        int *c = chosen + (size_t)t * k;
+        for (int j = 0; j < k; j++) { /* selection: k is small */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= c[i] == e;
+                if (!taken && (best < 0 || r[e] > r[best])) best = e;
+            }
+            c[j] = best;
+        }
+        const float top = r[c[0]];
+        float sum = 0.f;
+        for (int j = 0; j < k; j++) sum += expf(r[c[j]] - top);
+        for (int j = 0; j < k; j++) {
+            weight[(size_t)t * k + j] = expf(r[c[j]] - top) / sum;
+            count[c[j]]++;
+        }
+    }
+    int n_used = 0;
+    for (int e = 0, offset = 0; e < E; e++) {
+        start[e] = offset;
+        offset += count[e];
+        if (count[e]) used[n_used++] = e;
+        count[e] = 0;
+    }
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            const int e = chosen[(size_t)t * k + j], pair = start[e] + count[e]++;
+            pair_token[pair] = t;
+            pair_of[(size_t)t * k + j] = pair;
+        }
+
+    char *at = buffer;
+#define TAKE(type, n) ((type *)((at += ((n) * sizeof(type) + 63) / 64 * 64) - ((n) * sizeof(type) + 63) / 64 * 64))
+    w.T = T, w.D = D, w.E = E, w.I = I, w.k = k, w.bits = bits;
+    w.fc1 = (const uint8_t *)ptr[2], w.s1 = (const float *)ptr[3], w.fc2 = (const uint8_t *)ptr[4];
+    w.s2 = (const float *)ptr[5];
+    w.fc1_row = (size_t)D * bits / 8, w.fc2_row = (size_t)I * bits / 8;
+    w.count = count, w.start = start, w.pair_token = pair_token, w.experts_used = used, w.used = n_used;
+    w.xq = TAKE(int8_t, (size_t)T * D), w.xd = TAKE(float, (size_t)T * (D / BLOCK));
+    w.xc = TAKE(float, (size_t)T * (D / BLOCK)), w.aq = TAKE(int8_t, pairs * I);
+    w.ad = TAKE(float, pairs * (I / BLOCK)), w.ac = TAKE(float, pairs * (I / BLOCK)), w.o = TAKE(float, pairs * D);
+#undef TAKE
+    w.tiles2 = (D + TILE - 1) / TILE;
+    for (int t = 0; t < T; t++)
+        quantize_row(x + (size_t)t * D, D, bits, w.xq + (size_t)t * D, w.xd + (size_t)t * (D / BLOCK),
+                     w.xc + (size_t)t * (D / BLOCK));
+    OrtStatus *status = CALL(KernelContext_ParallelFor)(ctx, run_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc2, (size_t)n_used * w.tiles2, 0, &w);
+    if (!status)
+        for (int t = 0; t < T; t++) {
+            float *out = y + (size_t)t * D;
+            memset(out, 0, D * sizeof(float));
+            for (int j = 0; j < k; j++) {
+                const float wj = weight[(size_t)t * k + j];
+                const float *o = w.o + (size_t)pair_of[(size_t)t * k + j] * D;
+                for (int i = 0; i < D; i++) out[i] += wj * o[i];
+            }
+        }
+    free(chosen), free(count), free(start), free(pair_token), free(pair_of), free(used), free(weight), free(buffer);
+    return status;
+}
+
+static OrtStatus *create_kernel(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
+    (void)op, (void)ort_api;
+    Kernel *kernel = calloc(1, sizeof(Kernel));
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
+    const char *names[4] = {"k", "expert_weight_bits", "block_size", "normalize_routing_weights"};
+    int64_t *fields[4] = {&kernel->k, &kernel->bits, &kernel->block, &kernel->normalize};
+    for (int i = 0; i < 4; i++) {
+        OrtStatus *status = CALL(KernelInfoGetAttribute_int64)(info, names[i], fields[i]);
+        if (status) {
+            free(kernel);
+            return status;
+        }
+    }
+    if ((kernel->bits != 4 && kernel->bits != 8) || kernel->block != BLOCK || kernel->k < 1 || kernel->normalize != 1) {
+        free(kernel);
+        return fail("RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, k >= 1, "
+                    "normalize_routing_weights 1");
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 2 || i == 4 ? TYPE_UINT8 : TYPE_FLOAT; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 6; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static int required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; }
+static int default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; }
+static int one(const OrtCustomOp *op) { (void)op; return 1; }
+
+static OrtCustomOp routed_experts = {
+    .version = 16,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+/* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
+int mla_deploy_routed_experts_vnni(void) { return VNNI; }
+
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                    const OrtApiBase *base) {
+    const void *table = base->GetApi(API_VERSION);
+    if (!table) { /* an ONNX Runtime older than the entries used here: say so through the oldest API */
+        void *const *oldest = (void *const *)base->GetApi(1);
+        return ((CreateStatus_t)oldest[API_CreateStatus])(ORT_FAIL, "RoutedExperts needs ONNX Runtime 1.17 or newer");
+    }
+    api = (void *const *)table;
+    static OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep pointing at it */
+    if (!domain) {
+        OrtCustomOpDomain *created;
+        CHECK(CALL(CreateCustomOpDomain)("mla_deploy", &created));
+        CHECK(CALL(CustomOpDomain_Add)(created, &routed_experts));
+        domain = created;
+    }
+    return CALL(AddCustomOpDomain)(options, domain);
+}

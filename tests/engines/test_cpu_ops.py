@@ -1,0 +1,185 @@
+"""mla-deploy's own experts operator (``plugins/ort_experts/routed_experts.c``, :mod:`mla_deploy.engines.cpu_ops`):
+compiled here, run in real ONNX Runtime sessions beside ONNX Runtime's own ``QMoE`` on the same weights (int4 and
+int8, one token and several), its portable C path beside its AVX-512 VNNI one, the
+swap that puts it in a CPU engine (only where it computes exactly what QMoE does), and the engine that holds it:
+the same tokens as the source graphs, its library refused in one line when missing or modified, QMoE kept (and
+why said) without a C compiler."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from artifacts import tiny_recipe
+from cli_run import cli, ok
+from mla_deploy.engines import cpu_ops
+from mla_deploy.engines.ort_engine import OrtEngine
+from mla_deploy.errors import ArtifactError
+
+pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C compiler (cc, gcc, clang or $CC)")
+
+# 20 blocks of 32 (one group of 16, one of 4) and 5 (one group of 4, one block alone): every path of the kernel
+D, I, E, K = 640, 160, 8, 3
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory) -> dict[str, cpu_ops.Library]:
+    """The operator compiled for this CPU (``native``, when it has AVX-512 VNNI) and in portable C."""
+    built = {}
+    for name, native in (("native", True), ("portable", False)):
+        folder = tmp_path_factory.mktemp(name)
+        built[name] = cpu_ops.compile_library(folder, native=native)
+    assert built["portable"].path is not None and not built["portable"].vnni, built["portable"].why_not
+    return built
+
+
+def _weights(bits: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    def stacked(rows: int, cols: int):
+        return (rng.integers(0, 256, size=(E, rows, cols * bits // 8), dtype=np.uint8),
+                (rng.random((E, rows, cols // 32), dtype=np.float32) * 0.02 + 0.005))
+    return (*stacked(2 * I, D), *stacked(D, I))
+
+
+def _session(node, weights, library: Path | None):
+    names = ("w1", "s1", "w2", "s2")
+    graph = helper.make_graph(
+        [node], "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+                            helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", D])],
+        [numpy_helper.from_array(w, n) for w, n in zip(weights, names)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if library is not None:
+        cpu_ops.register(options, library)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _qmoe(bits: int, normalize: int, block: int = 32, level: int = 4):
+    return helper.make_node("QMoE", ["x", "r", "w1", "s1", "", "w2", "s2"], ["y"], domain="com.microsoft", k=K,
+                            activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=normalize,
+                            activation_alpha=1.0, activation_beta=0.0, expert_weight_bits=bits, block_size=block,
+                            accuracy_level=level)
+
+
+def _ours(bits: int, normalize: int, block: int = 32):
+    return helper.make_node(cpu_ops.OP_TYPE, ["x", "r", "w1", "s1", "w2", "s2"], ["y"], domain=cpu_ops.DOMAIN, k=K,
+                            expert_weight_bits=bits, block_size=block, normalize_routing_weights=normalize)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_operator_equals_qmoe(libraries, bits, tokens, build):
+    """The same weights, tokens and routing scores through QMoE and through ours: equal to float32 rounding (both
+    quantize each token to int8 per block and sum integer products; only the order of float sums differs). Six
+    tokens over 8 experts with 3 each: experts with one token, several, and none."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    rng = np.random.default_rng(tokens + 10 * bits)
+    x = rng.standard_normal((tokens, D), dtype=np.float32)
+    r = rng.standard_normal((tokens, E), dtype=np.float32)
+    weights = _weights(bits)
+    want = _session(_qmoe(bits, 1), weights, None).run(None, {"x": x, "r": r})[0]
+    got = _session(_ours(bits, 1), weights, library.path).run(None, {"x": x, "r": r})[0]
+    scale = np.abs(want).max()
+    assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
+    # routing matters: other scores give other outputs (the test could not pass by ignoring r)
+    other = _session(_ours(bits, 1), weights, library.path).run(None, {"x": x, "r": -r})[0]
+    assert np.abs(other - want).max() > 0.1 * scale
+
+
+def test_no_token_gives_an_empty_output(libraries):
+    library = libraries["portable"]
+    y = _session(_ours(4, 1), _weights(4), library.path).run(
+        None, {"x": np.zeros((0, D), np.float32), "r": np.zeros((0, E), np.float32)})[0]
+    assert y.shape == (0, D)
+
+
+def test_bad_attributes_are_refused_by_the_operator(libraries):
+    """An attribute the kernel does not compute (blocks of 64) fails the session in one ONNX Runtime error."""
+    node = _ours(4, 1, block=64)
+    with pytest.raises(Exception, match="block_size 32"):
+        _session(node, _weights(4), libraries["portable"].path).run(
+            None, {"x": np.zeros((1, D), np.float32), "r": np.zeros((1, E), np.float32)})
+
+
+@pytest.mark.parametrize("change, swapped", [({}, 1), ({"block": 64}, 0), ({"level": 1}, 0), ({"normalize": 0}, 0)])
+def test_swap_only_where_the_operator_computes_exactly_qmoe(change, swapped):
+    """Blocks of 32 at accuracy_level 4, weights normalised over the chosen experts, are swapped; another block
+    size, the exact (fp32) compute, or another normalisation keep QMoE."""
+    graph = helper.make_graph([_qmoe(**{"bits": 4, "normalize": 1, **change})], "g", [], [])
+    model = helper.make_model(graph)
+    assert cpu_ops.swap_experts(model) == swapped
+    assert [n.op_type for n in model.graph.node] == [cpu_ops.OP_TYPE if swapped else "QMoE"]
+    assert any(o.domain == cpu_ops.DOMAIN for o in model.opset_import) == bool(swapped)
+
+
+def _moe_recipe():
+    """The tiny preset, its second layer a MoE of 8 experts (V3 routing), int4 weights in blocks of 32."""
+    recipe = tiny_recipe("static", weights="int4", block_size=32)
+    return recipe.replace(model=recipe.model.replace(
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=4, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=2.5))
+
+
+@pytest.fixture(scope="module")
+def moe_artifact(tmp_path_factory) -> Path:
+    from mla_deploy.exporter import export_recipe
+
+    out = tmp_path_factory.mktemp("moe") / "artifact"
+    export_recipe(_moe_recipe(), out)
+    return out
+
+
+def _tokens(*args) -> list[int]:
+    record = json.loads(ok(cli("run", *args, "--prompt-ids", "3,14,15,92,65", "--max-new-tokens", "16", "--json")))
+    return record["sequences"][0]["tokens"]
+
+
+def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifact, libraries, tmp_path):
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps QMoE here: {libraries['native'].why_not}")
+    import onnx
+
+    art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
+    out = ok(cli("build", art, "--target", "cpu"))
+    assert "routed experts: mla_deploy.RoutedExperts (2 nodes, routed_experts.so)" in out, out  # prefill, decode
+    for graph in ("prefill", "decode"):
+        ops = [n.op_type for n in onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph.node]
+        assert ops.count(cpu_ops.OP_TYPE) == 1 and "QMoE" not in ops
+    record = json.loads((art / "cpu" / "engine.json").read_text())
+    assert record["experts"]["nodes"] == 2 and record["experts"]["library"] == cpu_ops.LIBRARY
+    assert _tokens(art) == _tokens(art, "--no-engine")
+    assert OrtEngine(art, threads=1).info()["experts_operator"].startswith("mla_deploy.RoutedExperts")
+
+    library = art / "cpu" / cpu_ops.LIBRARY
+    library.write_bytes(library.read_bytes() + b"\0")
+    with pytest.raises(ArtifactError, match=r"is stale: its operator library .* was modified"):
+        OrtEngine(art, threads=1)
+    library.unlink()
+    result = cli("run", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    message = result.stderr
+    assert result.returncode != 0 and "is stale: its operator library" in message and "missing" in message and "\n" not in message.strip()
+    assert _tokens(art, "--no-engine")  # the source graphs still run
+
+
+def test_without_a_compiler_the_engine_keeps_qmoe_and_says_why(moe_artifact, tmp_path, monkeypatch):
+    art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    out = ok(cli("build", art, "--target", "cpu"))
+    assert "routed experts: ONNX Runtime's (no C compiler ($CC=" in out, out
+    record = json.loads((art / "cpu" / "engine.json").read_text())
+    assert record["experts"]["nodes"] == 0 and not (art / "cpu" / cpu_ops.LIBRARY).exists()
+    assert _tokens(art) == _tokens(art, "--no-engine")
