@@ -15,7 +15,7 @@ weights (``model.data``), and this record. An engine is only valid for:
   as large as the weights);
 * the session settings baked in (:data:`SESSION`): optimised at ``ORT_ENABLE_ALL`` with quantized products in the
   fast compute (``int8``, ``accuracy_level`` 4), opened with graph optimisation disabled;
-* where its graphs hold mla-deploy's own experts operator (:mod:`mla_deploy.engines.cpu_ops`): the operator library
+* where its graphs hold mla-deploy's own operators (:mod:`mla_deploy.engines.cpu_ops`): the operator library
   compiled into ``cpu/`` (its sha256) from the operator source of this mla-deploy (its sha256).
 
 :meth:`CpuEngineRecord.staleness` names the first difference; :func:`check_cpu_engine` turns it into one line.
@@ -37,7 +37,7 @@ from .manifest import Manifest
 CPU_ENGINE_DIR = "cpu"
 CPU_ENGINE_RECORD = "engine.json"
 RECORD_FORMAT = "mla-deploy-cpu-engine"
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 #: the ``/proc/cpuinfo`` flags ONNX Runtime's CPU kernels (MLAS) dispatch on, x86-64 and Arm
 CPU_FEATURES = ("sse3", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
                 "avx512vl", "avx512cd", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avxvnni", "avx_vnni_int8",
@@ -108,36 +108,43 @@ class EngineGraph:
 
 
 @dataclass(frozen=True)
-class ExpertsOperator:
-    """Which operator computes the engine's routed experts.
+class CpuOperators:
+    """mla-deploy's own operators in the engine (:mod:`mla_deploy.engines.cpu_ops`).
 
     Attributes:
-        nodes: how many ``QMoE`` nodes the build swapped for ``mla_deploy.RoutedExperts`` (0: none, ``QMoE`` kept).
-        library, library_sha256: the operator library in ``cpu/`` and its sha256 (None when ``nodes`` is 0).
+        experts: how many ``QMoE`` nodes the build swapped for ``mla_deploy.RoutedExperts``.
+        linear: how many ``MatMulNBits`` nodes it swapped for ``mla_deploy.BlockwiseMatMul``.
+        library, library_sha256: the operator library in ``cpu/`` and its sha256 (None when nothing was swapped).
         source_sha256: the sha256 of the operator source it was compiled from.
-        why_not: why the build kept ``QMoE`` (no compiler, no source, no AVX-512 VNNI), or None.
+        why_not: why the build swapped nothing (no compiler, no source, no AVX-512 VNNI), or None.
     """
 
-    nodes: int = 0
+    experts: int = 0
+    linear: int = 0
     library: str | None = None
     library_sha256: str | None = None
     source_sha256: str | None = None
     why_not: str | None = None
 
+    @property
+    def used(self) -> bool:
+        return bool(self.experts or self.linear)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "library": self.library, "library_sha256": self.library_sha256,
-                "source_sha256": self.source_sha256, "why_not": self.why_not}
+        return {"experts": self.experts, "linear": self.linear, "library": self.library,
+                "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ExpertsOperator":
-        return cls(int(data["nodes"]), data.get("library"), data.get("library_sha256"), data.get("source_sha256"),
-                   data.get("why_not"))
+    def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
+        return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
+                   data.get("source_sha256"), data.get("why_not"))
 
     def describe(self) -> str:
-        """One phrase: ``mla_deploy.RoutedExperts (N nodes)`` or ``QMoE (why)``."""
-        if self.nodes:
-            return f"mla_deploy.RoutedExperts ({self.nodes} node{'s' if self.nodes != 1 else ''}, {self.library})"
-        return f"ONNX Runtime's ({self.why_not})" if self.why_not else "ONNX Runtime's"
+        """One phrase: what computes the experts and the quantized products."""
+        if not self.used:
+            return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
+        return (f"mla_deploy.RoutedExperts x{self.experts}, mla_deploy.BlockwiseMatMul x{self.linear} "
+                f"({self.library})")
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,7 @@ class CpuEngineRecord:
         session: the session settings baked in (:data:`SESSION` at build).
         prepacked: the kernels whose pre-packed weights the engine stores; every other kernel packs at open.
         created: ISO time of the build; build_seconds: how long it took.
-        experts: which operator computes the routed experts (:class:`ExpertsOperator`).
+        operators: mla-deploy's own operators in its graphs (:class:`CpuOperators`).
     """
 
     host: HostCpu
@@ -164,11 +171,11 @@ class CpuEngineRecord:
     prepacked: tuple[str, ...] = ()
     created: str = ""
     build_seconds: float = 0.0
-    experts: ExpertsOperator = field(default_factory=ExpertsOperator)
+    operators: CpuOperators = field(default_factory=CpuOperators)
 
     def library_path(self, artifact: str | Path) -> Path | None:
         """The operator library every session of this engine registers, or None."""
-        return None if not self.experts.nodes else Path(artifact) / CPU_ENGINE_DIR / str(self.experts.library)
+        return None if not self.operators.used else Path(artifact) / CPU_ENGINE_DIR / str(self.operators.library)
 
     def graph_for(self, source: str) -> EngineGraph | None:
         """The engine graph built from the artifact's graph file ``source``."""
@@ -189,7 +196,7 @@ class CpuEngineRecord:
                 "fingerprint": self.fingerprint, "weights_sha256": self.weights_sha256,
                 "graphs": [g.to_dict() for g in self.graphs], "session": dict(self.session),
                 "prepacked": list(self.prepacked), "created": self.created, "build_seconds": self.build_seconds,
-                "experts": self.experts.to_dict()}
+                "operators": self.operators.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Any, source: str = CPU_ENGINE_RECORD) -> "CpuEngineRecord":
@@ -204,7 +211,7 @@ class CpuEngineRecord:
             return cls(host, str(data["fingerprint"]), data.get("weights_sha256"),
                        tuple(EngineGraph.from_dict(g) for g in data["graphs"]), dict(data["session"]),
                        tuple(map(str, data.get("prepacked", ()))), str(data.get("created", "")),
-                       float(data.get("build_seconds", 0.0)), ExpertsOperator.from_dict(data["experts"]))
+                       float(data.get("build_seconds", 0.0)), CpuOperators.from_dict(data["operators"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"{source} is malformed ({type(exc).__name__}: {exc})") from None
 
@@ -213,7 +220,7 @@ class CpuEngineRecord:
 
         Compares, in this order: the ONNX Runtime version, the architecture, the CPU features, the baked session
         settings, the model (fingerprint, weights sha256), each source graph (the manifest's sha256 and the file's
-        own), each engine file (graph sha256, data file size), the experts operator (its source, its library)."""
+        own), each engine file (graph sha256, data file size), its own operators (their source, their library)."""
         for differs in (_host_difference(self.host, host), _session_difference(self.session),
                         _model_difference(self, manifest)):
             if differs:
@@ -275,18 +282,18 @@ def _files_difference(record: CpuEngineRecord, root: Path, manifest: Manifest) -
 
 
 def _operator_difference(record: CpuEngineRecord, root: Path) -> str | None:
-    experts = record.experts
-    if not experts.nodes:
+    operators = record.operators
+    if not operators.used:
         return None
     from ..engines.cpu_ops import source_path  # no heavy import: paths only
 
     source = source_path()
-    if source.is_file() and sha256_file(source) != experts.source_sha256:
-        return f"its experts operator was compiled from another version of {source.name}"
+    if source.is_file() and sha256_file(source) != operators.source_sha256:
+        return f"its operators were compiled from another version of {source.name}"
     library = record.library_path(root)
     if not library.is_file():
         return f"its operator library {library} is missing"
-    if sha256_file(library) != experts.library_sha256:
+    if sha256_file(library) != operators.library_sha256:
         return f"its operator library {library} was modified (sha256 differs from {CPU_ENGINE_RECORD})"
     return None
 

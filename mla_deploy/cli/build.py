@@ -77,5 +77,5 @@ def _build_cpu(artifact_dir) -> None:
     click.echo(f"ONNX Runtime {host.onnxruntime} on {host.machine} ({', '.join(host.features) or 'no listed features'})"
                f"; built in {record.build_seconds:.1f} s; opened without graph optimisation; pre-packed weights "
                f"stored for {', '.join(record.prepacked) or 'no kernel (quantized weights pack at open)'}")
-    if record.experts.nodes or record.experts.why_not:
-        click.echo(f"routed experts: {record.experts.describe()}")
+    if record.operators.used or record.operators.why_not:
+        click.echo(f"operators: {record.operators.describe()}")

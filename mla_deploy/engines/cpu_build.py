@@ -20,10 +20,11 @@ own session options (``onnxruntime_session_options_config_keys.h``, checked agai
   at open as before. Of a float artifact's, :func:`keep_prepacked` keeps only the kernels in :data:`PREPACKED_KEPT`
   (checked bit for bit); any other kernel (a fused expert operator, say) packs at open.
 
-Quantized routed experts (``QMoE``, int4/int8 blocks of 32) are swapped for mla-deploy's own operator
-``mla_deploy.RoutedExperts`` (:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/routed_experts.so`` for this
-CPU: the same weights and the same compute, streamed faster; its weights are not packed (they are read where ONNX
-Runtime maps them). Without a C compiler, the source, or AVX-512 VNNI, the engine keeps ``QMoE`` and says why.
+Quantized routed experts (``QMoE``) and a layer's quantized products (``MatMulNBits``), int4/int8 in blocks of
+32, are swapped for mla-deploy's own operators ``mla_deploy.RoutedExperts`` and ``mla_deploy.BlockwiseMatMul``
+(:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
+compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Without a C
+compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.
 
 The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; the same kernels, so the same numbers:
 checked token for token in the tests). Quantized products are baked in the fast compute (``int8``); the exact compute
@@ -40,11 +41,12 @@ from typing import Callable
 
 from ..artifact import atomic_dir, check_artifact, load_manifest, now, sha256_file
 from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph,
-                                   ExpertsOperator, host_cpu, write_cpu_engine_record)
+                                   CpuOperators, host_cpu, write_cpu_engine_record)
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
 from ..errors import ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
+from ..quant import own_ops
 from ..quant.formats import EXTERNAL_FOLDER_ENTRY
 from . import cpu_ops
 from .ort_engine import check_precision, require_onnxruntime, session_options
@@ -84,73 +86,77 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     for role, graph in manifest.graphs.items():
         sources.setdefault(graph.file, []).append(role)
     with atomic_dir(root / CPU_ENGINE_DIR) as tmp:
-        graphs, experts = [], _Experts(tmp)
+        graphs, operators = [], _Operators(tmp)
         for source, roles in sources.items():
             if log:
                 log(f"optimising {source} ({' + '.join(roles)}) ...")
-            graphs.append(_build_graph(ort, root, manifest, source, tmp, tuple(roles), experts))
+            graphs.append(_build_graph(ort, root, manifest, source, tmp, tuple(roles), operators))
         record = CpuEngineRecord(host_cpu(ort.__version__), manifest.fingerprint,
                                  (manifest.weights_data or {}).get("sha256"), tuple(graphs), dict(SESSION),
                                  prepacked_kernels(manifest), now(), round(time.perf_counter() - start, 3),
-                                 experts.record())
+                                 operators.record())
         write_cpu_engine_record(tmp, record)
     return record
 
 
 def _check_replaceable(folder: Path) -> None:
-    """An existing ``folder`` must be an engine folder (its files ``engine.json``, ``*.onnx``, ``*.data``): the build
-    replaces it whole. Raises: ExportError: a file, a link, or a folder holding anything else (a user's file)."""
+    """An existing ``folder`` must be an engine folder (its files ``engine.json``, ``*.onnx``, ``*.data``, ``*.so``):
+    the build replaces it whole.
+
+    Raises: ExportError: a file, a link, or a folder holding anything else (a user's file)."""
     if not os.path.lexists(folder):
         return
     if folder.is_symlink() or not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a CPU engine folder; move it away first")
     foreign = sorted(p.name for p in folder.iterdir()
-                     if p.name not in (CPU_ENGINE_RECORD, cpu_ops.LIBRARY) and p.suffix not in (".onnx", ".data"))
+                     if p.name != CPU_ENGINE_RECORD and p.suffix not in (".onnx", ".data", ".so"))
     if foreign:
         raise ExportError(f"{folder / foreign[0]} is not a file of a CPU engine and the build would replace it; move it "
                           f"away first")
 
 
-class _Experts:
-    """The build's experts operator: compiled into ``tmp`` the first time a graph holds ``QMoE``, then swapped into
-    every graph that does."""
+class _Operators:
+    """The build's own operators: compiled into ``tmp`` the first time a graph holds a node they can compute, then
+    swapped into every graph that does (:func:`~mla_deploy.quant.own_ops.swap_experts`, ``swap_linear``)."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.library, self.nodes = tmp, None, 0
+        self.tmp, self.library, self.experts, self.linear = tmp, None, 0, 0
 
-    def swap(self, model_path: Path, model: str | bytes):
-        """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s) with its eligible ``QMoE``
-        nodes swapped: ``(model, the library to register or None)``."""
+    def swap(self, model: str | bytes):
+        """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s) with its eligible nodes
+        swapped: ``(model, the library to register or None)``."""
         import onnx
 
         proto = (onnx.load(str(model), load_external_data=False) if isinstance(model, str)
                  else onnx.load_from_string(model))
-        if not any(n.op_type == "QMoE" for n in proto.graph.node):
+        if not own_ops.swappable(proto):
             return model, None
         if self.library is None:
             self.library = cpu_ops.compile_library(self.tmp)
         if self.library.path is None:
             return model, None
-        swapped = cpu_ops.swap_experts(proto)
-        if not swapped:
+        experts, linear = own_ops.swap_experts(proto), own_ops.swap_linear(proto)
+        if not experts + linear:
             return model, None
-        self.nodes += swapped
+        self.experts, self.linear = self.experts + experts, self.linear + linear
         return proto.SerializeToString(), self.library.path
 
-    def record(self) -> ExpertsOperator:
-        if self.nodes:
+    def record(self) -> CpuOperators:
+        if self.experts + self.linear:
             path = self.library.path
-            return ExpertsOperator(self.nodes, path.name, sha256_file(path), sha256_file(cpu_ops.source_path()))
+            return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
+                                sha256_file(cpu_ops.source_path()))
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
-            return ExpertsOperator(why_not="no QMoE node it computes exactly (see mla_deploy.engines.cpu_ops)")
-        return ExpertsOperator(why_not=None if self.library is None else self.library.why_not)
+            return CpuOperators(why_not="no QMoE or MatMulNBits node they compute exactly (mla_deploy.engines.cpu_ops)")
+        return CpuOperators(why_not=None if self.library is None else self.library.why_not)
 
 
 def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, roles: tuple[str, ...],
-                 experts: _Experts) -> EngineGraph:
-    """Optimise ``root/source`` once into ``tmp/<stem>.onnx`` + ``tmp/<stem>.data``, its quantized experts swapped
-    for :mod:`~mla_deploy.engines.cpu_ops`'s operator where it can; its :class:`EngineGraph`."""
+                 operators: _Operators) -> EngineGraph:
+    """Optimise ``root/source`` once into ``tmp/<stem>.onnx`` + ``tmp/<stem>.data``, its quantized experts and
+    products swapped for :mod:`~mla_deploy.engines.cpu_ops`'s operators where they compute them; its
+    :class:`EngineGraph`."""
     stem = Path(source).stem
     engine, data = tmp / f"{stem}.onnx", tmp / f"{stem}.data"
     options = session_options()
@@ -161,7 +167,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
                        (SAVE_PREPACKED, "1" if kept else "0")):
         options.add_session_config_entry(key, value)
     model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
-    model, library = experts.swap(root / source, model)
+    model, library = operators.swap(model)
     if library is not None:
         cpu_ops.register(options, library)
         entries = {**entries, EXTERNAL_FOLDER_ENTRY: str((root / source).parent)}  # the swapped graph, as bytes

@@ -220,7 +220,8 @@ class OrtEngine(Engine):
             if session is None:
                 session = open_session(self._graph_path(graph.file), provider, threads, log_severity,
                                        quantized_compute, manifest.quantization, optimized=self.built is not None,
-                                       spin=spin, library=None if self.built is None else self.built.library_path(self.root))
+                                       spin=spin,
+                                       library=None if self.built is None else self.built.library_path(self.root))
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
@@ -241,7 +242,7 @@ class OrtEngine(Engine):
         graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
         info = {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
         if self.built is not None:
-            info["experts_operator"] = self.built.experts.describe()
+            info["operators"] = self.built.operators.describe()
         return info
 
     def _allocate(self, shape):

@@ -1,6 +1,6 @@
-"""mla-deploy's own experts operator (``plugins/ort_experts/routed_experts.c``, :mod:`mla_deploy.engines.cpu_ops`):
-compiled here, run in real ONNX Runtime sessions beside ONNX Runtime's own ``QMoE`` on the same weights (int4 and
-int8, one token and several), its portable C path beside its AVX-512 VNNI one, the
+"""mla-deploy's own CPU operators (``plugins/ort_cpu/cpu_ops.c``, :mod:`mla_deploy.engines.cpu_ops`): compiled
+here, run in real ONNX Runtime sessions beside ONNX Runtime's own ``QMoE`` and ``MatMulNBits`` on the same weights
+(int4 and int8, one token and several), its portable C path beside its AVX-512 VNNI one, the
 swap that puts it in a CPU engine (only where it computes exactly what QMoE does), and the engine that holds it:
 the same tokens as the source graphs, its library refused in one line when missing or modified, QMoE kept (and
 why said) without a C compiler."""
@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from artifacts import tiny_recipe
 from cli_run import cli, ok
 from mla_deploy.engines import cpu_ops
+from mla_deploy.quant import own_ops
 from mla_deploy.engines.ort_engine import OrtEngine
 from mla_deploy.errors import ArtifactError
 
@@ -55,7 +56,7 @@ def _session(node, weights, library: Path | None):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", D])],
         [numpy_helper.from_array(w, n) for w, n in zip(weights, names)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
-                                                    helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+                                                    helper.make_opsetid(own_ops.DOMAIN, 1)])
     model.ir_version = 10
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
@@ -72,7 +73,7 @@ def _qmoe(bits: int, normalize: int, block: int = 32, level: int = 4):
 
 
 def _ours(bits: int, normalize: int, block: int = 32):
-    return helper.make_node(cpu_ops.OP_TYPE, ["x", "r", "w1", "s1", "w2", "s2"], ["y"], domain=cpu_ops.DOMAIN, k=K,
+    return helper.make_node(own_ops.OP_TYPE, ["x", "r", "w1", "s1", "w2", "s2"], ["y"], domain=own_ops.DOMAIN, k=K,
                             expert_weight_bits=bits, block_size=block, normalize_routing_weights=normalize)
 
 
@@ -120,9 +121,68 @@ def test_swap_only_where_the_operator_computes_exactly_qmoe(change, swapped):
     size, the exact (fp32) compute, or another normalisation keep QMoE."""
     graph = helper.make_graph([_qmoe(**{"bits": 4, "normalize": 1, **change})], "g", [], [])
     model = helper.make_model(graph)
-    assert cpu_ops.swap_experts(model) == swapped
-    assert [n.op_type for n in model.graph.node] == [cpu_ops.OP_TYPE if swapped else "QMoE"]
-    assert any(o.domain == cpu_ops.DOMAIN for o in model.opset_import) == bool(swapped)
+    assert own_ops.swap_experts(model) == swapped
+    assert [n.op_type for n in model.graph.node] == [own_ops.OP_TYPE if swapped else "QMoE"]
+    assert any(o.domain == own_ops.DOMAIN for o in model.opset_import) == bool(swapped)
+
+
+def _linear_session(node, weights, library: Path | None):
+    b, scales = weights
+    graph = helper.make_graph(
+        [node], "linear", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["B", "T", D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", 2 * I])],
+        [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(own_ops.DOMAIN, 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if library is not None:
+        cpu_ops.register(options, library)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _matmulnbits(bits: int, **extra):
+    return helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=D, N=2 * I, bits=bits,
+                            block_size=32, accuracy_level=4, **extra)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [(1, 1), (2, 5)])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build):
+    """``A [B, T, K]`` through MatMulNBits and through ours: equal to float32 rounding, for one row (decode) and ten
+    (two groups of four and two left: the prefill path)."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    rng = np.random.default_rng(bits)
+    b = rng.integers(0, 256, size=(2 * I, D // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = rng.random(2 * I * D // 32, dtype=np.float32) * 0.02 + 0.005
+    a = rng.standard_normal((*rows, D), dtype=np.float32)
+    want = _linear_session(_matmulnbits(bits), (b, scales), None).run(None, {"a": a})[0]
+    ours = helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", "b", "s"], ["y"], domain=own_ops.DOMAIN, K=D, N=2 * I,
+                            bits=bits, block_size=32)
+    got = _linear_session(ours, (b, scales), library.path).run(None, {"a": a})[0]
+    scale = np.abs(want).max()
+    assert got.shape == want.shape == (*rows, 2 * I)
+    assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
+
+
+@pytest.mark.parametrize("change, swapped", [({}, 1), ({"block_size": 64}, 0), ({"accuracy_level": 1}, 0),
+                                             ({"N": 1 << 20}, 0)])
+def test_linear_swap_only_where_it_computes_exactly_matmulnbits(change, swapped):
+    """Blocks of 32 at accuracy_level 4 with the weight's layout are swapped; another block size, the exact (fp32)
+    compute, or a weight over LINEAR_MAX_BYTES (an lm_head: MatMulNBits streams it as fast) keep MatMulNBits."""
+    n, block = change.get("N", 2 * I), change.get("block_size", 32)
+    node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=D, N=n, bits=4,
+                            block_size=block, accuracy_level=change.get("accuracy_level", 4))
+    b, s = TensorProto(name="b", data_type=TensorProto.UINT8), TensorProto(name="s", data_type=TensorProto.FLOAT)
+    b.dims.extend([n, D // block, block // 2])  # shapes only, as a graph with external weights is read
+    s.dims.extend([n * D // block])
+    model = helper.make_model(helper.make_graph([node], "g", [], [], [b, s]))
+    assert own_ops.swap_linear(model) == swapped
+    assert [n.op_type for n in model.graph.node] == [own_ops.LINEAR_OP_TYPE if swapped else "MatMulNBits"]
 
 
 def _moe_recipe():
@@ -155,14 +215,16 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
 
     art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
     out = ok(cli("build", art, "--target", "cpu"))
-    assert "routed experts: mla_deploy.RoutedExperts (2 nodes, routed_experts.so)" in out, out  # prefill, decode
+    record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
+    linear = record["linear"]  # every quantized product (the tiny preset's are all far below LINEAR_MAX_BYTES)
+    assert f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear} (cpu_ops.so)" in out, out
+    assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     for graph in ("prefill", "decode"):
         ops = [n.op_type for n in onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph.node]
-        assert ops.count(cpu_ops.OP_TYPE) == 1 and "QMoE" not in ops
-    record = json.loads((art / "cpu" / "engine.json").read_text())
-    assert record["experts"]["nodes"] == 2 and record["experts"]["library"] == cpu_ops.LIBRARY
+        assert ops.count(own_ops.OP_TYPE) == 1 and "QMoE" not in ops and "MatMulNBits" not in ops
+        assert ops.count(own_ops.LINEAR_OP_TYPE) == linear // 2
     assert _tokens(art) == _tokens(art, "--no-engine")
-    assert OrtEngine(art, threads=1).info()["experts_operator"].startswith("mla_deploy.RoutedExperts")
+    assert OrtEngine(art, threads=1).info()["operators"].startswith("mla_deploy.RoutedExperts x2")
 
     library = art / "cpu" / cpu_ops.LIBRARY
     library.write_bytes(library.read_bytes() + b"\0")
@@ -179,7 +241,7 @@ def test_without_a_compiler_the_engine_keeps_qmoe_and_says_why(moe_artifact, tmp
     art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     out = ok(cli("build", art, "--target", "cpu"))
-    assert "routed experts: ONNX Runtime's (no C compiler ($CC=" in out, out
-    record = json.loads((art / "cpu" / "engine.json").read_text())
-    assert record["experts"]["nodes"] == 0 and not (art / "cpu" / cpu_ops.LIBRARY).exists()
+    assert "operators: ONNX Runtime's only (no C compiler ($CC=" in out, out
+    record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
+    assert record["experts"] == record["linear"] == 0 and not (art / "cpu" / cpu_ops.LIBRARY).exists()
     assert _tokens(art) == _tokens(art, "--no-engine")

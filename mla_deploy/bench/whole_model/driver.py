@@ -164,8 +164,8 @@ def _engine(artifact: Path, echo) -> tuple[float, str]:
         pass  # stale: rebuilt below
     echo(f"building the CPU engine of {artifact}")
     record = build_cpu_engine(artifact)
-    return record.build_seconds, (f"built the CPU engine of {artifact} in {record.build_seconds:.1f} s (routed experts: "
-                                  f"{record.experts.describe()})")
+    return record.build_seconds, (f"built the CPU engine of {artifact} in {record.build_seconds:.1f} s (operators: "
+                                  f"{record.operators.describe()})")
 
 
 def _require_fit(config, spec: WholeModelSpec) -> None:

@@ -1,4 +1,7 @@
-/* mla_deploy.RoutedExperts: an ONNX Runtime CPU custom operator computing a MoE layer's routed experts from
+/* mla-deploy's ONNX Runtime CPU operators (domain mla_deploy): BlockwiseMatMul (below, after RoutedExperts) computes
+ * MatMulNBits's product, and RoutedExperts computes QMoE's experts, each from the same weights, the same way.
+ *
+ * mla_deploy.RoutedExperts: an ONNX Runtime CPU custom operator computing a MoE layer's routed experts from
  * blockwise-quantized weights in the layout of ONNX Runtime's own com.microsoft QMoE (int4 or int8, blocks of 32,
  * zero point 2^(bits-1), fp32 scales), as QMoE computes them at accuracy_level 4: each token's vector quantized to
  * int8 per block of 32, integer dot products, one scale product per block.
@@ -22,7 +25,7 @@
  *
  * ABI: this file declares the few ONNX Runtime C API entries it uses itself (by their fixed positions in the
  * append-only OrtApi table, ORT >= 1.17), as the C API header is not distributed with the Python wheel; the tests
- * run it in a real session against QMoE and a NumPy reference. */
+ * run both in real sessions against QMoE and MatMulNBits (tests/engines/test_cpu_ops.py). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -73,6 +76,7 @@ enum {
     API_GetTensorElementType = 60,
     API_ReleaseTensorTypeAndShapeInfo = 99,
     API_KernelContext_ParallelFor = 274,
+    API_GetTensorShapeElementCount = 64,
 };
 
 typedef OrtStatus *(*CreateStatus_t)(int code, const char *msg);
@@ -90,6 +94,7 @@ typedef OrtStatus *(*GetDimensionsCount_t)(const OrtShapeInfo *info, size_t *out
 typedef OrtStatus *(*GetDimensions_t)(const OrtShapeInfo *info, int64_t *dims, size_t count);
 typedef OrtStatus *(*GetTensorElementType_t)(const OrtShapeInfo *info, int *out);
 typedef void (*ReleaseTensorTypeAndShapeInfo_t)(OrtShapeInfo *);
+typedef OrtStatus *(*GetTensorShapeElementCount_t)(const OrtShapeInfo *info, size_t *out);
 typedef OrtStatus *(*KernelContext_ParallelFor_t)(const OrtKernelContext *ctx, void (*fn)(void *, size_t),
                                                   size_t total, size_t num_batch, void *data);
 
@@ -367,7 +372,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     if (rs[0] != T || w1[0] != E || w1[1] != 2 * I || w1[2] != (int64_t)D * bits / 8 || s1[0] != E ||
         s1[1] != 2 * I || s1[2] != D / BLOCK || w2[0] != E || w2[1] != D || w2[2] != (int64_t)I * bits / 8 ||
         s2[0] != E || s2[1] != D || s2[2] != I / BLOCK || D % BLOCK || I % BLOCK || k < 1 || k > E)
-        return fail("RoutedExperts: the input shapes do not agree (see routed_experts.c)");
+        return fail("RoutedExperts: the input shapes do not agree (see cpu_ops.c)");
     OrtValue *output;
     CHECK(CALL(KernelContext_GetOutput)(ctx, 0, xs, 2, &output));
     void *ptr[7];
@@ -508,8 +513,145 @@ static OrtCustomOp routed_experts = {
     .KernelComputeV2 = compute,
 };
 
+/* ---- mla_deploy.BlockwiseMatMul: MatMulNBits's product, computed the same way ---------------------------------
+ * Inputs: 0 A float [..., K]; 1 B uint8 [N, K/32, 32*bits/8] (MatMulNBits's layout: zero point 2^(bits-1), int4
+ * low nibble first); 2 scales float, N * K/32 values ([N, K/32] in order). Output: float [..., N] = A . W^T, each row
+ * of A quantized to int8 per block of 32 (as MatMulNBits at accuracy_level 4). Attributes: K, N, bits (4, 8),
+ * block_size (32). */
+
+typedef struct {
+    int64_t K, N, bits, block;
+} LinearKernel;
+
+typedef struct {
+    int M, K, N, bits;
+    const uint8_t *w;
+    const float *s, *a;
+    size_t row_bytes;
+    int8_t *q;
+    float *d, *c, *out;
+} LinearWork;
+
+static void run_quantize(void *data, size_t row) {
+    LinearWork *w = (LinearWork *)data;
+    const int K = w->K;
+    quantize_row(w->a + row * K, K, w->bits, w->q + row * K, w->d + row * (K / BLOCK), w->c + row * (K / BLOCK));
+}
+
+static void run_linear(void *data, size_t tile) {
+    LinearWork *w = (LinearWork *)data;
+    const int K = w->K, N = w->N, r0 = (int)tile * TILE, r1 = r0 + TILE < N ? r0 + TILE : N;
+    for (int p = 0; p < w->M; p += 4) {
+        const int m = w->M - p < 4 ? w->M - p : 4;
+        const int8_t *q[4];
+        const float *d[4], *c[4];
+        for (int j = 0; j < m; j++) {
+            const size_t t = (size_t)(p + j);
+            q[j] = w->q + t * K, d[j] = w->d + t * (K / BLOCK), c[j] = w->c + t * (K / BLOCK);
+        }
+        for (int r = r0; r < r1; r++)
+            dot_row(w->w + (size_t)r * w->row_bytes, w->s + (size_t)r * (K / BLOCK), K, w->bits, m, q, d, c,
+                    w->out + (size_t)p * N + r, (size_t)N);
+    }
+}
+
+static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
+    const LinearKernel *kernel = (const LinearKernel *)kernel_data;
+    const int K = (int)kernel->K, N = (int)kernel->N, bits = (int)kernel->bits;
+    const OrtValue *in[3];
+    for (size_t i = 0; i < 3; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    OrtShapeInfo *info;
+    int64_t dims[8], b[3];
+    size_t rank = 0, scales = 0;
+    int type = 0;
+    CHECK(CALL(GetTensorTypeAndShape)(in[0], &info));
+    OrtStatus *status = CALL(GetDimensionsCount)(info, &rank);
+    if (!status) status = CALL(GetTensorElementType)(info, &type);
+    if (!status && rank >= 1 && rank <= 8) status = CALL(GetDimensions)(info, dims, rank);
+    CALL(ReleaseTensorTypeAndShapeInfo)(info);
+    if (status) return status;
+    if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != K)
+        return fail("BlockwiseMatMul: A must be float [..., K]");
+    CHECK(shape_of(in[1], TYPE_UINT8, 3, b, "BlockwiseMatMul: B must be uint8 [N, K/32, 32*bits/8]"));
+    CHECK(CALL(GetTensorTypeAndShape)(in[2], &info));
+    status = CALL(GetTensorShapeElementCount)(info, &scales);
+    if (!status) status = CALL(GetTensorElementType)(info, &type);
+    CALL(ReleaseTensorTypeAndShapeInfo)(info);
+    if (status) return status;
+    if (b[0] != N || b[1] != K / BLOCK || b[2] != BLOCK * bits / 8 || type != TYPE_FLOAT ||
+        scales != (size_t)N * (K / BLOCK))
+        return fail("BlockwiseMatMul: B and scales do not agree with the attributes K and N");
+    size_t M = 1;
+    for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
+    dims[rank - 1] = N;
+    OrtValue *output;
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, dims, rank, &output));
+    void *ptr[4];
+    for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
+    if (M == 0) return NULL;
+    LinearWork w = {(int)M, K, N, bits, (const uint8_t *)ptr[1], (const float *)ptr[2], (const float *)ptr[0],
+                    (size_t)K * bits / 8, NULL, NULL, NULL, (float *)ptr[3]};
+    char *buffer = malloc(M * K + 2 * M * (K / BLOCK) * sizeof(float) + 128);
+    if (!buffer) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
+    w.d = (float *)buffer, w.c = w.d + M * (K / BLOCK), w.q = (int8_t *)(w.c + M * (K / BLOCK));
+    if (M == 1)
+        run_quantize(&w, 0);
+    else
+        status = CALL(KernelContext_ParallelFor)(ctx, run_quantize, M, 0, &w);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_linear, ((size_t)N + TILE - 1) / TILE, 0, &w);
+    free(buffer);
+    return status;
+}
+
+static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
+    (void)op, (void)ort_api;
+    LinearKernel *kernel = calloc(1, sizeof(LinearKernel));
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
+    const char *names[4] = {"K", "N", "bits", "block_size"};
+    int64_t *fields[4] = {&kernel->K, &kernel->N, &kernel->bits, &kernel->block};
+    for (int i = 0; i < 4; i++) {
+        OrtStatus *status = CALL(KernelInfoGetAttribute_int64)(info, names[i], fields[i]);
+        if (status) {
+            free(kernel);
+            return status;
+        }
+    }
+    if ((kernel->bits != 4 && kernel->bits != 8) || kernel->block != BLOCK || kernel->K < BLOCK ||
+        kernel->K % BLOCK || kernel->N < 1) {
+        free(kernel);
+        return fail("BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1");
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static const char *linear_name(const OrtCustomOp *op) { (void)op; return "BlockwiseMatMul"; }
+static int linear_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? TYPE_UINT8 : TYPE_FLOAT; }
+static size_t linear_input_count(const OrtCustomOp *op) { (void)op; return 3; }
+
+static OrtCustomOp blockwise_matmul = {
+    .version = 16,
+    .GetName = linear_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = linear_input_type,
+    .GetInputTypeCount = linear_input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = linear_create,
+    .KernelComputeV2 = linear_compute,
+};
+
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
-int mla_deploy_routed_experts_vnni(void) { return VNNI; }
+int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                     const OrtApiBase *base) {
@@ -524,6 +666,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         OrtCustomOpDomain *created;
         CHECK(CALL(CreateCustomOpDomain)("mla_deploy", &created));
         CHECK(CALL(CustomOpDomain_Add)(created, &routed_experts));
+        CHECK(CALL(CustomOpDomain_Add)(created, &blockwise_matmul));
         domain = created;
     }
     return CALL(AddCustomOpDomain)(options, domain);

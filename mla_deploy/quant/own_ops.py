@@ -1,0 +1,116 @@
+"""Which quantized nodes mla-deploy's own CPU operators (:mod:`mla_deploy.engines.cpu_ops`,
+``plugins/ort_cpu/cpu_ops.c``) compute exactly, and the swaps that put them in place of ONNX Runtime's ``QMoE``
+(:data:`~.formats.QMOE`'s layout) and ``MatMulNBits`` (:data:`~.formats.MATMULNBITS`'s) in a CPU engine's graph.
+The operators read these layouts as they are: nothing is re-laid out."""
+
+from __future__ import annotations
+
+DOMAIN = "mla_deploy"
+OP_TYPE = "RoutedExperts"
+LINEAR_OP_TYPE = "BlockwiseMatMul"
+#: the largest weight (bytes of its integers) whose ``MatMulNBits`` is swapped for ``BlockwiseMatMul``: every
+#: projection of a layer; not a 100k-row lm_head, which ``MatMulNBits`` streams as fast (measured, see the README)
+LINEAR_MAX_BYTES = 32 << 20
+
+
+def _eligible(node) -> dict | None:
+    """The RoutedExperts attributes of the ``QMoE`` NodeProto ``node`` when the operator computes exactly what it
+    does, else None: int4/int8 blocks of 32, SwiGLU with gate and up interleaved (``swiglu_fusion`` 1, alpha 1,
+    beta 0, no limit), no biases, zero points or separate routing weights, ``accuracy_level`` 4, the weights
+    normalised over the chosen experts (``normalize_routing_weights`` 1: the only setting the export writes; with 0,
+    ONNX Runtime 1.31's CPU ``QMoE`` was measured to normalise all the same, so the operator does not take it)."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    activation = attrs.get("activation_type", b"relu")
+    wanted = {"expert_weight_bits": attrs.get("expert_weight_bits", 4) in (4, 8),
+              "block_size": attrs.get("block_size") == 32,
+              "activation": (activation.decode() if isinstance(activation, bytes) else activation) == "swiglu",
+              "fusion": attrs.get("swiglu_fusion", 0) == 1, "alpha": attrs.get("activation_alpha", 1.0) == 1.0,
+              "beta": attrs.get("activation_beta", 0.0) == 0.0, "limit": "swiglu_limit" not in attrs,
+              "level": attrs.get("accuracy_level", 0) == 4, "k": attrs.get("k", 1) >= 1,
+              "normalize": attrs.get("normalize_routing_weights", 0) == 1}
+    inputs = list(node.input) + [""] * (7 - len(node.input))
+    used = [i for i, name in enumerate(inputs) if name]
+    if not all(wanted.values()) or used != [0, 1, 2, 3, 5, 6]:
+        return None
+    return {"k": attrs.get("k", 1), "expert_weight_bits": attrs.get("expert_weight_bits", 4), "block_size": 32,
+            "normalize_routing_weights": 1}
+
+
+def _linear_eligible(node, dims: dict) -> dict | None:
+    """The BlockwiseMatMul attributes of the ``MatMulNBits`` NodeProto ``node`` when it computes exactly what that
+    node does at ``accuracy_level`` 4: int4/int8 blocks of 32, no zero points, group indices or bias, its weight and
+    scales initializers (``dims``: initializer name -> shape) of the layout ``[N, K/32, 32*bits/8]`` and ``N*K/32``
+    values, the weight at most :data:`LINEAR_MAX_BYTES`."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, n, bits, block = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4), attrs.get("block_size")
+    used = [i for i, name in enumerate(node.input) if name]
+    if (used != [0, 1, 2] or bits not in (4, 8) or block != 32 or attrs.get("accuracy_level", 0) != 4 or not k
+            or k % 32 or not n or n * k * bits // 8 > LINEAR_MAX_BYTES):
+        return None
+    weight, scales = dims.get(node.input[1]), dims.get(node.input[2])
+    if weight != [n, k // 32, 32 * bits // 8] or scales is None or _count(scales) != n * k // 32:
+        return None
+    return {"K": k, "N": n, "bits": bits, "block_size": 32}
+
+
+def _count(shape: list[int]) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def swap_linear(model) -> int:
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every eligible ``com.microsoft`` ``MatMulNBits``
+    node (:func:`_linear_eligible`) by ``mla_deploy.BlockwiseMatMul`` over the same inputs; returns how many."""
+    from onnx import helper
+
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    swapped = 0
+    for at, node in enumerate(list(model.graph.node)):
+        if (node.domain, node.op_type) != ("com.microsoft", "MatMulNBits"):
+            continue
+        attrs = _linear_eligible(node, dims)
+        if attrs is None:
+            continue
+        new = helper.make_node(LINEAR_OP_TYPE, list(node.input[:3]), list(node.output), name=node.name, domain=DOMAIN,
+                               **attrs)
+        new.metadata_props.extend(node.metadata_props)
+        model.graph.node.remove(node)
+        model.graph.node.insert(at, new)
+        swapped += 1
+    if swapped and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return swapped
+
+
+def swap_experts(model) -> int:
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every eligible ``com.microsoft`` ``QMoE`` node by
+    ``mla_deploy.RoutedExperts`` over the same inputs (its bias slot dropped) and output; returns how many."""
+    from onnx import helper
+
+    swapped = 0
+    for at, node in enumerate(list(model.graph.node)):
+        attrs = _eligible(node) if (node.domain, node.op_type) == ("com.microsoft", "QMoE") else None
+        if attrs is None:
+            continue
+        inputs = [node.input[i] for i in (0, 1, 2, 3, 5, 6)]
+        new = helper.make_node(OP_TYPE, inputs, list(node.output), name=node.name, domain=DOMAIN, **attrs)
+        new.metadata_props.extend(node.metadata_props)
+        model.graph.node.remove(node)
+        model.graph.node.insert(at, new)
+        swapped += 1
+    if swapped and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return swapped
+
+
+def swappable(model) -> bool:
+    """Whether the ``onnx.ModelProto`` ``model`` holds a node these operators could replace (``QMoE``,
+    ``MatMulNBits``; eligible or not)."""
+    return any((n.domain, n.op_type) in (("com.microsoft", "QMoE"), ("com.microsoft", "MatMulNBits"))
+               for n in model.graph.node)
