@@ -67,42 +67,32 @@ def _count(shape: list[int]) -> int:
 def swap_linear(model) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every eligible ``com.microsoft`` ``MatMulNBits``
     node (:func:`_linear_eligible`) by ``mla_deploy.BlockwiseMatMul`` over the same inputs; returns how many."""
-    from onnx import helper
-
     dims = {t.name: list(t.dims) for t in model.graph.initializer}
-    swapped = 0
-    for at, node in enumerate(list(model.graph.node)):
-        if (node.domain, node.op_type) != ("com.microsoft", "MatMulNBits"):
-            continue
-        attrs = _linear_eligible(node, dims)
-        if attrs is None:
-            continue
-        new = helper.make_node(LINEAR_OP_TYPE, list(node.input[:3]), list(node.output), name=node.name, domain=DOMAIN,
-                               **attrs)
-        new.metadata_props.extend(node.metadata_props)
-        model.graph.node.remove(node)
-        model.graph.node.insert(at, new)
-        swapped += 1
-    if swapped and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return swapped
+    return _swap(model, "MatMulNBits", LINEAR_OP_TYPE, lambda node: _linear_eligible(node, dims), (0, 1, 2))
 
 
 def swap_experts(model) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every eligible ``com.microsoft`` ``QMoE`` node by
     ``mla_deploy.RoutedExperts`` over the same inputs (its bias slot dropped) and output; returns how many."""
+    return _swap(model, "QMoE", OP_TYPE, _eligible, (0, 1, 2, 3, 5, 6))
+
+
+def _swap(model, old: str, new: str, eligible, inputs: tuple[int, ...]) -> int:
+    """Replace each ``com.microsoft`` ``old`` node of ``model`` for which ``eligible(node)`` gives attributes by an
+    ``mla_deploy`` ``new`` node with those attributes, the old node's ``inputs`` (by position) and its outputs, at the
+    same place in the graph; returns how many."""
     from onnx import helper
 
     swapped = 0
     for at, node in enumerate(list(model.graph.node)):
-        attrs = _eligible(node) if (node.domain, node.op_type) == ("com.microsoft", "QMoE") else None
+        attrs = eligible(node) if (node.domain, node.op_type) == ("com.microsoft", old) else None
         if attrs is None:
             continue
-        inputs = [node.input[i] for i in (0, 1, 2, 3, 5, 6)]
-        new = helper.make_node(OP_TYPE, inputs, list(node.output), name=node.name, domain=DOMAIN, **attrs)
-        new.metadata_props.extend(node.metadata_props)
+        replacement = helper.make_node(new, [node.input[i] for i in inputs], list(node.output), name=node.name,
+                                       domain=DOMAIN, **attrs)
+        replacement.metadata_props.extend(node.metadata_props)  # where it comes from (the module scope)
         model.graph.node.remove(node)
-        model.graph.node.insert(at, new)
+        model.graph.node.insert(at, replacement)
         swapped += 1
     if swapped and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))

@@ -460,18 +460,22 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     return status;
 }
 
+/* a kernel's four integer attributes */
+static OrtStatus *read_attributes(const OrtKernelInfo *info, const char *const names[4], int64_t *const fields[4]) {
+    for (int i = 0; i < 4; i++) CHECK(CALL(KernelInfoGetAttribute_int64)(info, names[i], fields[i]));
+    return NULL;
+}
+
 static OrtStatus *create_kernel(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
     Kernel *kernel = calloc(1, sizeof(Kernel));
     if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
     const char *names[4] = {"k", "expert_weight_bits", "block_size", "normalize_routing_weights"};
     int64_t *fields[4] = {&kernel->k, &kernel->bits, &kernel->block, &kernel->normalize};
-    for (int i = 0; i < 4; i++) {
-        OrtStatus *status = CALL(KernelInfoGetAttribute_int64)(info, names[i], fields[i]);
-        if (status) {
-            free(kernel);
-            return status;
-        }
+    OrtStatus *status = read_attributes(info, names, fields);
+    if (status) {
+        free(kernel);
+        return status;
     }
     if ((kernel->bits != 4 && kernel->bits != 8) || kernel->block != BLOCK || kernel->k < 1 || kernel->normalize != 1) {
         free(kernel);
@@ -493,25 +497,18 @@ static int required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return
 static int default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; }
 static int one(const OrtCustomOp *op) { (void)op; return 1; }
 
-static OrtCustomOp routed_experts = {
-    .version = 16,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = default_memory,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
+/* an operator's table at version 16 (CreateKernelV2, KernelComputeV2: errors come back as statuses) */
+#define OP_TABLE(name, input_type, input_count, create, compute)                                                   \
+    {                                                                                                              \
+        .version = 16, .GetName = name, .GetExecutionProviderType = op_provider, .GetInputType = input_type,      \
+        .GetInputTypeCount = input_count, .GetOutputType = output_type, .GetOutputTypeCount = output_count,       \
+        .KernelDestroy = destroy_kernel, .GetInputCharacteristic = required, .GetOutputCharacteristic = required, \
+        .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, \
+        .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = create,          \
+        .KernelComputeV2 = compute,                                                                                \
+    }
+
+static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, create_kernel, compute);
 
 /* ---- mla_deploy.BlockwiseMatMul: MatMulNBits's product, computed the same way ---------------------------------
  * Inputs: 0 A float [..., K]; 1 B uint8 [N, K/32, 32*bits/8] (MatMulNBits's layout: zero point 2^(bits-1), int4
@@ -610,12 +607,10 @@ static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, cons
     if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
     const char *names[4] = {"K", "N", "bits", "block_size"};
     int64_t *fields[4] = {&kernel->K, &kernel->N, &kernel->bits, &kernel->block};
-    for (int i = 0; i < 4; i++) {
-        OrtStatus *status = CALL(KernelInfoGetAttribute_int64)(info, names[i], fields[i]);
-        if (status) {
-            free(kernel);
-            return status;
-        }
+    OrtStatus *status = read_attributes(info, names, fields);
+    if (status) {
+        free(kernel);
+        return status;
     }
     if ((kernel->bits != 4 && kernel->bits != 8) || kernel->block != BLOCK || kernel->K < BLOCK ||
         kernel->K % BLOCK || kernel->N < 1) {
@@ -630,25 +625,8 @@ static const char *linear_name(const OrtCustomOp *op) { (void)op; return "Blockw
 static int linear_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? TYPE_UINT8 : TYPE_FLOAT; }
 static size_t linear_input_count(const OrtCustomOp *op) { (void)op; return 3; }
 
-static OrtCustomOp blockwise_matmul = {
-    .version = 16,
-    .GetName = linear_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = linear_input_type,
-    .GetInputTypeCount = linear_input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = default_memory,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
-    .CreateKernelV2 = linear_create,
-    .KernelComputeV2 = linear_compute,
-};
+static OrtCustomOp blockwise_matmul =
+    OP_TABLE(linear_name, linear_input_type, linear_input_count, linear_create, linear_compute);
 
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }

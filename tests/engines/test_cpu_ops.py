@@ -55,6 +55,12 @@ def _session(node, weights, library: Path | None):
                             helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", D])],
         [numpy_helper.from_array(w, n) for w, n in zip(weights, names)])
+    return _open(graph, library)
+
+
+def _open(graph, library: Path | None):
+    """A 2-thread CPU session on ``graph`` (ONNX Runtime's contrib and our operators' domains), ``library``
+    registered when given."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
                                                     helper.make_opsetid(own_ops.DOMAIN, 1)])
     model.ir_version = 10
@@ -132,14 +138,7 @@ def _linear_session(node, weights, library: Path | None):
         [node], "linear", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["B", "T", D])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", 2 * I])],
         [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
-                                                    helper.make_opsetid(own_ops.DOMAIN, 1)])
-    model.ir_version = 10
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    if library is not None:
-        cpu_ops.register(options, library)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return _open(graph, library)
 
 
 def _matmulnbits(bits: int, **extra):
