@@ -123,6 +123,7 @@ def collect(providers: bool = True) -> dict[str, Any]:
         "tensorrt": _version("tensorrt"), "triton": _version("triton"),
         "onnxruntime": probe_providers() if providers else _listed_providers(),
         "huge_pages": _huge_pages(),
+        "cpu_operators": _cpu_operators(),
     }
     info["commands"] = commands(info)
     return info
@@ -136,6 +137,14 @@ def _huge_pages() -> dict[str, Any]:
     state = huge_pages.huge_pages()
     return {"in_use": huge_pages.probe(), "setting": state.setting, "requested": state.requested,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+
+
+def _cpu_operators() -> str | None:
+    """Why a CPU engine built here would keep ONNX Runtime's kernels, or None when it gets mla-deploy's own
+    operators (:mod:`mla_deploy.engines.cpu_ops`)."""
+    from .engines import cpu_ops
+
+    return cpu_ops.why_not_here()
 
 
 def commands(info: dict[str, Any]) -> dict[str, str]:
@@ -183,6 +192,11 @@ def format_report(info: dict[str, Any]) -> str:
         how = f"THP {pages['setting']}, GLIBC_TUNABLES={pages['glibc_tunables'] or '(unset)'}"
         lines.append("huge pages   " + ("yes: weights load on 2 MiB pages" if pages["in_use"] else
                                          "no: weights load on 4 KiB pages") + f" ({how})")
+    if "cpu_operators" in info:
+        why = info["cpu_operators"]
+        lines.append("cpu ops      " + ("yes: `build --target cpu` compiles mla-deploy's own operators (C compiler, "
+                                        "AVX-512 VNNI)" if why is None else
+                                        f"no: the CPU engine keeps ONNX Runtime's kernels ({why})"))
     lines += [
         f"tensorrt     {info['tensorrt'] or 'not installed'}",
         f"polygraphy   {info['polygraphy'] or 'not installed'}",

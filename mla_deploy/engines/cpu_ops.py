@@ -82,6 +82,27 @@ def compile_library(into: Path, native: bool = True) -> Library:
     return Library(out, vnni)
 
 
+#: the CPU features the operators' fast path needs (``/proc/cpuinfo`` flags)
+FAST_PATH = ("avx512f", "avx512bw", "avx512_vnni")
+
+
+def why_not_here() -> str | None:
+    """Why ``build --target cpu`` would keep ONNX Runtime's kernels on this machine (no source, no C compiler, no
+    AVX-512 VNNI), or None when it compiles the operators; without compiling (``mla-deploy doctor``)."""
+    cc = compiler()
+    if not source_path().is_file():
+        return f"the operator source {source_path()} is not here (it ships with the source checkout)"
+    if cc is None or shutil.which(cc) is None:
+        return f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc, clang or $CC'} not found)"
+    try:
+        flags = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                 for f in line.partition(":")[2].split()}
+    except OSError:
+        flags = set()
+    missing = [f for f in FAST_PATH if f not in flags]
+    return f"this CPU has no {', '.join(missing)}" if missing else None
+
+
 def register(options, library: Path) -> None:
     """Register the operator library at ``library`` with the ONNX Runtime ``SessionOptions`` ``options``.
 

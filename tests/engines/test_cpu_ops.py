@@ -236,6 +236,17 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     assert _tokens(art, "--no-engine")  # the source graphs still run
 
 
+def test_doctor_says_whether_the_engine_gets_the_operators(libraries, tmp_path, monkeypatch):
+    """`mla-deploy doctor` says yes exactly where the build compiles them (here: the native build's outcome), and no
+    with the reason without a compiler."""
+    line = next(l for l in ok(cli("doctor", "--no-providers")).splitlines() if l.startswith("cpu ops"))
+    assert line.startswith("cpu ops      yes") == (libraries["native"].path is not None), line
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    line = next(l for l in ok(cli("doctor", "--no-providers")).splitlines() if l.startswith("cpu ops"))
+    assert line == (f"cpu ops      no: the CPU engine keeps ONNX Runtime's kernels (no C compiler "
+                    f"($CC={tmp_path / 'no-such-cc'} not found))"), line
+
+
 def test_without_a_compiler_the_engine_keeps_qmoe_and_says_why(moe_artifact, tmp_path, monkeypatch):
     art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
