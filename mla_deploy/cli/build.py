@@ -11,8 +11,9 @@ from ..errors import ArtifactError, InputError
 @click.argument("artifact_dir", type=click.Path())
 @click.option("--target", type=click.Choice(["tensorrt", "cpu"]), default="tensorrt", show_default=True,
               help="tensorrt: TensorRT engines in ARTIFACT_DIR/trt (a GPU); cpu: ONNX Runtime's graphs optimised once, "
-                   "with their weights and pre-packed weights for mmap, in ARTIFACT_DIR/cpu, which run, validate and "
-                   "bench then open without re-optimising.")
+                   "with their weights and pre-packed weights for mmap, and quantized products computed by "
+                   "mla-deploy's own operators (compiled here with cc; see `mla-deploy doctor`), in ARTIFACT_DIR/cpu, "
+                   "which run, validate and bench then open without re-optimising.")
 @click.option("--workspace-mib", type=click.IntRange(min=1),
               help="Builder workspace limit (default: the recipe's [build] workspace_mib).")
 @click.option("--strongly-typed/--weakly-typed", default=None,
@@ -24,8 +25,9 @@ def build(artifact_dir, target, workspace_mib, strongly_typed, no_timing_cache, 
     """Build engines for an exported artifact. --target tensorrt (default): one TensorRT engine per graph
     (ARTIFACT_DIR/trt/model.engine with a prefill and a decode profile, or prefill.engine and decode.engine),
     timing.cache and build.json, with optimisation profiles from the recipe's [build] ranges. --target cpu: ONNX
-    Runtime's CPU engine in ARTIFACT_DIR/cpu (per graph the optimised graph, its weights and pre-packed weights, and
-    engine.json: the ONNX Runtime version, CPU features and source graphs it is tied to)."""
+    Runtime's CPU engine in ARTIFACT_DIR/cpu (per graph the optimised graph, its weights and pre-packed weights;
+    cpu_ops.so, mla-deploy's own operators for quantized experts and products, compiled for this CPU; and engine.json:
+    the ONNX Runtime version, CPU features, source graphs and operator library it is tied to)."""
     if target == "cpu":
         given = [flag for flag, value in (("--workspace-mib", workspace_mib), ("--strongly-typed/--weakly-typed",
                  strongly_typed), ("--opt-level", opt_level), ("--no-timing-cache", no_timing_cache or None))
