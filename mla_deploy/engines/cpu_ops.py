@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LIBRARY = "cpu_ops.so"
+#: how long the compiler may take (it takes about 2 s)
+COMPILE_SECONDS = 300
 
 
 def source_path() -> Path:
@@ -70,7 +72,11 @@ def compile_library(into: Path, native: bool = True) -> Library:
         return Library(None, why_not=f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc, clang or $CC'} not found)")
     out = Path(into) / LIBRARY
     flags = ["-O3", "-fPIC", "-shared", "-std=gnu11"] + (["-march=native"] if native else [])
-    done = subprocess.run([cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True)
+    try:
+        done = subprocess.run([cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True,
+                              timeout=COMPILE_SECONDS)
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        return Library(None, why_not=f"{cc} could not compile {source.name}: {type(exc).__name__}")
     if done.returncode != 0 or not out.is_file():
         first = (done.stderr.strip().splitlines() or ["no message"])[0]
         return Library(None, why_not=f"{cc} could not compile {source.name}: {first[:200]}")
