@@ -158,6 +158,40 @@ static void quantize_row(const float *x, int K, int bits, int8_t *q, float *d, f
     for (int b = 0; b < K / BLOCK; b++) quantize_block(x + b * BLOCK, K, b, bits, q, d, corr);
 }
 
+/* M rows of K values quantized (quantize_row): q [M, K], d and c [M, K/B] */
+typedef struct {
+    const float *x;
+    int K, bits;
+    int8_t *q;
+    float *d, *c;
+} Rows;
+
+/* row i of a Rows: its quantized values, block scales and zero-point shares */
+static void row_of(const Rows *rows, size_t i, const int8_t **q, const float **d, const float **c) {
+    const int K = rows->K;
+    *q = rows->q + i * K, *d = rows->d + i * (K / BLOCK), *c = rows->c + i * (K / BLOCK);
+}
+
+static void run_quantize(void *data, size_t i) {
+    const Rows *rows = (const Rows *)data;
+    const int K = rows->K;
+    quantize_row(rows->x + i * K, K, rows->bits, rows->q + i * K, rows->d + i * (K / BLOCK),
+                 rows->c + i * (K / BLOCK));
+}
+
+/* one bump allocation per call: every buffer of an operator's call, 64-byte aligned */
+typedef struct {
+    char *base, *at;
+} Scratch;
+
+static size_t aligned(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+static void *take(Scratch *scratch, size_t bytes) {
+    void *p = scratch->at;
+    scratch->at += aligned(bytes);
+    return p;
+}
+
 /* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes) and block scales s, the
  * tokens' quantize_row() outputs q, d, corr */
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const float *s, int K, int bits, int n,
@@ -264,17 +298,15 @@ typedef struct {
 
 /* one layer's call: routing, then work items over (expert, tile of weight rows) */
 typedef struct {
-    int T, D, E, I, k, bits;
+    int D, I, bits;
     const uint8_t *fc1, *fc2;
     const float *s1, *s2;
     size_t fc1_row, fc2_row; /* bytes per weight row */
     int *count, *start;      /* per expert: how many (token, choice) pairs and where its pairs begin */
     int *pair_token;         /* the pairs ordered by expert: their token */
-    int *experts_used, used; /* the experts with pairs, and how many */
-    int8_t *xq;              /* [T, D]: the tokens quantized */
-    float *xd, *xc;          /* [T, D/B] */
-    int8_t *aq;              /* [pairs, I]: silu(gate) * up quantized */
-    float *ad, *ac;          /* [pairs, I/B] */
+    int *experts_used;       /* the experts with pairs */
+    Rows x;                  /* [T, D]: the tokens quantized */
+    Rows a;                  /* [pairs, I]: silu(gate) * up quantized */
     float *o;                /* [pairs, D]: fc2's rows */
     int tiles2;              /* fc2 tiles per expert */
 } Work;
@@ -283,13 +315,10 @@ typedef struct {
 static void operands(const Work *w, int stage, int first, int m, const int8_t **q, const float **d, const float **c) {
     for (int j = 0; j < m; j++) {
         const int pair = first + j;
-        if (stage == 1) {
-            const size_t t = (size_t)w->pair_token[pair];
-            q[j] = w->xq + t * w->D, d[j] = w->xd + t * (w->D / BLOCK), c[j] = w->xc + t * (w->D / BLOCK);
-        } else {
-            q[j] = w->aq + (size_t)pair * w->I, d[j] = w->ad + (size_t)pair * (w->I / BLOCK);
-            c[j] = w->ac + (size_t)pair * (w->I / BLOCK);
-        }
+        if (stage == 1)
+            row_of(&w->x, (size_t)w->pair_token[pair], &q[j], &d[j], &c[j]);
+        else
+            row_of(&w->a, (size_t)pair, &q[j], &d[j], &c[j]);
     }
 }
 
@@ -317,7 +346,8 @@ static void run_fc1(void *data, size_t item) {
                 const float gate = h[j][2 * i], up = h[j][2 * i + 1];
                 a[i] = gate / (1.f + expf(-gate)) * up;
             }
-            quantize_block(a, w->I, block, w->bits, w->aq + pair * w->I, w->ad + pair * blocks, w->ac + pair * blocks);
+            quantize_block(a, w->I, block, w->bits, w->a.q + pair * w->I, w->a.d + pair * blocks,
+                           w->a.c + pair * blocks);
         }
     }
 }
@@ -340,6 +370,15 @@ static void run_fc2(void *data, size_t item) {
             dot_row(weights + (size_t)r * w->fc2_row, scales + (size_t)r * (K / BLOCK), K, w->bits, m, q, d, c,
                     w->o + (size_t)(first + p) * D + r, (size_t)D);
     }
+}
+
+/* quantize rows->x's M rows: on this thread for one row (decode), over the intra-op pool for more */
+static OrtStatus *quantize_rows(OrtKernelContext *ctx, Rows *rows, size_t M) {
+    if (M == 1) {
+        run_quantize(rows, 0);
+        return NULL;
+    }
+    return CALL(KernelContext_ParallelFor)(ctx, run_quantize, M, 0, rows);
 }
 
 static OrtStatus *shape_of(const OrtValue *value, int want_type, size_t rank, int64_t *dims, const char *what) {
@@ -382,19 +421,20 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     if (T == 0) return NULL;
     const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
 
-    /* routing: each token's top k, its weights, and the pairs grouped by expert */
+    /* routing: each token's top k, its weights, and the pairs grouped by expert; every buffer in one allocation */
     const size_t pairs = (size_t)T * k;
-    int *chosen = malloc(pairs * sizeof(int)), *count = calloc(E, sizeof(int)), *start = malloc(E * sizeof(int));
-    int *pair_token = malloc(pairs * sizeof(int)), *pair_of = malloc(pairs * sizeof(int)), *used = malloc(E * sizeof(int));
-    float *weight = malloc(pairs * sizeof(float));
-    Work w = {0};
-    size_t scratch = (size_t)T * D + (size_t)T * (D / BLOCK) * 2 * sizeof(float) + pairs * I +
-                     pairs * (I / BLOCK) * 2 * sizeof(float) + pairs * D * sizeof(float) + 64 * 8;
-    char *buffer = malloc(scratch);
-    if (!chosen || !count || !start || !pair_token || !pair_of || !used || !weight || !buffer) {
-        free(chosen), free(count), free(start), free(pair_token), free(pair_of), free(used), free(weight), free(buffer);
-        return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
-    }
+    const size_t bytes = aligned(pairs * sizeof(int)) * 3 + aligned(E * sizeof(int)) * 3 +
+                         aligned(pairs * sizeof(float)) + aligned((size_t)T * D) +
+                         2 * aligned((size_t)T * (D / BLOCK) * sizeof(float)) + aligned(pairs * I) +
+                         2 * aligned(pairs * (I / BLOCK) * sizeof(float)) + aligned(pairs * D * sizeof(float));
+    Scratch scratch = {malloc(bytes), NULL};
+    if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
+    scratch.at = scratch.base;
+    int *chosen = take(&scratch, pairs * sizeof(int)), *pair_token = take(&scratch, pairs * sizeof(int));
+    int *pair_of = take(&scratch, pairs * sizeof(int)), *count = take(&scratch, E * sizeof(int));
+    int *start = take(&scratch, E * sizeof(int)), *used = take(&scratch, E * sizeof(int));
+    float *weight = take(&scratch, pairs * sizeof(float));
+    memset(count, 0, E * sizeof(int));
     for (int t = 0; t < T; t++) {
         const float *r = router + (size_t)t * E;
         int *c = chosen + (size_t)t * k;
@@ -429,22 +469,15 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
             pair_of[(size_t)t * k + j] = pair;
         }
 
-    char *at = buffer;
-#define TAKE(type, n) ((type *)((at += ((n) * sizeof(type) + 63) / 64 * 64) - ((n) * sizeof(type) + 63) / 64 * 64))
-    w.T = T, w.D = D, w.E = E, w.I = I, w.k = k, w.bits = bits;
-    w.fc1 = (const uint8_t *)ptr[2], w.s1 = (const float *)ptr[3], w.fc2 = (const uint8_t *)ptr[4];
-    w.s2 = (const float *)ptr[5];
-    w.fc1_row = (size_t)D * bits / 8, w.fc2_row = (size_t)I * bits / 8;
-    w.count = count, w.start = start, w.pair_token = pair_token, w.experts_used = used, w.used = n_used;
-    w.xq = TAKE(int8_t, (size_t)T * D), w.xd = TAKE(float, (size_t)T * (D / BLOCK));
-    w.xc = TAKE(float, (size_t)T * (D / BLOCK)), w.aq = TAKE(int8_t, pairs * I);
-    w.ad = TAKE(float, pairs * (I / BLOCK)), w.ac = TAKE(float, pairs * (I / BLOCK)), w.o = TAKE(float, pairs * D);
-#undef TAKE
-    w.tiles2 = (D + TILE - 1) / TILE;
-    for (int t = 0; t < T; t++)
-        quantize_row(x + (size_t)t * D, D, bits, w.xq + (size_t)t * D, w.xd + (size_t)t * (D / BLOCK),
-                     w.xc + (size_t)t * (D / BLOCK));
-    OrtStatus *status = CALL(KernelContext_ParallelFor)(ctx, run_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
+    Work w = {D, I, bits, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], (const float *)ptr[3],
+              (const float *)ptr[5], (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
+              {x, D, bits, NULL, NULL, NULL}, {NULL, I, bits, NULL, NULL, NULL}, NULL, (D + TILE - 1) / TILE};
+    w.x.q = take(&scratch, (size_t)T * D), w.x.d = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float));
+    w.x.c = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float)), w.a.q = take(&scratch, pairs * I);
+    w.a.d = take(&scratch, pairs * (I / BLOCK) * sizeof(float));
+    w.a.c = take(&scratch, pairs * (I / BLOCK) * sizeof(float)), w.o = take(&scratch, pairs * D * sizeof(float));
+    OrtStatus *status = quantize_rows(ctx, &w.x, (size_t)T);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc2, (size_t)n_used * w.tiles2, 0, &w);
     if (!status)
         for (int t = 0; t < T; t++) {
@@ -456,7 +489,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
                 for (int i = 0; i < D; i++) out[i] += wj * o[i];
             }
         }
-    free(chosen), free(count), free(start), free(pair_token), free(pair_of), free(used), free(weight), free(buffer);
+    free(scratch.base);
     return status;
 }
 
@@ -521,33 +554,24 @@ typedef struct {
 } LinearKernel;
 
 typedef struct {
-    int M, K, N, bits;
+    int M, N;
     const uint8_t *w;
-    const float *s, *a;
+    const float *s;
     size_t row_bytes;
-    int8_t *q;
-    float *d, *c, *out;
+    Rows a; /* [M, K]: A's rows quantized */
+    float *out;
 } LinearWork;
-
-static void run_quantize(void *data, size_t row) {
-    LinearWork *w = (LinearWork *)data;
-    const int K = w->K;
-    quantize_row(w->a + row * K, K, w->bits, w->q + row * K, w->d + row * (K / BLOCK), w->c + row * (K / BLOCK));
-}
 
 static void run_linear(void *data, size_t tile) {
     LinearWork *w = (LinearWork *)data;
-    const int K = w->K, N = w->N, r0 = (int)tile * TILE, r1 = r0 + TILE < N ? r0 + TILE : N;
+    const int K = w->a.K, N = w->N, r0 = (int)tile * TILE, r1 = r0 + TILE < N ? r0 + TILE : N;
     for (int p = 0; p < w->M; p += 4) {
         const int m = w->M - p < 4 ? w->M - p : 4;
         const int8_t *q[4];
         const float *d[4], *c[4];
-        for (int j = 0; j < m; j++) {
-            const size_t t = (size_t)(p + j);
-            q[j] = w->q + t * K, d[j] = w->d + t * (K / BLOCK), c[j] = w->c + t * (K / BLOCK);
-        }
+        for (int j = 0; j < m; j++) row_of(&w->a, (size_t)(p + j), &q[j], &d[j], &c[j]);
         for (int r = r0; r < r1; r++)
-            dot_row(w->w + (size_t)r * w->row_bytes, w->s + (size_t)r * (K / BLOCK), K, w->bits, m, q, d, c,
+            dot_row(w->w + (size_t)r * w->row_bytes, w->s + (size_t)r * (K / BLOCK), K, w->a.bits, m, q, d, c,
                     w->out + (size_t)p * N + r, (size_t)N);
     }
 }
@@ -587,17 +611,16 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
     if (M == 0) return NULL;
-    LinearWork w = {(int)M, K, N, bits, (const uint8_t *)ptr[1], (const float *)ptr[2], (const float *)ptr[0],
-                    (size_t)K * bits / 8, NULL, NULL, NULL, (float *)ptr[3]};
-    char *buffer = malloc(M * K + 2 * M * (K / BLOCK) * sizeof(float) + 128);
-    if (!buffer) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
-    w.d = (float *)buffer, w.c = w.d + M * (K / BLOCK), w.q = (int8_t *)(w.c + M * (K / BLOCK));
-    if (M == 1)
-        run_quantize(&w, 0);
-    else
-        status = CALL(KernelContext_ParallelFor)(ctx, run_quantize, M, 0, &w);
+    LinearWork w = {(int)M, N, (const uint8_t *)ptr[1], (const float *)ptr[2], (size_t)K * bits / 8,
+                    {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3]};
+    Scratch scratch = {malloc(aligned(M * K) + 2 * aligned(M * (K / BLOCK) * sizeof(float))), NULL};
+    if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
+    scratch.at = scratch.base;
+    w.a.q = take(&scratch, M * K), w.a.d = take(&scratch, M * (K / BLOCK) * sizeof(float));
+    w.a.c = take(&scratch, M * (K / BLOCK) * sizeof(float));
+    status = quantize_rows(ctx, &w.a, M);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_linear, ((size_t)N + TILE - 1) / TILE, 0, &w);
-    free(buffer);
+    free(scratch.base);
     return status;
 }
 
