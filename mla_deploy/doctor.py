@@ -142,9 +142,10 @@ def _huge_pages() -> dict[str, Any]:
 def _cpu_operators() -> str | None:
     """Why a CPU engine built here would keep ONNX Runtime's kernels, or None when it gets mla-deploy's own
     operators (:mod:`mla_deploy.engines.cpu_ops`)."""
+    from .artifact.cpu_engine import host_cpu
     from .engines import cpu_ops
 
-    return cpu_ops.why_not_here()
+    return cpu_ops.why_not_here(host_cpu("").features)
 
 
 def commands(info: dict[str, Any]) -> dict[str, str]:

@@ -61,16 +61,24 @@ def compiler() -> str | None:
     return os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
+def _missing() -> str | None:
+    """Why the operators cannot be compiled here at all (no source, no compiler), or None."""
+    cc = compiler()
+    if not source_path().is_file():
+        return f"the operator source {source_path()} is not here (it ships with the source checkout)"
+    if cc is None or shutil.which(cc) is None:
+        return f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc, clang or $CC'} not found)"
+    return None
+
+
 def compile_library(into: Path, native: bool = True) -> Library:
     """Compile :func:`source_path` into ``into/cpu_ops.so`` for this CPU (``native``: ``-march=native``; False:
     portable C, for the tests of its fallback path). Never raises for a missing compiler or source: the
     :class:`Library` says why there is none."""
-    source, cc = source_path(), compiler()
-    if not source.is_file():
-        return Library(None, why_not=f"the operator source {source} is not here (it ships with the source checkout)")
-    if cc is None or shutil.which(cc) is None:
-        return Library(None, why_not=f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc, clang or $CC'} not found)")
-    out = Path(into) / LIBRARY
+    missing = _missing()
+    if missing:
+        return Library(None, why_not=missing)
+    source, cc, out = source_path(), compiler(), Path(into) / LIBRARY
     flags = ["-O3", "-fPIC", "-shared", "-std=gnu11"] + (["-march=native"] if native else [])
     try:
         done = subprocess.run([cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True,
@@ -83,30 +91,20 @@ def compile_library(into: Path, native: bool = True) -> Library:
     vnni = bool(ctypes.CDLL(str(out)).mla_deploy_cpu_ops_vnni())
     if native and not vnni:
         out.unlink()
-        return Library(None, why_not="this CPU has no AVX-512 VNNI (the operators' fast path; ONNX Runtime's are "
-                                     "faster without it)")
+        return Library(None, why_not=NO_FAST_PATH)
     return Library(out, vnni)
 
 
-#: the CPU features the operators' fast path needs (``/proc/cpuinfo`` flags)
+#: the CPU features the operators' fast path needs (as :func:`mla_deploy.artifact.cpu_engine.host_cpu` names them)
 FAST_PATH = ("avx512f", "avx512bw", "avx512_vnni")
+NO_FAST_PATH = "this CPU has no AVX-512 VNNI (the operators' fast path; ONNX Runtime's are faster without it)"
 
 
-def why_not_here() -> str | None:
-    """Why ``build --target cpu`` would keep ONNX Runtime's kernels on this machine (no source, no C compiler, no
-    AVX-512 VNNI), or None when it compiles the operators; without compiling (``mla-deploy doctor``)."""
-    cc = compiler()
-    if not source_path().is_file():
-        return f"the operator source {source_path()} is not here (it ships with the source checkout)"
-    if cc is None or shutil.which(cc) is None:
-        return f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc, clang or $CC'} not found)"
-    try:
-        flags = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-                 for f in line.partition(":")[2].split()}
-    except OSError:
-        flags = set()
-    missing = [f for f in FAST_PATH if f not in flags]
-    return f"this CPU has no {', '.join(missing)}" if missing else None
+def why_not_here(features: tuple[str, ...]) -> str | None:
+    """Why ``build --target cpu`` would keep ONNX Runtime's kernels on a machine whose CPU has ``features`` (its
+    :func:`~mla_deploy.artifact.cpu_engine.host_cpu` features: no source, no C compiler, no AVX-512 VNNI), or None
+    when it compiles the operators; without compiling (``mla-deploy doctor``)."""
+    return _missing() or (None if all(f in features for f in FAST_PATH) else NO_FAST_PATH)
 
 
 def register(options, library: Path) -> None:
