@@ -1,11 +1,10 @@
-"""tools/gemv_probe as a user runs it: the C kernel is built, it and ONNX Runtime's MatMulNBits compute the same
-int4 product on the same weights (both within the int8 vector's rounding of the float product, and of each
+"""tools/gemv_probe as a user runs it: the CPU engine's operator library is built, its BlockwiseMatMul and ONNX
+Runtime's MatMulNBits compute the same int4 product on the same weights (both within the int8 vector's rounding of the float product, and of each
 other), once over 4 KiB pages and once over huge pages; bad settings are one line."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,18 +17,21 @@ sys.path.insert(0, str(TOOL.parent))
 
 from gemv_probe.__main__ import BLOCK, relative_error  # noqa: E402
 
-needs_cc = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="no C compiler")
+from mla_deploy.artifact.cpu_engine import host_cpu  # noqa: E402
+from mla_deploy.engines.cpu_ops import why_not_here  # noqa: E402
+
+WHY_NOT = why_not_here(host_cpu("").features)
 
 
-@needs_cc
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no BlockwiseMatMul here: {WHY_NOT}")
 def test_the_kernel_and_matmulnbits_compute_the_same_product(tmp_path):
     out = tmp_path / "rows.json"
     result = subprocess.run([sys.executable, str(TOOL), "--shape", "300,544", "--threads", "2", "--repeat", "2",
                              "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["kernel"].split()[0], r["huge_pages"]) for r in rows] == [
-        ("int4_gemv.c", False), ("MatMulNBits", False), ("int4_gemv.c", True), ("MatMulNBits", True)]
+    assert [(r["kernel"], r["huge_pages"]) for r in rows] == [
+        ("MatMulNBits", False), ("BlockwiseMatMul", False), ("MatMulNBits", True), ("BlockwiseMatMul", True)]
     for row in rows:  # an int8 vector per block of 32: a few 1e-3 of the row's absolute sum, not more
         assert 0 < row["max_relative_error"] < 1e-2, row
         assert row["seconds"] > 0 and row["gbps"] > 0

@@ -1,14 +1,16 @@
 """python tools/gemv_probe [--shape N,K] [--threads T] [--repeat R] [--json FILE]: how fast this machine streams an
 int4 matrix-vector product (4 bits, blocks of 32, zero point 8, fp32 scales, the vector quantized to int8 per
-block) with ONNX Runtime's ``MatMulNBits`` (``accuracy_level`` 4, as mla-deploy runs it) and with a kernel written
-for it (``int4_gemv.c``, AVX-512 VNNI), on the same weights, over 4 KiB pages and over huge pages.
+block) with ONNX Runtime's ``MatMulNBits`` (``accuracy_level`` 4, as mla-deploy runs it) and with mla-deploy's own
+``BlockwiseMatMul`` (the CPU engine's operator, :mod:`mla_deploy.engines.cpu_ops`: AVX-512 VNNI), on the same
+weights, over 4 KiB pages and over huge pages.
 
-Why: a quantized decode step is such products; this says what a kernel of our own would gain over ONNX Runtime's
-on this machine before anyone writes the operator. Both are checked against the float product of the same
-weights (error relative to the row's absolute sum; the int8 vector's rounding is the only difference). Each
-measurement runs in its own process: ``MatMulNBits`` under ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` or ``=0``
-(how mla-deploy's command line loads weights, or not), the C kernel on memory advised to huge pages or not.
-Needs a C compiler with OpenMP (``cc``, ``$CC``); the kernel is built into a temporary folder.
+Why: a quantized decode step is such products; this says how the two kernels stream them on this machine, for
+one product at a time (which the CPU engine's swap of ``MatMulNBits`` by size rests on). Both are checked against
+the float product of the same weights (error relative to the row's absolute sum; the int8 vector's rounding is
+the only difference). Each measurement runs in its own process, with the engine's session options, under
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` or ``=0`` (how mla-deploy's command line loads weights, or not).
+Needs what the CPU engine's operators need (a C compiler, AVX-512 VNNI, the source checkout); the library is
+compiled into a temporary folder.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,21 +54,18 @@ def _positive(text: str) -> int:
 
 
 def build(into: Path) -> Path:
-    """``int4_gemv`` compiled for this CPU (``-O3 -march=native -fopenmp``) into ``into``."""
-    compiler = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    if compiler is None:
-        raise ProbeError("no C compiler found (cc, gcc, clang, or $CC)")
-    binary = into / "int4_gemv"
-    proc = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(SOURCE), "-lm"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ProbeError(f"{compiler} could not build {SOURCE.name}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    return binary
+    """The CPU engine's operator library, compiled for this CPU into ``into``."""
+    from mla_deploy.engines.cpu_ops import compile_library
+
+    library = compile_library(into)
+    if library.path is None:
+        raise ProbeError(f"no BlockwiseMatMul here: {library.why_not}")
+    return library.path
 
 
 def write_inputs(folder: Path, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Random weights ``[N, K/32, 16]`` uint8, scales ``[N, K/32]`` and a vector ``[K]`` (float32), written as the
-    kernel reads them."""
+    """Random weights ``[N, K/32, 16]`` uint8, scales ``[N, K/32]`` and a vector ``[K]`` (float32), written for the
+    worker processes."""
     rng = np.random.default_rng(seed)
     weights = rng.integers(0, 256, size=(n, k // BLOCK, BLOCK // 2), dtype=np.uint8)
     scales = (rng.random((n, k // BLOCK), dtype=np.float32) * 0.02 + 1e-4).astype(np.float32)
@@ -92,9 +90,13 @@ def relative_error(y: np.ndarray, weights: np.ndarray, scales: np.ndarray, x: np
     return worst
 
 
-def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int) -> dict:
-    """``MatMulNBits`` on the written weights in this process, with the engine's session options: the best of
-    ``repeat`` runs; writes ``y_ort.bin``."""
+#: the kernels compared: ONNX Runtime's, and the CPU engine's own
+KERNELS = ("MatMulNBits", "BlockwiseMatMul")
+
+
+def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int, kernel: str) -> dict:
+    """``kernel`` (:data:`KERNELS`) on the written weights in this process, with the engine's session options (and
+    ``folder``'s operator library for ours): the best of ``repeat`` runs; writes ``y_<kernel>.bin``."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -102,19 +104,29 @@ def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int) -> dict:
     weights = np.fromfile(folder / "weights.bin", dtype=np.uint8).reshape(n, k // BLOCK, BLOCK // 2)
     scales = np.fromfile(folder / "scales.bin", dtype=np.float32).reshape(n, k // BLOCK)
     x = np.fromfile(folder / "x.bin", dtype=np.float32).reshape(1, k)
-    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=BLOCK, accuracy_level=4)
+    from mla_deploy.engines.cpu_ops import LIBRARY, register
+    from mla_deploy.quant.own_ops import DOMAIN
+
+    if kernel == "MatMulNBits":
+        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                block_size=BLOCK, accuracy_level=4)
+    else:
+        node = helper.make_node(kernel, ["x", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, bits=4, block_size=BLOCK)
     graph = helper.make_graph([node], "gemv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
                               initializer=[numpy_helper.from_array(weights, "w"), numpy_helper.from_array(scales, "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(DOMAIN, 1)])
     model.ir_version = 10
-    onnx.checker.check_model(model)
+    if kernel == "MatMulNBits":
+        onnx.checker.check_model(model)
     from mla_deploy.engines.ort_engine import session_options
 
     # the engine's own session options (threads, spinning, no arena), as `mla-deploy run` opens its graphs
-    session = ort.InferenceSession(model.SerializeToString(), session_options(threads, spin=True),
-                                   providers=["CPUExecutionProvider"])
+    options = session_options(threads, spin=True)
+    if kernel != "MatMulNBits":
+        register(options, folder / LIBRARY)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     del model, graph, weights
     best = float("inf")
     for i in range(repeat + 1):  # the first run is untimed
@@ -122,43 +134,33 @@ def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int) -> dict:
         y = session.run(None, {"x": x})[0]
         if i:
             best = min(best, time.perf_counter() - start)
-    y.reshape(n).astype(np.float32).tofile(folder / "y_ort.bin")
+    y.reshape(n).astype(np.float32).tofile(folder / f"y_{kernel}.bin")
     from mla_deploy.engines.huge_pages import huge_pages
 
     return {"seconds": best, "huge_page_bytes": huge_pages().huge_bytes}
 
 
 def measure(n: int, k: int, threads: int, repeat: int) -> list[dict]:
-    """One row per (kernel, pages): milliseconds, GB/s streamed, huge-page bytes and the error against float."""
+    """One row per (pages, kernel): milliseconds, GB/s streamed, huge-page bytes and the error against float."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="gemv-probe-") as tmp:
         folder = Path(tmp)
-        binary = build(folder)
+        build(folder)
         weights, scales, x = write_inputs(folder, n, k)
         nbytes = weights.nbytes + scales.nbytes
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close"}
         for huge in (0, 1):
-            proc = subprocess.run([str(binary), str(n), str(k), str(repeat), str(huge), str(folder)],
-                                  capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                raise ProbeError(f"int4_gemv failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-            out = json.loads(proc.stdout)
-            y = np.fromfile(folder / "y.bin", dtype=np.float32)
-            rows.append({"kernel": "int4_gemv.c" + ("" if out["vnni"] else " (no AVX-512 VNNI: scalar)"),
-                         "huge_pages": bool(huge), "seconds": out["seconds"],
-                         "huge_page_bytes": out["huge_page_bytes"],
-                         "max_relative_error": relative_error(y, weights, scales, x)})
-            tunable = f"glibc.malloc.hugetlb={huge}"
-            proc = subprocess.run([sys.executable, str(Path(__file__).parent), "--ort-worker", str(folder),
-                                   "--shape", f"{n},{k}", "--threads", str(threads), "--repeat", str(repeat)],
-                                  capture_output=True, text=True, env={**env, "GLIBC_TUNABLES": tunable})
-            if proc.returncode != 0:
-                raise ProbeError(f"MatMulNBits failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-            out = json.loads(proc.stdout.strip().splitlines()[-1])
-            y = np.fromfile(folder / "y_ort.bin", dtype=np.float32)
-            rows.append({"kernel": "MatMulNBits", "huge_pages": bool(huge), "seconds": out["seconds"],
-                         "huge_page_bytes": out["huge_page_bytes"],
-                         "max_relative_error": relative_error(y, weights, scales, x)})
+            for kernel in KERNELS:
+                proc = subprocess.run([sys.executable, str(Path(__file__).parent), "--ort-worker", str(folder),
+                                       "--kernel", kernel, "--shape", f"{n},{k}", "--threads", str(threads),
+                                       "--repeat", str(repeat)], capture_output=True, text=True,
+                                      env={**os.environ, "GLIBC_TUNABLES": f"glibc.malloc.hugetlb={huge}"})
+                if proc.returncode != 0:
+                    raise ProbeError(f"{kernel} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+                out = json.loads(proc.stdout.strip().splitlines()[-1])
+                y = np.fromfile(folder / f"y_{kernel}.bin", dtype=np.float32)
+                rows.append({"kernel": kernel, "huge_pages": bool(huge), "seconds": out["seconds"],
+                             "huge_page_bytes": out["huge_page_bytes"],
+                             "max_relative_error": relative_error(y, weights, scales, x)})
     for row in rows:
         row["gbps"] = nbytes / row["seconds"] / 1e9
     return rows
@@ -181,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=_positive, default=30)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--ort-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kernel", choices=KERNELS, default=KERNELS[0], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     n, k = args.shape
     if args.ort_worker:
-        print(json.dumps(ort_worker(args.ort_worker, n, k, args.threads, args.repeat)))
+        print(json.dumps(ort_worker(args.ort_worker, n, k, args.threads, args.repeat, args.kernel)))
         return 0
     try:
         rows = measure(n, k, args.threads, args.repeat)
