@@ -9,7 +9,8 @@ DOMAIN = "mla_deploy"
 OP_TYPE = "RoutedExperts"
 LINEAR_OP_TYPE = "BlockwiseMatMul"
 #: the largest weight (bytes of its integers) whose ``MatMulNBits`` is swapped for ``BlockwiseMatMul``: every
-#: projection of a layer; not a 100k-row lm_head, which ``MatMulNBits`` streams as fast (measured, see the README)
+#: projection of a layer; not a 100k-row lm_head, which ``MatMulNBits`` streams as fast from its packed copy on huge
+#: pages as ours from the engine file's 4 KiB pages (measured, see the README)
 LINEAR_MAX_BYTES = 32 << 20
 
 
