@@ -23,6 +23,9 @@ from .base import Engine
 from .huge_pages import huge_pages
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+#: ONNX's element type of bfloat16 (``TensorProto.BFLOAT16``): ONNX Runtime's Python API takes NumPy dtypes except
+#: ``ml_dtypes.bfloat16``, which it names by this number instead
+BF16_ELEMENT = 16
 
 
 def require_onnxruntime():
@@ -44,6 +47,32 @@ def numpy_dtype(precision: str):
         except ImportError as exc:  # pragma: no cover - onnx depends on ml_dtypes
             raise RuntimeMissingError("bf16 caches need the ml_dtypes package") from exc
     return np.dtype(PRECISIONS[precision])
+
+
+def element_type(dtype):
+    """What ONNX Runtime's binding and allocation calls take for ``dtype``: the dtype itself, or ONNX's number for
+    bfloat16 (which ONNX Runtime 1.31 cannot read from a NumPy dtype)."""
+    return BF16_ELEMENT if np.dtype(dtype).name == "bfloat16" else dtype
+
+
+def ortvalue(ort, array: np.ndarray, device: str = "cpu"):
+    """``array`` as an ``OrtValue`` on ``device`` (a copy there unless ``device`` is the CPU and ``array`` is not
+    bfloat16). bfloat16 goes in as its 16-bit pattern: ``OrtValue.ortvalue_from_numpy`` refuses ``ml_dtypes``."""
+    if element_type(array.dtype) != BF16_ELEMENT:
+        return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), BF16_ELEMENT, device, 0)
+    value.update_inplace(np.ascontiguousarray(array).view(np.uint16))
+    return value
+
+
+def host_array(ort, value) -> np.ndarray:
+    """A host copy of the tensor ``OrtValue`` ``value`` (on any device); bfloat16 as ``ml_dtypes.bfloat16``, which
+    ``OrtValue.numpy()`` cannot make."""
+    if value.data_type() != "tensor(bfloat16)":
+        return np.array(value.numpy())
+    host = np.empty(value.shape(), dtype=np.uint16)
+    ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BF16_ELEMENT).update_inplace(value)
+    return host.view(numpy_dtype("bf16"))
 
 
 def check_precision(precision: str, provider: str) -> None:
@@ -249,17 +278,21 @@ class OrtEngine(Engine):
         array = np.zeros(shape, dtype=self.dtype)
         if not self.layout.in_place:
             return array
-        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+        return ortvalue(self.ort, array, self.device)
 
     def to_host(self, array) -> np.ndarray:
         # a copy: the NumPy view of an OrtValue (or of a cache's buffer) dies with the state that holds it
-        return np.array(array.numpy() if isinstance(array, self.ort.OrtValue) else array)
+        return host_array(self.ort, array) if isinstance(array, self.ort.OrtValue) else np.array(array)
 
     def _sliceable(self, cache):
-        # an OrtValue cannot be sliced: a view of its buffer, valid while the state lives (the slice is copied)
+        # an OrtValue cannot be sliced: a view of its buffer (a copy off the CPU or in bfloat16), valid while the
+        # state lives (the slice is copied)
         if isinstance(cache, _Rows):
-            return cache.value.numpy()[cache.start: cache.stop]
-        return cache.numpy() if isinstance(cache, self.ort.OrtValue) else cache
+            return self._view(cache.value)[cache.start: cache.stop]
+        return self._view(cache) if isinstance(cache, self.ort.OrtValue) else cache
+
+    def _view(self, value) -> np.ndarray:
+        return host_array(self.ort, value) if value.data_type() == "tensor(bfloat16)" else value.numpy()
 
     def _rows(self, cache, start, stop):
         return _Rows(cache, start, stop)
@@ -274,21 +307,28 @@ class OrtEngine(Engine):
                 if cache.shape[-1] != width:
                     raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {width}")
                 feed[past_name(i)] = cache
-            results = self._execute(role, lambda: session.run(None, feed, self.run_options))
+            if element_type(self.dtype) != BF16_ELEMENT:
+                results = self._execute(role, lambda: session.run(None, feed, self.run_options))
+                return results[0], results[1:]
+            # bfloat16 in and out as OrtValues: session.run takes and returns NumPy arrays of NumPy's own dtypes only
+            values = {name: ortvalue(self.ort, np.asarray(array)) for name, array in feed.items()}
+            results = self._execute(role, lambda: session.run_with_ort_values(None, values, self.run_options))
+            results = [host_array(self.ort, value) for value in results]
             return results[0], results[1:]
         binding = session.io_binding()
         # the logits go into an array this engine owns: an output ONNX Runtime allocates is freed with its
         # OrtValue, and a NumPy view of it would then read freed memory
         logits = np.empty((len(ids), logits_index.shape[1], self.config.vocab_size), dtype=self.dtype)
-        binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+        element = element_type(self.dtype)
+        binding.bind_output("logits", "cpu", 0, element, list(logits.shape), logits.ctypes.data)
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("position_ids", positions)
         binding.bind_cpu_input("logits_index", logits_index)
         binding.bind_cpu_input(self.layout.control, control)
         for i, cache in enumerate(state.caches):
             if isinstance(cache, _Rows):  # some rows of a larger state's buffer, bound by address
-                binding.bind_input(past_name(i), self.device, 0, self.dtype, cache.shape, cache.address)
-                binding.bind_output(present_name(i), self.device, 0, self.dtype, cache.shape, cache.address)
+                binding.bind_input(past_name(i), self.device, 0, element, cache.shape, cache.address)
+                binding.bind_output(present_name(i), self.device, 0, element, cache.shape, cache.address)
                 continue
             binding.bind_ortvalue_input(past_name(i), cache)
             binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place

@@ -223,3 +223,45 @@ def test_every_command_refuses_bf16_on_the_cpu_in_one_line(tmp_path):
         assert result.returncode == 1, (args[0], result.stderr)
         assert result.stderr.splitlines() == [f"mla-deploy: error: {BF16_REFUSAL}"], args[0]
     assert not (tmp_path / "report").exists() and not (tmp_path / "bench").exists()
+
+
+def _identity_session(tmp_path, elem):
+    import onnx
+    import onnxruntime as ort
+
+    x = onnx.helper.make_tensor_value_info("x", elem, [2, 3])
+    y = onnx.helper.make_tensor_value_info("y", elem, [2, 3])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, tmp_path / "identity.onnx")
+    return ort, ort.InferenceSession(str(tmp_path / "identity.onnx"), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_bf16_values_cross_onnx_runtime_as_the_cuda_path_moves_them(tmp_path, precision):
+    """The calls the CUDA provider's bf16 caches and logits go through (ONNX Runtime 1.31's Python API refuses
+    ``ml_dtypes.bfloat16`` arrays: on the GPU every bf16 run failed with "Creation of OrtValues is currently only
+    supported from non-string numpy arrays"), on a CPU session that only copies (Identity has bf16 kernels there):
+    an OrtValue made from the array, read back, passed through ``run_with_ort_values`` and bound by address with
+    :func:`element_type`. The bit patterns come back unchanged."""
+    import onnx
+
+    from mla_deploy.engines.ort_engine import element_type, host_array, numpy_dtype, ortvalue
+
+    dtype = numpy_dtype(precision)
+    elem = onnx.TensorProto.BFLOAT16 if precision == "bf16" else onnx.TensorProto.FLOAT16
+    ort, session = _identity_session(tmp_path, elem)
+    array = (np.arange(6, dtype=np.float32).reshape(2, 3) / 7 - 0.3).astype(dtype)
+    value = ortvalue(ort, array)
+    assert value.data_type() == f"tensor({'bfloat16' if precision == 'bf16' else 'float16'})"
+    assert host_array(ort, value).dtype == dtype
+    assert host_array(ort, value).view(np.uint16).tolist() == array.view(np.uint16).tolist()
+    out = host_array(ort, session.run_with_ort_values(None, {"x": value})[0])
+    assert out.view(np.uint16).tolist() == array.view(np.uint16).tolist()
+    binding = session.io_binding()
+    result = np.zeros_like(array)
+    binding.bind_input("x", "cpu", 0, element_type(dtype), list(array.shape), array.ctypes.data)
+    binding.bind_output("y", "cpu", 0, element_type(dtype), list(result.shape), result.ctypes.data)
+    session.run_with_iobinding(binding)
+    assert result.view(np.uint16).tolist() == array.view(np.uint16).tolist()

@@ -126,6 +126,9 @@ def test_the_plan_of_steps_by_mode():
     assert gpu["validate-tiny-bf16"].expect_fail and not gpu["validate-tiny-fp16"].expect_fail
     assert gpu["decode-bf16"].after == ("export-v2lite4-int4-bf16",) and gpu["decode-bf16"].gpu
     assert "tests/plugins/test_kernel.py" in gpu["kernel-tests"].argv
+    # the TensorRT modules skip whole on a machine without TensorRT, and a skip fails the step (the H200 run of
+    # 2026-11-26 failed on exactly that): they are not collected
+    assert [a for a in gpu["kernel-tests"].argv if a.startswith("tests/")] == ["tests/plugins/test_kernel.py"]
     assert gpu["bench-whole"].skip and "--provider" in gpu["bench-whole"].skip  # the bench has no --provider yet
 
 
@@ -196,5 +199,5 @@ def test_the_plan_keeps_every_call_under_64_mib_and_the_doc_holds_it():
     assert "50.5 MiB" in section and "would exceed" not in section
     assert "would exceed 64 MiB" in call_plan.markdown(manifest, tree=14 * MiB)
     committed = (ROOT / "docs" / "gpu-verification.md").read_text()
-    assert "not yet run on a GPU" in committed
+    assert "**Status: not yet run on a GPU" in committed or "**Status: run on NVIDIA" in committed
     assert report.HOW_TO_RUN[0] in committed and call_plan.COMMAND in report.how_to_run()

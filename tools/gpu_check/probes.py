@@ -166,11 +166,11 @@ def static_check(artifact: Path, provider: str) -> int:
         ids[b, : len(prompt)] = np.array(prompt) % engine.config.vocab_size
         valid[b, : len(prompt)] = 1
     engine.forward("prefill", ids, np.broadcast_to(np.arange(7), ids.shape), state, valid)
-    pointers, before, held = [c.data_ptr() for c in state.caches], [c.numpy().copy() for c in state.caches], \
+    pointers, before, held = [c.data_ptr() for c in state.caches], [engine.to_host(c) for c in state.caches], \
         state.lengths.copy()
     with captured_fds() as log:
         engine.forward("decode", np.array([[5], [6]]), held[:, None].copy(), state)
-    changed = [sorted((int(b), int(r)) for b, _, r in np.argwhere(np.any(c.numpy() != old, axis=-1)))
+    changed = [sorted((int(b), int(r)) for b, _, r in np.argwhere(np.any(engine.to_host(c) != old, axis=-1)))
                for c, old in zip(state.caches, before)]
     found = {"provider": engine.provider, "device": state.caches[0].device_name(), "layers": len(state.caches),
              "same_address": [c.data_ptr() for c in state.caches] == pointers,
