@@ -8,10 +8,6 @@ from __future__ import annotations
 DOMAIN = "mla_deploy"
 OP_TYPE = "RoutedExperts"
 LINEAR_OP_TYPE = "BlockwiseMatMul"
-#: the largest weight (bytes of its integers) whose ``MatMulNBits`` is swapped for ``BlockwiseMatMul``: every
-#: projection of a layer; not a 100k-row lm_head, which ``MatMulNBits`` streams as fast from its packed copy on huge
-#: pages as ours from the engine file's 4 KiB pages (measured, see the README)
-LINEAR_MAX_BYTES = 32 << 20
 
 
 def _eligible(node) -> dict | None:
@@ -43,14 +39,15 @@ def _linear_eligible(node, dims: dict) -> dict | None:
     """The BlockwiseMatMul attributes of the ``MatMulNBits`` NodeProto ``node`` when it computes exactly what that
     node does at ``accuracy_level`` 4: int4/int8 blocks of 32, no zero points, group indices or bias, its weight and
     scales initializers (``dims``: initializer name -> shape) of the layout ``[N, K/32, 32*bits/8]`` and ``N*K/32``
-    values, the weight at most :data:`LINEAR_MAX_BYTES`."""
+    values. Every size: the lm_head too, whose weights the operator reads from the engine's file on 2 MiB pages
+    (``advise_huge`` in ``cpu_ops.c``) faster than ``MatMulNBits`` reads its packed copy (README)."""
     from onnx import helper
 
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     k, n, bits, block = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4), attrs.get("block_size")
     used = [i for i, name in enumerate(node.input) if name]
     if (used != [0, 1, 2] or bits not in (4, 8) or block != 32 or attrs.get("accuracy_level", 0) != 4 or not k
-            or k % 32 or not n or n * k * bits // 8 > LINEAR_MAX_BYTES):
+            or k % 32 or not n):
         return None
     weight, scales = dims.get(node.input[1]), dims.get(node.input[2])
     if weight != [n, k // 32, 32 * bits // 8] or scales is None or _count(scales) != n * k // 32:

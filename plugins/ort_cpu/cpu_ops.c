@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VNNI 1
@@ -294,7 +295,23 @@ static void dot_row(const uint8_t *w, const float *s, int K, int bits, int n, co
 
 typedef struct {
     int64_t k, bits, block, normalize;
+    int advised; /* the weights were advised onto huge pages (advise_huge) */
 } Kernel;
+
+/* Ask for the weights the kernel streams to be read into 2 MiB pages, once, before their first read. The engine's
+   weights are the pages of its .data file, which ONNX Runtime maps; Linux fills a file mapping with 2 MiB page-cache
+   folios, mapped by one page-table entry each, only where the mapping asks for them (MADV_HUGEPAGE) when the file is
+   not cached yet, and with 4 KiB pages otherwise. A hint: where it cannot be followed nothing changes. */
+static void advise_huge(int *advised, const void *const *weights, const size_t *bytes, int n) {
+    if (__atomic_exchange_n(advised, 1, __ATOMIC_RELAXED)) return;
+#ifdef MADV_HUGEPAGE
+    for (int i = 0; i < n; i++) {
+        const uintptr_t page = 4096, first = (uintptr_t)weights[i] & ~(page - 1);
+        const uintptr_t end = ((uintptr_t)weights[i] + bytes[i] + page - 1) & ~(page - 1);
+        (void)madvise((void *)first, end - first, MADV_HUGEPAGE);
+    }
+#endif
+}
 
 /* one layer's call: routing, then work items over (expert, tile of weight rows) */
 typedef struct {
@@ -418,6 +435,10 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int i = 0; i < 6; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[6]));
     float *y = (float *)ptr[6];
+    const void *weights[4] = {ptr[2], ptr[3], ptr[4], ptr[5]};
+    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * bits / 8, (size_t)E * 2 * I * (D / BLOCK) * sizeof(float),
+                                    (size_t)E * D * I * bits / 8, (size_t)E * D * (I / BLOCK) * sizeof(float)};
+    advise_huge(&((Kernel *)kernel_data)->advised, weights, weight_bytes, 4);
     if (T == 0) return NULL;
     const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
 
@@ -551,6 +572,7 @@ static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, c
 
 typedef struct {
     int64_t K, N, bits, block;
+    int advised; /* advise_huge */
 } LinearKernel;
 
 typedef struct {
@@ -610,6 +632,9 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     void *ptr[4];
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
+    const void *weights[2] = {ptr[1], ptr[2]};
+    const size_t weight_bytes[2] = {(size_t)N * K * bits / 8, (size_t)N * (K / BLOCK) * sizeof(float)};
+    advise_huge(&((LinearKernel *)kernel_data)->advised, weights, weight_bytes, 2);
     if (M == 0) return NULL;
     LinearWork w = {(int)M, N, (const uint8_t *)ptr[1], (const float *)ptr[2], (size_t)K * bits / 8,
                     {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3]};

@@ -168,11 +168,11 @@ def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build):
     assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
 
 
-@pytest.mark.parametrize("change, swapped", [({}, 1), ({"block_size": 64}, 0), ({"accuracy_level": 1}, 0),
-                                             ({"N": 1 << 20}, 0)])
+@pytest.mark.parametrize("change, swapped", [({}, 1), ({"N": 1 << 17}, 1), ({"block_size": 64}, 0),
+                                             ({"accuracy_level": 1}, 0)])
 def test_linear_swap_only_where_it_computes_exactly_matmulnbits(change, swapped):
-    """Blocks of 32 at accuracy_level 4 with the weight's layout are swapped; another block size, the exact (fp32)
-    compute, or a weight over LINEAR_MAX_BYTES (an lm_head: MatMulNBits streams it as fast) keep MatMulNBits."""
+    """Blocks of 32 at accuracy_level 4 with the weight's layout are swapped, at any size (an lm_head of 128k rows
+    too); another block size or the exact (fp32) compute keep MatMulNBits."""
     n, block = change.get("N", 2 * I), change.get("block_size", 32)
     node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=D, N=n, bits=4,
                             block_size=block, accuracy_level=change.get("accuracy_level", 4))
@@ -215,7 +215,7 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
     out = ok(cli("build", art, "--target", "cpu"))
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
-    linear = record["linear"]  # every quantized product (the tiny preset's are all far below LINEAR_MAX_BYTES)
+    linear = record["linear"]  # every quantized product, the lm_head's too
     assert f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear} (cpu_ops.so)" in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     for graph in ("prefill", "decode"):
@@ -255,3 +255,65 @@ def test_without_a_compiler_the_engine_keeps_qmoe_and_says_why(moe_artifact, tmp
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     assert record["experts"] == record["linear"] == 0 and not (art / "cpu" / cpu_ops.LIBRARY).exists()
     assert _tokens(art) == _tokens(art, "--no-engine")
+
+
+def _file_pmd_mapped_kib(path: Path) -> int:
+    """KiB of ``path``'s mappings in this process mapped by 2 MiB page-table entries (``/proc/self/smaps``)."""
+    total, current = 0, ""
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and ":" not in fields[0]:
+            current = fields[5] if len(fields) > 5 else ""
+        elif current == str(path) and fields[0] == "FilePmdMapped:":
+            total += int(fields[1])
+    return total
+
+
+def _huge_file_pages_here(tmp_path: Path) -> bool:
+    """Whether this kernel and filesystem put an uncached file's pages, read through a mapping that asks for huge
+    pages, on 2 MiB pages (Linux 6.x on ext4 does; tmpfs and older kernels do not)."""
+    import mmap
+
+    from mla_deploy.engines.cpu_build import drop_cached_pages
+
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(np.random.default_rng(0).bytes(16 << 20))
+    drop_cached_pages(probe)
+    with open(probe, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        sum(m[i] for i in range(0, len(m), 4096))
+        return _file_pmd_mapped_kib(probe) > 0
+
+
+def test_the_operators_read_the_engine_file_on_huge_pages(libraries, tmp_path):
+    """A weight ONNX Runtime maps from a file (as the engine's ``.data``), not cached yet (as the build leaves it:
+    ``drop_cached_pages``): the operator advises its range before the first read, so the kernel reads it into 2 MiB
+    pages. Without the advice a single read of it stays on 4 KiB pages (measured on Linux 6.18, ext4)."""
+    import onnx
+
+    from mla_deploy.engines.cpu_build import drop_cached_pages
+
+    if libraries["native"].path is None:
+        pytest.skip(f"no native build: {libraries['native'].why_not}")
+    if not _huge_file_pages_here(tmp_path):
+        pytest.skip("this kernel or filesystem maps no file pages on 2 MiB pages")
+    n, k = 8192, 2048  # 8 MiB of int4
+    rng = np.random.default_rng(1)
+    b = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
+    scales = rng.random(n * k // 32, dtype=np.float32) * 0.02
+    node = helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", "b", "s"], ["y"], domain=own_ops.DOMAIN, K=k, N=n, bits=4,
+                            block_size=32)
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(own_ops.DOMAIN, 1)])
+    model.ir_version = 10
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    data = tmp_path / "m.data"
+    drop_cached_pages(data)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    cpu_ops.register(options, libraries["native"].path)
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"])
+    session.run(None, {"a": rng.standard_normal((1, k), dtype=np.float32)})
+    assert _file_pmd_mapped_kib(data) >= 2048, _file_pmd_mapped_kib(data)
