@@ -182,7 +182,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     if not engine.is_file():
         raise ExportError(f"ONNX Runtime did not write the optimised {source}")
     keep_prepacked(engine, kept)
-    if data.is_file():
+    if data.is_file() and library is not None:  # only our operators ask for huge pages: else keep what is cached
         drop_cached_pages(data)
     graph = next(g for g in manifest.graphs.values() if g.file == source)
     return EngineGraph(source, graph.sha256 or sha256_file(root / source), engine.name, sha256_file(engine),
@@ -195,7 +195,8 @@ def drop_cached_pages(path: Path) -> None:
     The build leaves the engine's weights cached in the 4 KiB pages it wrote them in, and a session reading cached
     pages keeps them. Dropped, they are read again on the first session's first use, into 2 MiB pages where the
     engine's operators ask for them (``advise_huge`` in ``plugins/ort_cpu/cpu_ops.c``): fewer TLB misses while a
-    decode step streams them (``tools/gemv_probe``)."""
+    decode step streams them (``tools/gemv_probe``). An engine without our operators keeps its pages cached: nothing
+    in it asks for huge pages, so dropping them would only cost a read from disk."""
     if not hasattr(os, "posix_fadvise"):
         return
     fd = os.open(path, os.O_RDONLY)

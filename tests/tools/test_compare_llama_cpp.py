@@ -181,6 +181,16 @@ def test_dry_run_of_one_precision_with_llama_cpp_built(checkpoint, tmp_path):
         "convert-F32", "quantize-Q4_0", "mla-deploy-bench", "llama-bench-Q4_0"]
 
 
+@pytest.mark.parametrize("weights, blocks", [("float", False), ("float,int4", True), ("int8", True)])
+def test_blocks_of_32_are_asked_for_only_where_weights_are_quantized(checkpoint, tmp_path, weights, blocks):
+    """The bench refuses --block-size without quantized weights: a float-only comparison must not pass it (it
+    failed that way on 2026-11-26), a quantized one passes 32 (Q8_0's and Q4_0's blocks)."""
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache"), "--weights", weights)
+    assert proc.returncode == 0, proc.stderr
+    bench = next(line for line in proc.stdout.splitlines() if line.startswith("mla-deploy-bench:"))
+    assert ("--block-size 32" in bench) == blocks, bench
+
+
 @pytest.mark.parametrize("weights, dropped", [("int4", True), ("int8,int4", False)])
 def test_q4_0_from_a_q8_0_file_is_requantized_and_the_file_dropped_unless_requested(checkpoint, tmp_path, weights,
                                                                                        dropped):

@@ -121,8 +121,10 @@ def quantize(s: Settings, key: str, kind: str, drop: bool = False) -> Step:
 
 def mla_bench(s: Settings) -> Step:
     """``mla-deploy bench model`` at batch 1 on the same checkpoint, every precision (its own exports)."""
+    # blocks of 32 as Q8_0/Q4_0's; the bench refuses --block-size where no weights are quantized (float alone)
+    blocks = ("--block-size", "32") if set(s.precisions) - {"float"} else ()
     argv = (sys.executable, "-m", "mla_deploy", "bench", "model", "--hf", str(s.checkpoint), "--weights",
-            ",".join(s.precisions), "--block-size", "32", "--context", ",".join(map(str, s.contexts)), "--batch", "1",
+            ",".join(s.precisions), *blocks, "--context", ",".join(map(str, s.contexts)), "--batch", "1",
             "--threads", str(s.threads), "--prompt-length", str(s.prompt), "--repeat", str(s.our_repeat),
             "--no-transformers", "--out", str(s.bench_out))
     return Step("mla-deploy-bench", argv)
