@@ -65,11 +65,12 @@ def ortvalue(ort, array: np.ndarray, device: str = "cpu"):
     return value
 
 
-def host_array(ort, value) -> np.ndarray:
-    """A host copy of the tensor ``OrtValue`` ``value`` (on any device); bfloat16 as ``ml_dtypes.bfloat16``, which
-    ``OrtValue.numpy()`` cannot make."""
+def host_array(ort, value, copy: bool = True) -> np.ndarray:
+    """The tensor ``OrtValue`` ``value`` (on any device) as a host array; bfloat16 as ``ml_dtypes.bfloat16``, which
+    ``OrtValue.numpy()`` cannot make. ``copy=False``: a view of a CPU value's buffer where one can be had (valid
+    while ``value`` lives); a value off the CPU or in bfloat16 is copied either way."""
     if value.data_type() != "tensor(bfloat16)":
-        return np.array(value.numpy())
+        return np.array(value.numpy()) if copy else value.numpy()
     host = np.empty(value.shape(), dtype=np.uint16)
     ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BF16_ELEMENT).update_inplace(value)
     return host.view(numpy_dtype("bf16"))
@@ -288,11 +289,8 @@ class OrtEngine(Engine):
         # an OrtValue cannot be sliced: a view of its buffer (a copy off the CPU or in bfloat16), valid while the
         # state lives (the slice is copied)
         if isinstance(cache, _Rows):
-            return self._view(cache.value)[cache.start: cache.stop]
-        return self._view(cache) if isinstance(cache, self.ort.OrtValue) else cache
-
-    def _view(self, value) -> np.ndarray:
-        return host_array(self.ort, value) if value.data_type() == "tensor(bfloat16)" else value.numpy()
+            return host_array(self.ort, cache.value, copy=False)[cache.start: cache.stop]
+        return host_array(self.ort, cache, copy=False) if isinstance(cache, self.ort.OrtValue) else cache
 
     def _rows(self, cache, start, stop):
         return _Rows(cache, start, stop)

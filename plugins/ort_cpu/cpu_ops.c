@@ -514,28 +514,23 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     return status;
 }
 
-/* a kernel's four integer attributes */
-static OrtStatus *read_attributes(const OrtKernelInfo *info, const char *const names[4], int64_t *const fields[4]) {
-    for (int i = 0; i < 4; i++) CHECK(CALL(KernelInfoGetAttribute_int64)(info, names[i], fields[i]));
+/* a kernel's four integer attributes, read before anything is allocated */
+static OrtStatus *read_attributes(const OrtKernelInfo *info, const char *const names[4], int64_t a[4]) {
+    for (int i = 0; i < 4; i++) CHECK(CALL(KernelInfoGetAttribute_int64)(info, names[i], &a[i]));
     return NULL;
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
-    Kernel *kernel = calloc(1, sizeof(Kernel));
-    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
     const char *names[4] = {"k", "expert_weight_bits", "block_size", "normalize_routing_weights"};
-    int64_t *fields[4] = {&kernel->k, &kernel->bits, &kernel->block, &kernel->normalize};
-    OrtStatus *status = read_attributes(info, names, fields);
-    if (status) {
-        free(kernel);
-        return status;
-    }
-    if ((kernel->bits != 4 && kernel->bits != 8) || kernel->block != BLOCK || kernel->k < 1 || kernel->normalize != 1) {
-        free(kernel);
+    int64_t a[4]; /* k, bits, block, normalize */
+    CHECK(read_attributes(info, names, a));
+    if ((a[1] != 4 && a[1] != 8) || a[2] != BLOCK || a[0] < 1 || a[3] != 1)
         return fail("RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, k >= 1, "
                     "normalize_routing_weights 1");
-    }
+    Kernel *kernel = calloc(1, sizeof(Kernel));
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
+    kernel->k = a[0], kernel->bits = a[1], kernel->block = a[2], kernel->normalize = a[3];
     *out = kernel;
     return NULL;
 }
@@ -651,20 +646,14 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
 
 static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
+    const char *names[4] = {"K", "N", "bits", "block_size"};
+    int64_t a[4]; /* K, N, bits, block */
+    CHECK(read_attributes(info, names, a));
+    if ((a[2] != 4 && a[2] != 8) || a[3] != BLOCK || a[0] < BLOCK || a[0] % BLOCK || a[1] < 1)
+        return fail("BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1");
     LinearKernel *kernel = calloc(1, sizeof(LinearKernel));
     if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
-    const char *names[4] = {"K", "N", "bits", "block_size"};
-    int64_t *fields[4] = {&kernel->K, &kernel->N, &kernel->bits, &kernel->block};
-    OrtStatus *status = read_attributes(info, names, fields);
-    if (status) {
-        free(kernel);
-        return status;
-    }
-    if ((kernel->bits != 4 && kernel->bits != 8) || kernel->block != BLOCK || kernel->K < BLOCK ||
-        kernel->K % BLOCK || kernel->N < 1) {
-        free(kernel);
-        return fail("BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1");
-    }
+    kernel->K = a[0], kernel->N = a[1], kernel->bits = a[2], kernel->block = a[3];
     *out = kernel;
     return NULL;
 }
