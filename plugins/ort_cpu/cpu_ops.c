@@ -294,7 +294,12 @@ static void dot_row(const uint8_t *w, const float *s, int K, int bits, int n, co
 /* ---- the operator -------------------------------------------------------------------------------------------- */
 
 typedef struct {
-    int64_t k, bits, block, normalize;
+    union { /* the attributes, in the order new_kernel reads them */
+        int64_t attributes[4];
+        struct {
+            int64_t k, bits, block, normalize;
+        };
+    };
     int advised; /* the weights were advised onto huge pages (advise_huge) */
 } Kernel;
 
@@ -514,25 +519,29 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     return status;
 }
 
-/* a kernel's four integer attributes, read before anything is allocated */
-static OrtStatus *read_attributes(const OrtKernelInfo *info, const char *const names[4], int64_t a[4]) {
+/* A kernel of `size` bytes that begins with its four integer attributes `names` (read, then checked by `valid`, before
+   anything is allocated): Kernel and LinearKernel. */
+static OrtStatus *new_kernel(const OrtKernelInfo *info, const char *const names[4], int (*valid)(const int64_t *),
+                             const char *refusal, size_t size, void **out) {
+    int64_t a[4];
     for (int i = 0; i < 4; i++) CHECK(CALL(KernelInfoGetAttribute_int64)(info, names[i], &a[i]));
+    if (!valid(a)) return fail(refusal);
+    int64_t *kernel = calloc(1, size);
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
+    memcpy(kernel, a, sizeof a);
+    *out = kernel;
     return NULL;
+}
+
+static int experts_valid(const int64_t *a) { /* k, bits, block, normalize */
+    return (a[1] == 4 || a[1] == 8) && a[2] == BLOCK && a[0] >= 1 && a[3] == 1;
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
     const char *names[4] = {"k", "expert_weight_bits", "block_size", "normalize_routing_weights"};
-    int64_t a[4]; /* k, bits, block, normalize */
-    CHECK(read_attributes(info, names, a));
-    if ((a[1] != 4 && a[1] != 8) || a[2] != BLOCK || a[0] < 1 || a[3] != 1)
-        return fail("RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, k >= 1, "
-                    "normalize_routing_weights 1");
-    Kernel *kernel = calloc(1, sizeof(Kernel));
-    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
-    kernel->k = a[0], kernel->bits = a[1], kernel->block = a[2], kernel->normalize = a[3];
-    *out = kernel;
-    return NULL;
+    return new_kernel(info, names, experts_valid, "RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, "
+                      "k >= 1, normalize_routing_weights 1", sizeof(Kernel), out);
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
@@ -566,9 +575,16 @@ static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, c
  * block_size (32). */
 
 typedef struct {
-    int64_t K, N, bits, block;
+    union { /* the attributes, in the order new_kernel reads them */
+        int64_t attributes[4];
+        struct {
+            int64_t K, N, bits, block;
+        };
+    };
     int advised; /* advise_huge */
 } LinearKernel;
+_Static_assert(offsetof(Kernel, attributes) == 0 && offsetof(LinearKernel, attributes) == 0,
+               "new_kernel writes the attributes at the start of each kernel");
 
 typedef struct {
     int M, N;
@@ -644,18 +660,16 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     return status;
 }
 
+static int linear_valid(const int64_t *a) { /* K, N, bits, block */
+    return (a[2] == 4 || a[2] == 8) && a[3] == BLOCK && a[0] >= BLOCK && a[0] % BLOCK == 0 && a[1] >= 1;
+}
+
 static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
     const char *names[4] = {"K", "N", "bits", "block_size"};
-    int64_t a[4]; /* K, N, bits, block */
-    CHECK(read_attributes(info, names, a));
-    if ((a[2] != 4 && a[2] != 8) || a[3] != BLOCK || a[0] < BLOCK || a[0] % BLOCK || a[1] < 1)
-        return fail("BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1");
-    LinearKernel *kernel = calloc(1, sizeof(LinearKernel));
-    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
-    kernel->K = a[0], kernel->N = a[1], kernel->bits = a[2], kernel->block = a[3];
-    *out = kernel;
-    return NULL;
+    return new_kernel(info, names, linear_valid,
+                      "BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1",
+                      sizeof(LinearKernel), out);
 }
 
 static const char *linear_name(const OrtCustomOp *op) { (void)op; return "BlockwiseMatMul"; }
