@@ -117,6 +117,8 @@ class CpuOperators:
         library, library_sha256: the operator library in ``cpu/`` and its sha256 (None when nothing was swapped).
         source_sha256: the sha256 of the operator source it was compiled from.
         why_not: why the build swapped nothing (no compiler, no source, no AVX-512 VNNI), or None.
+        heads: how many per-head products (``DequantizeLinear -> Transpose -> MatMul``) it swapped for
+            ``mla_deploy.HeadwiseMatMul`` (a record without the field: none).
     """
 
     experts: int = 0
@@ -125,25 +127,27 @@ class CpuOperators:
     library_sha256: str | None = None
     source_sha256: str | None = None
     why_not: str | None = None
+    heads: int = 0
 
     @property
     def used(self) -> bool:
-        return bool(self.experts or self.linear)
+        return bool(self.experts or self.linear or self.heads)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"experts": self.experts, "linear": self.linear, "library": self.library,
+        return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "library": self.library,
                 "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
-                   data.get("source_sha256"), data.get("why_not"))
+                   data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)))
 
     def describe(self) -> str:
         """One phrase: what computes the experts and the quantized products."""
         if not self.used:
             return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
-        return (f"mla_deploy.RoutedExperts x{self.experts}, mla_deploy.BlockwiseMatMul x{self.linear} "
+        heads = f", mla_deploy.HeadwiseMatMul x{self.heads}" if self.heads else ""
+        return (f"mla_deploy.RoutedExperts x{self.experts}, mla_deploy.BlockwiseMatMul x{self.linear}{heads} "
                 f"({self.library})")
 
 

@@ -20,8 +20,10 @@ own session options (``onnxruntime_session_options_config_keys.h``, checked agai
   at open as before. Of a float artifact's, :func:`keep_prepacked` keeps only the kernels in :data:`PREPACKED_KEPT`
   (checked bit for bit); any other kernel (a fused expert operator, say) packs at open.
 
-Quantized routed experts (``QMoE``) and a layer's quantized products (``MatMulNBits``), int4/int8 in blocks of
-32, are swapped for mla-deploy's own operators ``mla_deploy.RoutedExperts`` and ``mla_deploy.BlockwiseMatMul``
+Quantized routed experts (``QMoE``), a layer's quantized products (``MatMulNBits``) and the absorbed attention's
+per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blocks of 32, are swapped for
+mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
+``mla_deploy.HeadwiseMatMul``
 (:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
 compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Without a C
 compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.
@@ -120,7 +122,7 @@ class _Operators:
     swapped into every graph that does (:func:`~mla_deploy.quant.own_ops.swap_experts`, ``swap_linear``)."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.library, self.experts, self.linear = tmp, None, 0, 0
+        self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
 
     def swap(self, model: str | bytes):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s) with its eligible nodes
@@ -135,20 +137,21 @@ class _Operators:
             self.library = cpu_ops.compile_library(self.tmp)
         if self.library.path is None:
             return model, None
-        experts, linear = own_ops.swap_experts(proto), own_ops.swap_linear(proto)
-        if not experts + linear:
+        experts, linear, heads = own_ops.swap_experts(proto), own_ops.swap_linear(proto), own_ops.swap_headwise(proto)
+        if not experts + linear + heads:
             return model, None
-        self.experts, self.linear = self.experts + experts, self.linear + linear
+        self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
         return proto.SerializeToString(), self.library.path
 
     def record(self) -> CpuOperators:
-        if self.experts + self.linear:
+        if self.experts + self.linear + self.heads:
             path = self.library.path
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
-                                sha256_file(cpu_ops.source_path()))
+                                sha256_file(cpu_ops.source_path()), heads=self.heads)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
-            return CpuOperators(why_not="no QMoE or MatMulNBits node they compute exactly (mla_deploy.engines.cpu_ops)")
+            return CpuOperators(why_not="no QMoE, MatMulNBits or per-head product they compute exactly "
+                                        "(mla_deploy.engines.cpu_ops)")
         return CpuOperators(why_not=None if self.library is None else self.library.why_not)
 
 

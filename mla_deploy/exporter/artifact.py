@@ -94,6 +94,7 @@ class ArtifactTarget:
     recipe: Recipe
     weights: WeightsSource
     fingerprint: str
+    per_head_weights = True  # OrtEngine and the CPU engine build fold or read them (mla_deploy.quant.HEADWISE)
 
     @property
     def config(self) -> MLAConfig:

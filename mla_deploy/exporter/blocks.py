@@ -87,6 +87,7 @@ class BlockTarget:
     n_latents: int
     seed: int
     quantization = FLOAT
+    per_head_weights = False
     external_data_threshold = ExportSettings.external_data_threshold
 
     def wrapper(self) -> torch.nn.Module:

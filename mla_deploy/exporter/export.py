@@ -42,7 +42,7 @@ from ..errors import ExportError
 from ..expert_forms import BRANCHES
 from ..io_spec import TensorSpec
 from ..model.layers import routed_expert_parameters
-from ..quant import Quantization, pack_int4
+from ..quant import Quantization, QuantizedKeys, pack_int4
 from .moe_onnx import dense_expert_products
 from .onnx_export import bind_initializers, fold_weight_views, per_head_kv_tensors, save_graph, trace_graph
 from .weights import WEIGHTS_FILE, Progress, TensorSource, WeightsFile, WeightSpec
@@ -127,7 +127,7 @@ class Exported:
     specs: dict[str, WeightSpec]
     values: dict
     weights_data: dict | None
-    quantized: list[str] = field(default_factory=list)
+    quantized: QuantizedKeys = field(default_factory=QuantizedKeys)
 
 
 class ExportTarget(Protocol):
@@ -139,6 +139,9 @@ class ExportTarget(Protocol):
     quantization: Quantization
     #: weights above this many bytes go to ``weights.data``
     external_data_threshold: int
+    #: the absorbed halves of ``kv_b_proj`` may be quantized per head (:data:`~mla_deploy.quant.HEADWISE`): the
+    #: sessions that run the graphs are given the option that folds their dequantization once (mla-deploy's own)
+    per_head_weights: bool
 
     def prepare(self, out: Path, overwrite: bool) -> list[str]:
         """Check that ``out`` may take the export; return the names there to keep. Raises ExportError."""
@@ -202,7 +205,8 @@ def _write_graphs(target: ExportTarget, source: TensorSource, tmp: Path, progres
         start = time.perf_counter()
         traced.append(trace_meta_graph(plan))
         log(f"traced {plan.file} in {time.perf_counter() - start:.1f} s")
-    quantized = target.quantization.quantize_graphs([(g.model, g.placeholders, g.specs) for g in traced], log)
+    quantized = target.quantization.quantize_graphs([(g.model, g.placeholders, g.specs) for g in traced], log,
+                                                    target.per_head_weights)
     specs: dict[str, WeightSpec] = {}
     for graph in traced:
         for name, spec in graph.specs.items():

@@ -140,6 +140,9 @@ class GenaiTarget:
 
     recipe: Recipe
     checkpoint: str | Path | None = None
+    #: kept in the float type: onnxruntime-genai's sessions are not given the option that folds their
+    #: dequantization once (mla_deploy.quant.HEADWISE), so it would run at every step
+    per_head_weights = False
 
     @property
     def config(self) -> MLAConfig:

@@ -16,9 +16,9 @@ CLI's choices) goes through these names. Importing this package is cheap (torch,
 when a weight is quantized or a graph read), so the CLI takes its choices from here.
 """
 
-from .formats import (COMPUTE, DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, MATMULNBITS, QDQ, QMOE,
-                      WeightFormat, accuracy_level, matmulnbits_layout)
-from .graph import GraphQuantization, WeightPart, WHOLE, observe_graphs, quantize_graph_weights
+from .formats import (COMPUTE, DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, HEADWISE, MATMULNBITS, QDQ,
+                      QMOE, WeightFormat, accuracy_level, matmulnbits_layout)
+from .graph import GraphQuantization, QuantizedKeys, WeightPart, WHOLE, observe_graphs, quantize_graph_weights
 from .record import (FLOAT, WEIGHTS, Quantization, Quantized, from_manifest, parse_block_size, plan, plans,
                      require_quantized, weights_list)
 from .scheme import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, dequantize, fake_quantize,
@@ -28,8 +28,8 @@ from .scheme import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantizatio
 BLOCK_SIZE_CHOICES = tuple(str(b) for b in BLOCK_SIZES)
 
 __all__ = ["BLOCK_SIZES", "BLOCK_SIZE_CHOICES", "COMPUTE", "DEFAULT_BLOCK_SIZE", "DEFAULT_FORMAT", "EXACT_COMPUTE",
-           "FAST_COMPUTE", "FLOAT", "FORMATS", "GraphQuantization", "MATMULNBITS", "QDQ", "QMOE", "Quantization",
-           "Quantized",
+           "FAST_COMPUTE", "FLOAT", "FORMATS", "GraphQuantization", "HEADWISE", "MATMULNBITS", "QDQ", "QMOE",
+           "Quantization", "Quantized", "QuantizedKeys",
            "SCHEMES", "WEIGHTS", "WHOLE", "WeightFormat", "WeightPart", "WeightQuantization", "accuracy_level",
            "dequantize", "fake_quantize", "from_manifest", "matmulnbits_layout", "observe_graphs", "pack_int4",
            "parse_block_size", "plan", "plans", "quantize", "quantize_graph_weights", "require_quantized", "weights_list"]

@@ -17,7 +17,9 @@ asks about it:
   ``matmulnbits``: the nodes' ``accuracy_level`` rewritten in memory (the files untouched).
 
 The fused experts (:mod:`mla_deploy.expert_forms`) hold their quantized weights in a third layout whatever the
-format, :data:`QMOE`: ONNX Runtime's ``QMoE`` node, the same scheme stacked over the experts (:class:`_QMoE`).
+format, :data:`QMOE`: ONNX Runtime's ``QMoE`` node, the same scheme stacked over the experts (:class:`_QMoE`). The
+absorbed attention's per-head products (``w_uk``, ``w_uv``: ``[H, K, N]``) are held, by the formats that take them
+(:attr:`~WeightFormat.headwise`: ``matmulnbits``), in a fourth, :data:`HEADWISE` (:class:`_Headwise`).
 
 Why two:
 
@@ -72,6 +74,7 @@ class WeightFormat:
         parts: the suffixes of a weight's initializers, integers first, then scales.
         whole_blocks: the integers are stored in whole blocks (``K`` padded to a multiple of the block size).
         tensorrt: TensorRT can build a graph holding it.
+        headwise: the absorbed attention's per-head weights ``[H, K, N]`` are quantized too, in :data:`HEADWISE`.
     """
 
     name: str = ""
@@ -79,6 +82,7 @@ class WeightFormat:
     parts: tuple[str, str] = ("", "")
     whole_blocks: bool = False
     tensorrt: bool = True
+    headwise: bool = False
 
     def __repr__(self) -> str:
         return f"<WeightFormat {self.name}>"
@@ -160,6 +164,7 @@ class _Qdq(WeightFormat):
 
         bits = {onnx.TensorProto.INT8: 8, onnx.TensorProto.INT4: 4}
         held = {i.name: bits[i.data_type] for i in model.graph.initializer if i.data_type in bits}
+        held = {name: n for name, n in held.items() if name not in HEADWISE.observe(model)}
         return {node.input[0]: (held[node.input[0]], _attributes(node).get("block_size", 0))
                 for node in model.graph.node
                 if node.op_type == "DequantizeLinear" and node.domain in ONNX_DOMAINS and node.input[0] in held}
@@ -170,7 +175,7 @@ class _Qdq(WeightFormat):
 
 class _MatMulNBits(WeightFormat):
     name, ops, parts = "matmulnbits", "com.microsoft MatMulNBits(accuracy_level=4)", (".nbits", ".scale")
-    whole_blocks, tensorrt = True, False
+    whole_blocks, tensorrt, headwise = True, False, True
     #: the accuracy level the nodes are written with (int8 activations)
     written = COMPUTE[FAST_COMPUTE]
 
@@ -202,6 +207,9 @@ class _MatMulNBits(WeightFormat):
     def rewrite(self, model, level):
         return _set_accuracy_level(_nodes(model), level)
 
+    def entries(self, level):
+        return HEADWISE.entries(level)
+
     def require_tensorrt(self, where):
         raise ArtifactError(f"{where}'s quantized weights are ONNX Runtime MatMulNBits nodes, which TensorRT cannot "
                             f"parse; export with --quant-format {QDQ.name} for TensorRT")
@@ -216,6 +224,12 @@ def _replace_node(model, old_node, node) -> None:
     old.replace_all_uses_with(out, replace_graph_outputs=True)
     model.graph.remove(old_node, safe=True)
     out.name = out_name
+
+
+def _dequantize_nodes(model, axis: int) -> list:
+    """The graph's standard ``DequantizeLinear`` NodeProtos along ``axis`` (ONNX's default axis is 1)."""
+    return [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.domain in ONNX_DOMAINS
+            and _attributes(n).get("axis", 1) == axis]
 
 
 def _nodes(model, op_type: str = "MatMulNBits") -> list:
@@ -407,8 +421,80 @@ def _dequantized_moe(model, node) -> None:
         model.graph.node.insert(at + offset, new)
 
 
+class _Headwise(WeightFormat):
+    """The absorbed attention's per-head weights (``w_uk [H, dn, r]``, ``w_uv`` as multiplied, ``[H, r, dv]``): a
+    ``MatMul(A [H, M, K], W [H, K, N])`` against a 3-D constant, which ``MatMulNBits`` does not take.
+
+    Not a ``--quant-format``: the formats with :attr:`~WeightFormat.headwise` (``matmulnbits``) hold these weights
+    here. Each head's ``[K, N]`` is quantized like any weight (blocks of ``K``, its product's input features) and
+    stored transposed, each output row's ``K`` values contiguous: ``W.q [H, N, K]`` ``INT4``/``INT8`` (signed, no zero
+    point; int4 two per byte, low nibble first) and ``W.scale [H, N, ceil(K/B)]``, read by standard ONNX:
+    ``MatMul(A, Transpose(DequantizeLinear(W.q, W.scale, axis=2, block_size=B), perm=[0, 2, 1]))``.
+
+    ONNX Runtime: the session option ``session.disable_quant_qdq`` = 1 (:meth:`entries`, which ``matmulnbits``
+    passes on: its graphs hold no other ``DequantizeLinear``) makes the CPU provider fold the dequantization into a
+    float32 constant once, when the session loads (measured on 1.31.1: the optimised graph holds one ``MatMul``), so
+    a plain session computes exactly with the dequantized weights; without it, the dequantization would run at every
+    step. A CPU engine (:mod:`mla_deploy.engines.cpu_build`) reads the integers as they are instead
+    (``mla_deploy.HeadwiseMatMul``, :mod:`mla_deploy.quant.own_ops`).
+    """
+
+    name, ops, parts = "headwise", "DequantizeLinear(axis=2, block_size) -> Transpose -> MatMul", (".q", ".scale")
+    whole_blocks, tensorrt = False, False
+    #: folds the dequantization at load (see the class docstring); ONNX Runtime's
+    #: ``kOrtSessionOptionsDisableQuantQDQ``
+    FOLD_ENTRY = "session.disable_quant_qdq"
+
+    def insert(self, model, value, scheme):
+        import onnx_ir as ir
+
+        h, k, n = (int(d) for d in value.shape)
+        q = ir.Value(name=value.name + self.parts[0], shape=ir.Shape([h, n, k]),
+                     type=ir.TensorType(ir.DataType.INT4 if scheme.bits == 4 else ir.DataType.INT8))
+        scale = ir.Value(name=value.name + self.parts[1], shape=ir.Shape([h, n, scheme.blocks(k)]), type=value.type)
+        dq = ir.Node("", "DequantizeLinear", inputs=[q, scale], num_outputs=1,
+                     attributes=[ir.AttrInt64("axis", 2), ir.AttrInt64("block_size", scheme.block_size)])
+        rows = dq.outputs[0]
+        rows.name, rows.shape, rows.type = f"{value.name}.dequantized", ir.Shape([h, n, k]), value.type
+        transpose = ir.Node("", "Transpose", inputs=[rows], num_outputs=1, attributes=[ir.AttrInt64s("perm", [0, 2, 1])])
+        out = transpose.outputs[0]
+        out.name, out.shape, out.type = f"{value.name}.weight", ir.Shape([h, k, n]), value.type
+        value.replace_all_uses_with(out)
+        model.graph.insert_before(model.graph[0], [dq, transpose])
+        return [q, scale]
+
+    def lay_out(self, view, scheme):
+        """``view [H, K, N]`` (the weight as the ``MatMul`` multiplies with it) -> ``(int8 [H, N, K], scale
+        [H, N, ceil(K/B)])``, each head as :func:`~mla_deploy.quant.quantize` gives it, transposed."""
+        import torch
+
+        from .scheme import quantize
+
+        parts = [quantize(head, scheme) for head in view]
+        return (torch.stack([q.T for q, _ in parts]).contiguous(),
+                torch.stack([s.T for _, s in parts]).contiguous())
+
+    def nbytes(self, k, n, scheme, scale_itemsize):
+        """Bytes of one head's ``[K, N]``: each of the ``N`` rows packs its ``K`` integers (a whole byte per row)."""
+        return n * -(-k * scheme.bits // 8) + n * scheme.blocks(k) * scale_itemsize
+
+    def observe(self, model):
+        import onnx
+
+        bits = {onnx.TensorProto.INT8: 8, onnx.TensorProto.INT4: 4}
+        held = {i.name: bits[i.data_type] for i in model.graph.initializer
+                if i.data_type in bits and len(i.dims) == 3}
+        return {node.input[0]: (held[node.input[0]], _attributes(node).get("block_size", 0))
+                for node in _dequantize_nodes(model, axis=2) if node.input[0] in held}
+
+    def entries(self, level):
+        return {self.FOLD_ENTRY: "1"}
+
+
 QDQ = _Qdq()
 MATMULNBITS = _MatMulNBits()
+#: the absorbed attention's per-head weights (no ``--quant-format``: see :class:`_Headwise`)
+HEADWISE = _Headwise()
 #: the fused experts' format (no ``--quant-format``: see :class:`_QMoE`)
 QMOE = _QMoE()
 #: every format by name, the default first

@@ -7,13 +7,18 @@ way, so the artifact computes with one set of weights. What stays in the float t
 
 * ``embed_tokens``: a ``Gather`` reads one row per token, so its size costs memory, not decode time;
 * the norms and biases: vectors, a rounding error in a norm's gain scales a whole hidden state;
-* ``kv_b_proj`` in the absorbed forms: its per-head halves ``w_uk``/``w_uv`` are batched 3-D products against
-  the latent, 2-4% of a layer's weights, which ``MatMulNBits`` does not cover;
+* ``kv_b_proj`` where a graph multiplies with it whole (a ``CC`` prefill) and another per head: the two uses cut
+  its blocks along different axes. Where every graph takes its absorbed halves (``w_uk [H, dn, r]``, ``w_uv``
+  multiplied as ``[H, r, dv]``: the batched products ``MatMul(A [H, M, K], W [H, K, N])`` of the absorbed
+  attention, the default for prefill and decode), they are quantized per head in blocks of their own input features
+  (:data:`~.formats.HEADWISE`) by the formats that take them (``matmulnbits``: 227 MB of float32 per full-size
+  DeepSeek-V2-Lite step otherwise); ``qdq`` keeps them in the float type (TensorRT's weight-only quantization is
+  written for 2-D weights);
 * the MoE router (``mlp.gate``): expert choice is a discontinuous function of its logits.
 
 Each weight is then written in its format (:meth:`~mla_deploy.quant.formats.WeightFormat.insert`); the stacked
 expert weights of the fused experts' ``MoE`` node (:mod:`mla_deploy.expert_forms`) in :data:`~.formats.QMOE`, which
-turns the node into ``QMoE``.
+turns the node into ``QMoE``; the per-head halves in :data:`~.formats.HEADWISE`.
 :func:`observe_graphs` reads the other way: what an artifact's graph files hold, so the artifact check can compare
 it with the manifest's record.
 """
@@ -25,13 +30,15 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..errors import ExportError
-from .formats import FORMATS, MS_DOMAIN, ONNX_DOMAINS, QMOE, WeightFormat
+from .formats import FORMATS, HEADWISE, MS_DOMAIN, ONNX_DOMAINS, QMOE, WeightFormat
 from .scheme import WeightQuantization
 
 #: the MoE router's weight: kept in the float type (expert choice is discontinuous in its logits)
 ROUTER_SUFFIX = "mlp.gate.weight"
 #: the oldest opset with blocked ``DequantizeLinear``
 MIN_OPSET = 21
+#: the absorbed attention's per-head halves of ``kv_b_proj`` (:attr:`~mla_deploy.exporter.weights.WeightSpec.part`)
+HEAD_PARTS = ("w_uk", "w_uv")
 
 
 @dataclass(frozen=True)
@@ -105,8 +112,26 @@ class WeightPart:
 WHOLE = WeightPart()
 
 
+@dataclass(frozen=True)
+class QuantizedKeys:
+    """The checkpoint tensors an export quantized.
+
+    Attributes:
+        keys: those held in the format's own layout (and the fused experts' ``QMoE``), quantized along their input
+            features (the checkpoint's last axis), sorted.
+        per_head: the ``kv_b_proj`` tensors held as their absorbed halves in :data:`~.formats.HEADWISE`, each half
+            in blocks of its product's input features (``w_uk``'s: ``qk_nope_head_dim``), sorted.
+    """
+
+    keys: tuple[str, ...] = ()
+    per_head: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.keys) + len(self.per_head)
+
+
 def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQuantization,
-                           quant_format: WeightFormat) -> list[str]:
+                           quant_format: WeightFormat, per_head: bool = True) -> QuantizedKeys:
     """Quantize every quantizable weight of ``graphs`` (see the module docstring) in ``quant_format``.
 
     Args:
@@ -115,40 +140,54 @@ def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQ
             ``W`` is replaced by the format's placeholders, whose specs carry ``quant`` (a :class:`WeightPart`).
         scheme: the quantization.
         quant_format: the format.
+        per_head: the absorbed halves of ``kv_b_proj`` too, where ``quant_format`` takes them (False: kept float,
+            for a consumer that would dequantize them at every step).
     Returns:
-        the checkpoint keys quantized, sorted.
+        the checkpoint keys quantized. A key is quantized only where every use of it, in every graph, is held in
+        one format: the artifact computes with one set of weights.
     Raises:
         ExportError: a graph's opset is older than 21 (blocked ``DequantizeLinear``).
     """
-    verdict: dict[str, bool] = {}
+    uses: dict[str, set] = {}
     for model, placeholders, specs in graphs:
         opset = model.opset_imports.get("", 0)
         if opset < MIN_OPSET:
             raise ExportError(f"quantized weights need opset >= {MIN_OPSET} (blocked DequantizeLinear); the recipe "
                               f"exports opset {opset}")
         for name, value in placeholders.items():
-            key = specs[name].key
-            verdict[key] = verdict.get(key, True) and _quantizable(value, specs[name])
-    keys = sorted(k for k, ok in verdict.items() if ok)
-    chosen = set(keys)
+            uses.setdefault(specs[name].key, set()).add(_layout(value, specs[name], quant_format, scheme, per_head))
+    chosen = {key: next(iter(kinds)) for key, kinds in uses.items() if len(kinds) == 1 and None not in kinds}
     for model, placeholders, specs in graphs:
         for name in [n for n in placeholders if specs[n].key in chosen]:
             value, spec = placeholders.pop(name), specs.pop(name)
-            fmt = QMOE if _moe_weight(value) else quant_format
+            fmt = chosen[spec.key]
             for index, new in enumerate(fmt.insert(model, value, scheme)):
                 model.graph.initializers.add(new)  # placeholders: their data is bound after the weights are written
                 placeholders[new.name] = new
                 specs[new.name] = dataclasses.replace(spec, quant=WeightPart(scheme, fmt, index))
             del model.graph.initializers[name]
-    return keys
+    return QuantizedKeys(tuple(sorted(k for k, f in chosen.items() if f is not HEADWISE)),
+                         tuple(sorted(k for k, f in chosen.items() if f is HEADWISE)))
 
 
-def _quantizable(value, spec) -> bool:
-    """A 2-D weight used only as ``MatMul``'s second input, not the router's; or a fused ``MoE``'s expert weights."""
+def _layout(value, spec, quant_format: WeightFormat, scheme: WeightQuantization, per_head: bool) -> WeightFormat | None:
+    """The format one use of a weight would be held in: ``quant_format`` for a 2-D weight used only as ``MatMul``'s
+    second input (not the router's), :data:`~.formats.QMOE` for a fused ``MoE``'s expert weights,
+    :data:`~.formats.HEADWISE` for an absorbed half of ``kv_b_proj`` multiplied per head (where ``quant_format``
+    takes them and its input features fill whole blocks); None: kept in the float type."""
     uses = list(value.uses())
-    matmul = len(value.shape) == 2 and bool(uses) and all(
-        u.node.op_type == "MatMul" and u.node.domain in ONNX_DOMAINS and u.idx == 1 for u in uses)
-    return not spec.key.endswith(ROUTER_SUFFIX) and (matmul or _moe_weight(value))
+    matmul = bool(uses) and all(u.node.op_type == "MatMul" and u.node.domain in ONNX_DOMAINS and u.idx == 1
+                                for u in uses)
+    if spec.key.endswith(ROUTER_SUFFIX):
+        return None
+    if _moe_weight(value):
+        return QMOE
+    if matmul and len(value.shape) == 2 and spec.part is None:
+        return quant_format
+    if (matmul and len(value.shape) == 3 and spec.part in HEAD_PARTS and quant_format.headwise and per_head
+            and int(value.shape[1]) % scheme.block_size == 0):
+        return HEADWISE
+    return None
 
 
 def _moe_weight(value) -> bool:
@@ -175,12 +214,13 @@ class GraphQuantization:
         return "; ".join(f"{n} x int{bits} weights in blocks of {block} ({name})"
                          for (name, bits, block), n in sorted(self.held.items())) or "no quantized weights"
 
-    def experts_counted_as(self, name: str) -> "GraphQuantization":
-        """These counts with the fused experts' ``QMoE`` weights (held in :data:`~.formats.QMOE` whatever the
-        format of the others) counted as the format ``name``'s."""
+    def counted_as(self, name: str) -> "GraphQuantization":
+        """These counts with the fused experts' ``QMoE`` weights and the per-head weights (held in
+        :data:`~.formats.QMOE` and :data:`~.formats.HEADWISE` whatever the format of the others) counted as the
+        format ``name``'s."""
         held: dict[tuple, int] = {}
         for (fmt, bits, block), n in self.held.items():
-            key = (name if fmt == QMOE.name else fmt, bits, block)
+            key = (name if fmt in (QMOE.name, HEADWISE.name) else fmt, bits, block)
             held[key] = held.get(key, 0) + n
         return GraphQuantization(held)
 
@@ -190,7 +230,7 @@ def observe_graphs(models: Iterable) -> GraphQuantization:
     by several graphs (prefill and decode) counts once."""
     seen: dict[str, tuple] = {}
     for model in models:
-        for fmt in (*FORMATS.values(), QMOE):
+        for fmt in (*FORMATS.values(), QMOE, HEADWISE):
             seen.update({name: (fmt.name, *held) for name, held in fmt.observe(model).items()})
     held: dict[tuple, int] = {}
     for kind in seen.values():

@@ -1,13 +1,16 @@
 """Which quantized nodes mla-deploy's own CPU operators (:mod:`mla_deploy.engines.cpu_ops`,
 ``plugins/ort_cpu/cpu_ops.c``) compute exactly, and the swaps that put them in place of ONNX Runtime's ``QMoE``
-(:data:`~.formats.QMOE`'s layout) and ``MatMulNBits`` (:data:`~.formats.MATMULNBITS`'s) in a CPU engine's graph.
-The operators read these layouts as they are: nothing is re-laid out."""
+(:data:`~.formats.QMOE`'s layout) and ``MatMulNBits`` (:data:`~.formats.MATMULNBITS`'s) in a CPU engine's graph, and
+in place of the per-head weights' ``DequantizeLinear -> Transpose -> MatMul`` (:data:`~.formats.HEADWISE`'s). The
+operators read these layouts as they are: nothing is re-laid out (a per-head weight's signed integers are handed to
+``HeadwiseMatMul`` as the same bytes, typed ``uint8``)."""
 
 from __future__ import annotations
 
 DOMAIN = "mla_deploy"
 OP_TYPE = "RoutedExperts"
 LINEAR_OP_TYPE = "BlockwiseMatMul"
+HEADWISE_OP_TYPE = "HeadwiseMatMul"
 
 
 def _eligible(node) -> dict | None:
@@ -97,8 +100,80 @@ def _swap(model, old: str, new: str, eligible, inputs: tuple[int, ...]) -> int:
     return swapped
 
 
+def swap_headwise(model) -> int:
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every per-head product ``MatMul(A,
+    Transpose(DequantizeLinear(W.q, W.scale, axis=2, block_size=32), perm=[0, 2, 1]))`` whose weight the operator
+    reads (``W.q`` an ``INT4``/``INT8`` initializer ``[H, N, K]``, ``K`` a multiple of 32, ``W.scale`` float
+    ``[H, N, K/32]``, no zero point) by ``mla_deploy.HeadwiseMatMul(A, W.q as uint8 [H, N, K*bits/8], W.scale)``;
+    returns how many products. The dequantization and transpose go where every use of them was swapped."""
+    from onnx import TensorProto, helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, i))
+    outputs = {o.name for o in model.graph.output}
+    bits_of = {TensorProto.INT4: 4, TensorProto.INT8: 8}
+    swapped = 0
+    for dq in [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")]:
+        attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+        q, scale = (inits.get(name) for name in (list(dq.input) + ["", ""])[:2])
+        if (attrs.get("axis", 1) != 2 or attrs.get("block_size") != 32 or len([i for i in dq.input if i]) != 2
+                or q is None or scale is None or q.data_type not in bits_of or len(q.dims) != 3 or q.dims[2] % 32
+                or scale.data_type != TensorProto.FLOAT or list(scale.dims) != [*q.dims[:2], q.dims[2] // 32]):
+            continue
+        uses = consumers.get(dq.output[0], [])
+        transpose = uses[0][0] if len(uses) == 1 and dq.output[0] not in outputs else None
+        if transpose is None or transpose.op_type != "Transpose" or transpose.output[0] in outputs or [
+                list(a.ints) for a in transpose.attribute if a.name == "perm"] != [[0, 2, 1]]:
+            continue
+        matmuls = consumers.get(transpose.output[0], [])
+        if not matmuls or any(n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or i != 1 for n, i in matmuls):
+            continue
+        bits, (heads, n, k) = bits_of[q.data_type], q.dims
+        packed = _as_bytes(q, bits)
+        model.graph.initializer.append(packed)
+        for matmul, _ in matmuls:
+            node = helper.make_node(HEADWISE_OP_TYPE, [matmul.input[0], packed.name, scale.name], list(matmul.output),
+                                    name=matmul.name, domain=DOMAIN, K=k, N=n, bits=bits, block_size=32)
+            node.metadata_props.extend(matmul.metadata_props)
+            at = list(model.graph.node).index(matmul)
+            model.graph.node.remove(matmul)
+            model.graph.node.insert(at, node)
+            swapped += 1
+        model.graph.node.remove(transpose)
+        model.graph.node.remove(dq)
+        if len(consumers.get(q.name, [])) == 1:
+            model.graph.initializer.remove(q)
+    if swapped and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return swapped
+
+
+def _as_bytes(tensor, bits: int):
+    """The ``INT4``/``INT8`` TensorProto ``tensor`` ``[H, N, K]`` as ``uint8 [H, N, K*bits/8]`` over the same bytes:
+    the same external data (file, offset, length) where it has them, else its raw bytes (packed here when the
+    tensor holds its values one per field)."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    heads, n, k = tensor.dims
+    out = TensorProto(name=f"{tensor.name}.bytes", data_type=TensorProto.UINT8, dims=[heads, n, k * bits // 8])
+    if tensor.data_location == TensorProto.EXTERNAL:
+        out.data_location = TensorProto.EXTERNAL
+        out.external_data.extend(tensor.external_data)
+    elif tensor.raw_data:
+        out.raw_data = tensor.raw_data
+    else:
+        values = numpy_helper.to_array(tensor).astype(np.int8).reshape(-1).view(np.uint8)
+        out.raw_data = (values if bits == 8 else (values[0::2] & 0x0F) | ((values[1::2] & 0x0F) << 4)).tobytes()
+    return out
+
+
 def swappable(model) -> bool:
     """Whether the ``onnx.ModelProto`` ``model`` holds a node these operators could replace (``QMoE``,
-    ``MatMulNBits``; eligible or not)."""
+    ``MatMulNBits``, a ``DequantizeLinear`` along axis 2; eligible or not)."""
     return any((n.domain, n.op_type) in (("com.microsoft", "QMoE"), ("com.microsoft", "MatMulNBits"))
+               or (n.op_type == "DequantizeLinear" and any(a.name == "axis" and a.i == 2 for a in n.attribute))
                for n in model.graph.node)

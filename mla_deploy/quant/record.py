@@ -14,11 +14,13 @@ caller asks "quantized or not?":
 * TensorRT (:meth:`~Quantization.require_tensorrt`): builds float, asks the format otherwise;
 * the graph files (:meth:`~Quantization.disagreement`): hold no quantized weight, or the record's scheme and format.
 
-The manifest's record (``manifest.json`` ``quantization``, unchanged since the first quantized release, so older
-artifacts load): ``{"weights", "block_size", "symmetric": true, "axis": "input features", "format", "ops",
-"tensors", "bytes", "keys"}``, ``keys`` the checkpoint tensors quantized. The first quantized release wrote no
-``ops`` and the ops as ``format``, and a record may lack ``format``: both mean ``qdq``, then the only format. A float
-artifact has no record.
+The manifest's record (``manifest.json`` ``quantization``; older artifacts load): ``{"weights", "block_size",
+"symmetric": true, "axis": "input features", "format", "ops", "tensors", "bytes", "keys"}``, ``keys`` the checkpoint
+tensors quantized along their last axis, and ``per_head`` where any ``kv_b_proj`` is held as its absorbed halves,
+each in blocks of its own product's input features (:data:`~.formats.HEADWISE`; an mla-deploy older than that
+field refuses the record rather than misread it). The first quantized release wrote no ``ops`` and the ops as
+``format``, and a record may lack ``format``: both mean ``qdq``, then the only format. A float artifact has no
+record.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ArtifactError, ConfigError
-from .formats import DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, QDQ, WeightFormat, accuracy_level
+from .formats import DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, HEADWISE, QDQ, WeightFormat, accuracy_level
 from .formats import session as format_session
-from .graph import GraphQuantization, WeightPart, quantize_graph_weights
+from .graph import GraphQuantization, QuantizedKeys, WeightPart, quantize_graph_weights
 from .scheme import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, fake_quantize
 
 if TYPE_CHECKING:
@@ -44,7 +46,10 @@ WEIGHTS = (FLOAT_WEIGHTS, *SCHEMES)
 #: there was no ``ops``) its ops
 _FORMAT_OF_RECORD = {**{f.ops: f for f in FORMATS.values()}, **FORMATS}
 #: the fields of a record; ``format`` may be absent (records written before there were two formats)
-_RECORD_FIELDS = {"weights", "block_size", "symmetric", "axis", "format", "ops", "tensors", "bytes", "keys"}
+_RECORD_FIELDS = {"weights", "block_size", "symmetric", "axis", "format", "ops", "tensors", "bytes", "keys",
+                  "per_head"}
+#: the absorbed attention's names of ``kv_b_proj``'s halves (the bench's meta model holds them, not ``kv_b_proj``)
+_KV_B, _HALVES = "kv_b_proj.weight", ("w_uk", "w_uv")
 
 
 class Quantization:
@@ -56,7 +61,9 @@ class Quantization:
         quantized: any weight is quantized.
         weights: ``float``, ``int8`` or ``int4``.
         block_size: input features per scale (None: float).
-        keys: the checkpoint tensors held quantized, sorted (an artifact's record; empty otherwise).
+        keys: the checkpoint tensors held quantized along their last axis, sorted (an artifact's record; empty
+            otherwise).
+        per_head: the ``kv_b_proj`` tensors held quantized as their absorbed halves (:data:`~.formats.HEADWISE`).
         tensors: the quantized weights in the graphs (each expert of a stacked tensor counts in the branch form; a
             fused ``QMoE``'s stacked weight counts once).
         bytes: their bytes as stored (integers and scales).
@@ -66,6 +73,7 @@ class Quantization:
     weights = FLOAT_WEIGHTS
     block_size: int | None = None
     keys: tuple[str, ...] = ()
+    per_head: tuple[str, ...] = ()
     tensors = 0
     bytes = 0
 
@@ -93,6 +101,11 @@ class Quantization:
         """The weights' type as stored: ``precision`` for float weights, else the scheme."""
         return precision
 
+    def kept_float(self) -> str:
+        """What the export keeps in the float type: ``every weight``, or ``the embedding, norms, routers and
+        kv_b_proj`` (``kv_b_proj`` named where it is not quantized per head)."""
+        return "every weight"
+
     def run_info(self) -> dict[str, Any]:
         """What a run reports of the weights: ``{"weights", "quantized_compute"}`` (an engine's default compute)."""
         return {"weights": FLOAT_WEIGHTS, "quantized_compute": None}
@@ -115,12 +128,14 @@ class Quantization:
         return None
 
     # the export -----------------------------------------------------------------------------------------------------
-    def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None]) -> list[str]:
-        """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`);
-        returns the checkpoint keys quantized (none for float)."""
-        return []
+    def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None],
+                        per_head: bool = True) -> QuantizedKeys:
+        """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`; ``per_head``:
+        the absorbed halves of ``kv_b_proj`` too, where the format takes them); returns the checkpoint keys
+        quantized (none for float)."""
+        return QuantizedKeys()
 
-    def recorded(self, keys: Sequence[str], parts: Iterable[tuple[WeightPart, int]]) -> "Quantization":
+    def recorded(self, keys: QuantizedKeys, parts: Iterable[tuple[WeightPart, int]]) -> "Quantization":
         """The record of an export that quantized ``keys``, its initializers being ``parts`` (``(WeightPart,
         bytes)`` of every initializer)."""
         return self
@@ -131,21 +146,28 @@ class Quantization:
 
     # reading an artifact ---------------------------------------------------------------------------------------------
     def stored_nbytes(self, key: str, shape: Sequence[int], itemsize: int) -> int:
-        """Bytes the checkpoint tensor ``key`` (``[..., out, in]``) takes in the artifact: ``numel * itemsize``
-        for a float one, integers plus scales (per expert of a stacked tensor) for a quantized one."""
+        """Bytes the tensor ``key`` takes in the artifact: ``numel * itemsize`` for a float one, integers plus
+        scales for a quantized one: a checkpoint tensor ``[..., out, in]`` (per expert of a stacked tensor), or an
+        absorbed half of a per-head ``kv_b_proj`` (``...self_attn.w_uk [H, dn, r]``, ``w_uv [H, dv, r]``)."""
         return math.prod(shape) * itemsize
 
     def quantized_nbytes(self, shapes: Mapping[str, Sequence[int]], itemsize: int) -> int:
-        """Bytes of the quantized tensors among ``shapes`` (``{key: shape}``), as stored."""
-        return sum(self.stored_nbytes(key, shapes[key], itemsize) for key in self.keys)
+        """Bytes of the quantized tensors among ``shapes`` (``{key: shape}``, a model's state dict in any form),
+        as stored."""
+        return sum(self.stored_nbytes(key, shape, itemsize) for key, shape in shapes.items()
+                   if key in self.keys or _per_head_key(key) in self.per_head)
 
     def unknown_keys(self, available: Iterable[str]) -> list[str]:
-        """The recorded keys that are not among ``available`` (a model's state-dict keys), sorted."""
-        return sorted(set(self.keys) - set(available))
+        """The recorded keys that are not among ``available`` (a model's state-dict keys, in any form: a per-head
+        ``kv_b_proj`` may be there as its absorbed halves), sorted."""
+        names = set(available)
+        halves = {_per_head_key(k) for k in names}
+        return sorted((set(self.keys) - names) | {k for k in self.per_head if k not in names and k not in halves})
 
-    def dequantize_state(self, state: Mapping[str, "torch.Tensor"]) -> None:
-        """Replace, in place, each quantized tensor of ``state`` (a ``CC``-form state dict) by its
-        quantized-then-dequantized value: the weights the graphs compute with."""
+    def dequantize_state(self, state: Mapping[str, "torch.Tensor"], config: Any = None) -> None:
+        """Replace, in place, each quantized tensor of ``state`` (a ``CC``-form state dict of the model ``config``,
+        an :class:`~mla_deploy.config.MLAConfig`) by its quantized-then-dequantized value: the weights the graphs
+        compute with."""
 
     def session(self, path: str | Path, compute: str) -> tuple[str | bytes, dict[str, str]]:
         """What ONNX Runtime is given to run the graph at ``path`` with quantized products in ``compute`` (``int8``
@@ -187,6 +209,7 @@ class Quantized(Quantization):
     keys: tuple[str, ...] = ()
     tensors: int = 0
     bytes: int = 0
+    per_head: tuple[str, ...] = ()
     quantized = True
 
     def __repr__(self) -> str:
@@ -215,6 +238,9 @@ class Quantized(Quantization):
     def stored_type(self, precision: str) -> str:
         return self.weights
 
+    def kept_float(self) -> str:
+        return "the embedding, norms and routers" if self.per_head else "the embedding, norms, routers and kv_b_proj"
+
     def run_info(self) -> dict[str, Any]:
         return {"weights": self.scheme.to_dict(), "quantized_compute": f"{FAST_COMPUTE} (the engine's default)"}
 
@@ -231,45 +257,77 @@ class Quantized(Quantization):
         verb = "is" if len(ragged) == 1 else "are"
         return f"{' and '.join(ragged)} {verb} not a multiple of {self.block_size}" if ragged else None
 
-    def quantize_graphs(self, graphs, log):
-        keys = quantize_graph_weights(graphs, self.scheme, self.format)
-        log(f"{self.weights} weights in blocks of {self.block_size}: {len(keys)} checkpoint tensors")
+    def quantize_graphs(self, graphs, log, per_head=True):
+        keys = quantize_graph_weights(graphs, self.scheme, self.format, per_head)
+        per_head = f" ({len(keys.per_head)} per head)" if keys.per_head else ""
+        log(f"{self.weights} weights in blocks of {self.block_size}: {len(keys)} checkpoint tensors{per_head}")
         return keys
 
     def recorded(self, keys, parts):
         stored = [(part, n) for part, n in parts if part.quantized]
-        return Quantized(self.scheme, self.format, tuple(sorted(keys)), sum(1 for p, _ in stored if p.index == 0),
-                         sum(n for _, n in stored))
+        return Quantized(self.scheme, self.format, tuple(sorted(keys.keys)), sum(1 for p, _ in stored if p.index == 0),
+                         sum(n for _, n in stored), tuple(sorted(keys.per_head)))
 
     def to_manifest(self) -> dict[str, Any]:
+        per_head = {"per_head": list(self.per_head)} if self.per_head else {}
         return {"quantization": {**self.scheme.to_dict(), "symmetric": True, "axis": "input features",
                                  "format": self.format.name, "ops": self.format.ops, "tensors": self.tensors,
-                                 "bytes": self.bytes, "keys": list(self.keys)}}
+                                 "bytes": self.bytes, "keys": list(self.keys), **per_head}}
 
     def stored_nbytes(self, key, shape, itemsize):
+        if _per_head_key(key) in self.per_head:
+            heads, rows, rank = shape  # w_uk [H, dn, r] multiplies as [K=dn, N=r]; w_uv [H, dv, r] as [K=r, N=dv]
+            k, n = (rows, rank) if key.endswith(_HALVES[0]) else (rank, rows)
+            return heads * HEADWISE.nbytes(k, n, self.scheme, itemsize)
         if key not in self.keys:
             return math.prod(shape) * itemsize
         *lead, n, k = shape  # [..., out, in]: quantized per output row in blocks of input features
         return math.prod(lead) * self.format.nbytes(k, n, self.scheme, itemsize)
 
-    def dequantize_state(self, state):
+    def dequantize_state(self, state, config=None):
         import torch
 
         with torch.no_grad():
             for key in self.keys:
                 state[key].copy_(fake_quantize(state[key], self.scheme))
+            if self.per_head and config is None:
+                raise ValueError("a per-head quantization needs the model's config to split kv_b_proj")
+            for key in self.per_head:
+                state[key].copy_(fake_quantize_heads(state[key], self.scheme, config))
 
     def session(self, path, compute):
         return format_session(self.format, Path(path), compute)
 
     def disagreement(self, graphs):
-        return super().disagreement(graphs.experts_counted_as(self.format.name))
+        return super().disagreement(graphs.counted_as(self.format.name))
 
     def require_tensorrt(self, where):
         self.format.require_tensorrt(where)
 
     def expected_graphs(self):
         return GraphQuantization({(self.format.name, self.scheme.bits, self.block_size): self.tensors})
+
+
+def _per_head_key(name: str) -> str | None:
+    """The ``kv_b_proj`` key whose absorbed half ``name`` is (``...self_attn.w_uk`` -> ``...self_attn.kv_b_proj.weight``),
+    or None."""
+    for half in _HALVES:
+        if name.endswith("." + half):
+            return name[: -len(half)] + _KV_B
+    return None
+
+
+def fake_quantize_heads(weight: "torch.Tensor", scheme: WeightQuantization, config: Any) -> "torch.Tensor":
+    """What the graphs compute with for a per-head ``kv_b_proj.weight [H*(dn+dv), r]``, in its layout: each head's
+    ``w_uk [dn, r]`` quantized in blocks of ``dn`` (its product ``q_nope . w_uk`` sums over ``dn``) and ``w_uv
+    [dv, r]`` in blocks of ``r`` (``o_lat . w_uv^T`` sums over ``r``), then dequantized. Returns float32."""
+    import torch
+
+    from ..model.absorb import split_kv_b
+
+    w_uk, w_uv = split_kv_b(weight, config)  # [H, dn, r], [H, dv, r]
+    w_uk = fake_quantize(w_uk.transpose(1, 2), scheme).transpose(1, 2)
+    return torch.cat((w_uk, fake_quantize(w_uv, scheme)), dim=1).reshape(weight.shape)
 
 
 #: nothing quantized: the weights in the artifact's precision
@@ -324,7 +382,12 @@ def from_manifest(record: Any, source: str) -> Quantization:
             raise ConfigError(f"format must be {' or '.join(FORMATS)}, got {record.get('format')!r}")
     except (ConfigError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{source}: quantization: {exc}") from None
-    return Quantized(scheme, fmt, tuple(str(k) for k in record["keys"]), *counts)
+    per_head = record.get("per_head", [])
+    if not isinstance(per_head, list):
+        raise ArtifactError(f"{source}: quantization: per_head must be a list of keys")
+    if per_head and not fmt.headwise:
+        raise ArtifactError(f"{source}: quantization: the {fmt.name} format holds no per-head weights")
+    return Quantized(scheme, fmt, tuple(str(k) for k in record["keys"]), *counts, tuple(str(k) for k in per_head))
 
 
 def require_quantized(weights: str | None, flags: Mapping[str, Any]) -> None:

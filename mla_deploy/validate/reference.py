@@ -48,7 +48,7 @@ def load_reference_model(artifact_dir: str | Path, manifest: Manifest, quantized
     if missing:
         raise ArtifactError(f"manifest.json quantizes {missing[0]}, which the model does not have")
     if quantized:
-        manifest.quantization.dequantize_state(state)  # float weights: nothing to do
+        manifest.quantization.dequantize_state(state, manifest.config)  # float weights: nothing to do
     return model
 
 

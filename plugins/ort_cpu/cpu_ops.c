@@ -1,5 +1,6 @@
 /* mla-deploy's ONNX Runtime CPU operators (domain mla_deploy): BlockwiseMatMul (below, after RoutedExperts) computes
- * MatMulNBits's product, and RoutedExperts computes QMoE's experts, each from the same weights, the same way.
+ * MatMulNBits's product, and RoutedExperts computes QMoE's experts, each from the same weights, the same way;
+ * HeadwiseMatMul (last) computes the absorbed attention's per-head products from their signed blockwise integers.
  *
  * mla_deploy.RoutedExperts: an ONNX Runtime CPU custom operator computing a MoE layer's routed experts from
  * blockwise-quantized weights in the layout of ONNX Runtime's own com.microsoft QMoE (int4 or int8, blocks of 32,
@@ -193,17 +194,19 @@ static void *take(Scratch *scratch, size_t bytes) {
     return p;
 }
 
-/* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes) and block scales s, the
- * tokens' quantize_row() outputs q, d, corr */
+/* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes; each byte XORed with
+ * flip first: 0 for weights stored with the zero point 2^(bits-1), 0x88 (int4) or 0x80 (int8) for signed ones, which
+ * that XOR turns into the same) and block scales s, the tokens' quantize_row() outputs q, d, corr */
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const float *s, int K, int bits, int n,
                                                           const int8_t *const *q, const float *const *d,
-                                                          const float *const *corr, float *out, size_t stride) {
+                                                          const float *const *corr, float *out, size_t stride,
+                                                          uint8_t flip) {
     const int blocks = K / BLOCK;
     float total[4] = {0.f, 0.f, 0.f, 0.f};
     int b = 0;
 #if VNNI
     {
-        const __m512i low = _mm512_set1_epi8(0x0F);
+        const __m512i low = _mm512_set1_epi8(0x0F), flips = _mm512_set1_epi8((char)flip);
         /* lane i takes block 4g + i / 4 (int4: 4 blocks per 64 bytes) or 2g + i / 8 (int8: 2 blocks per 64 bytes) */
         const __m512i four[4] = {
             _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
@@ -222,7 +225,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
             if (bits == 4) {
                 for (int g = 0; g < 4; g++) {
                     const int at = 16 * (b + 4 * g);
-                    const __m512i packed = _mm512_loadu_si512(w + at);
+                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
                     const __m512i even = _mm512_and_si512(packed, low);
                     const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
                     for (int t = 0; t < n; t++) {
@@ -237,7 +240,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                     const __m512i pair = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
                                                           2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g,
                                                           2 * g, 2 * g, 2 * g, 2 * g);
-                    const __m512i packed = _mm512_loadu_si512(w + at);
+                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
                     for (int t = 0; t < n; t++) {
                         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed,
                                                                 _mm512_loadu_si512(q[t] + at));
@@ -248,7 +251,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         }
         for (; bits == 4 && b + 4 <= blocks; b += 4) { /* int4: 4 blocks left at a time */
             const __m512 sw = _mm512_maskz_loadu_ps(0x000F, s + b);
-            const __m512i packed = _mm512_loadu_si512(w + 16 * b);
+            const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + 16 * b), flips);
             const __m512i even = _mm512_and_si512(packed, low);
             const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             for (int t = 0; t < n; t++) {
@@ -268,11 +271,14 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
             if (bits == 4) {
                 const uint8_t *wb = w + 16 * b;
                 const int8_t *even = q[t] + 16 * b, *odd = q[t] + K / 2 + 16 * b;
-                for (int j = 0; j < 16; j++) dot += (wb[j] & 15) * even[j] + (wb[j] >> 4) * odd[j];
+                for (int j = 0; j < 16; j++) {
+                    const uint8_t v = wb[j] ^ flip;
+                    dot += (v & 15) * even[j] + (v >> 4) * odd[j];
+                }
             } else {
                 const uint8_t *wb = w + BLOCK * b;
                 const int8_t *xb = q[t] + BLOCK * b;
-                for (int j = 0; j < BLOCK; j++) dot += wb[j] * xb[j];
+                for (int j = 0; j < BLOCK; j++) dot += (uint8_t)(wb[j] ^ flip) * xb[j];
             }
             total[t] += s[b] * ((float)dot * d[t][b] + corr[t][b]);
         }
@@ -282,9 +288,9 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
 
 /* dot_rows with n and bits constant in each call, so that its loops over tokens unroll into registers */
 static void dot_row(const uint8_t *w, const float *s, int K, int bits, int n, const int8_t *const *q,
-                    const float *const *d, const float *const *corr, float *out, size_t stride) {
+                    const float *const *d, const float *const *corr, float *out, size_t stride, uint8_t flip) {
 #define CASE(B, N) \
-    case 10 * B + N: dot_rows(w, s, K, B, N, q, d, corr, out, stride); break;
+    case 10 * B + N: dot_rows(w, s, K, B, N, q, d, corr, out, stride, flip); break;
     switch (10 * bits + n) {
         CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(8, 1) CASE(8, 2) CASE(8, 3) CASE(8, 4)
     }
@@ -361,7 +367,7 @@ static void run_fc1(void *data, size_t item) {
         operands(w, 1, first + p, m, q, d, c);
         for (int r = 0; r < 2 * BLOCK; r++)
             dot_row(weights + (size_t)r * w->fc1_row, scales + (size_t)r * (D / BLOCK), D, w->bits, m, q, d, c,
-                    &h[0][r], 2 * BLOCK);
+                    &h[0][r], 2 * BLOCK, 0);
         for (int j = 0; j < m; j++) {
             const size_t pair = (size_t)(first + p + j);
             for (int i = 0; i < BLOCK; i++) {
@@ -390,7 +396,7 @@ static void run_fc2(void *data, size_t item) {
         operands(w, 2, first + p, m, q, d, c);
         for (int r = r0; r < r1; r++)
             dot_row(weights + (size_t)r * w->fc2_row, scales + (size_t)r * (K / BLOCK), K, w->bits, m, q, d, c,
-                    w->o + (size_t)(first + p) * D + r, (size_t)D);
+                    w->o + (size_t)(first + p) * D + r, (size_t)D, 0);
     }
 }
 
@@ -586,27 +592,50 @@ typedef struct {
 _Static_assert(offsetof(Kernel, attributes) == 0 && offsetof(LinearKernel, attributes) == 0,
                "new_kernel writes the attributes at the start of each kernel");
 
+/* one call of BlockwiseMatMul (heads 1) or HeadwiseMatMul: work items over (head, tile of TILE weight rows) */
 typedef struct {
-    int M, N;
+    int M, N, tiles; /* per head: A's rows, the weight's rows, their tiles */
     const uint8_t *w;
     const float *s;
     size_t row_bytes;
-    Rows a; /* [M, K]: A's rows quantized */
-    float *out;
+    uint8_t flip; /* dot_rows' */
+    Rows a;       /* [heads * M, K]: A's rows quantized */
+    float *out;   /* [heads, M, N] */
 } LinearWork;
 
-static void run_linear(void *data, size_t tile) {
+static void run_linear(void *data, size_t item) {
     LinearWork *w = (LinearWork *)data;
-    const int K = w->a.K, N = w->N, r0 = (int)tile * TILE, r1 = r0 + TILE < N ? r0 + TILE : N;
+    const int K = w->a.K, N = w->N, h = (int)item / w->tiles, tile = (int)item % w->tiles;
+    const int r0 = tile * TILE, r1 = r0 + TILE < N ? r0 + TILE : N;
+    const size_t head = (size_t)h * N; /* the head's first weight row */
+    float *out = w->out + (size_t)h * w->M * N;
     for (int p = 0; p < w->M; p += 4) {
         const int m = w->M - p < 4 ? w->M - p : 4;
         const int8_t *q[4];
         const float *d[4], *c[4];
-        for (int j = 0; j < m; j++) row_of(&w->a, (size_t)(p + j), &q[j], &d[j], &c[j]);
+        for (int j = 0; j < m; j++) row_of(&w->a, (size_t)h * w->M + (size_t)(p + j), &q[j], &d[j], &c[j]);
         for (int r = r0; r < r1; r++)
-            dot_row(w->w + (size_t)r * w->row_bytes, w->s + (size_t)r * (K / BLOCK), K, w->a.bits, m, q, d, c,
-                    w->out + (size_t)p * N + r, (size_t)N);
+            dot_row(w->w + (head + r) * w->row_bytes, w->s + (head + r) * (K / BLOCK), K, w->a.bits, m, q, d, c,
+                    out + (size_t)p * N + r, (size_t)N, w->flip);
     }
+}
+
+/* quantize A's heads * M rows, then run the work items; `weights`: the kernel's B and scales for advise_huge */
+static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, int *advised) {
+    const size_t rows = (size_t)heads * w->M, K = (size_t)w->a.K;
+    const void *weights[2] = {w->w, w->s};
+    const size_t weight_bytes[2] = {(size_t)heads * w->N * w->row_bytes, (size_t)heads * w->N * (K / BLOCK) * sizeof(float)};
+    advise_huge(advised, weights, weight_bytes, 2);
+    if (rows == 0) return NULL;
+    Scratch scratch = {malloc(aligned(rows * K) + 2 * aligned(rows * (K / BLOCK) * sizeof(float))), NULL};
+    if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy product: out of memory");
+    scratch.at = scratch.base;
+    w->a.q = take(&scratch, rows * K), w->a.d = take(&scratch, rows * (K / BLOCK) * sizeof(float));
+    w->a.c = take(&scratch, rows * (K / BLOCK) * sizeof(float));
+    OrtStatus *status = quantize_rows(ctx, &w->a, rows);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_linear, (size_t)heads * w->tiles, 0, w);
+    free(scratch.base);
+    return status;
 }
 
 static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
@@ -643,21 +672,9 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     void *ptr[4];
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
-    const void *weights[2] = {ptr[1], ptr[2]};
-    const size_t weight_bytes[2] = {(size_t)N * K * bits / 8, (size_t)N * (K / BLOCK) * sizeof(float)};
-    advise_huge(&((LinearKernel *)kernel_data)->advised, weights, weight_bytes, 2);
-    if (M == 0) return NULL;
-    LinearWork w = {(int)M, N, (const uint8_t *)ptr[1], (const float *)ptr[2], (size_t)K * bits / 8,
-                    {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3]};
-    Scratch scratch = {malloc(aligned(M * K) + 2 * aligned(M * (K / BLOCK) * sizeof(float))), NULL};
-    if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "BlockwiseMatMul: out of memory");
-    scratch.at = scratch.base;
-    w.a.q = take(&scratch, M * K), w.a.d = take(&scratch, M * (K / BLOCK) * sizeof(float));
-    w.a.c = take(&scratch, M * (K / BLOCK) * sizeof(float));
-    status = quantize_rows(ctx, &w.a, M);
-    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_linear, ((size_t)N + TILE - 1) / TILE, 0, &w);
-    free(scratch.base);
-    return status;
+    LinearWork w = {(int)M, N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], (const float *)ptr[2],
+                    (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3]};
+    return run_products(ctx, &w, 1, &((LinearKernel *)kernel_data)->advised);
 }
 
 static int linear_valid(const int64_t *a) { /* K, N, bits, block */
@@ -679,6 +696,50 @@ static size_t linear_input_count(const OrtCustomOp *op) { (void)op; return 3; }
 static OrtCustomOp blockwise_matmul =
     OP_TABLE(linear_name, linear_input_type, linear_input_count, linear_create, linear_compute);
 
+/* ---- mla_deploy.HeadwiseMatMul: the absorbed attention's per-head products, MatMul(A, W) with W [H, K, N] held as
+ * signed integers per output row (mla_deploy.quant.formats.HEADWISE) --------------------------------------------
+ * Inputs: 0 A float [H, M, K]; 1 B uint8 [H, N, K*bits/8]: the bytes of the ONNX INT4/INT8 tensor [H, N, K] (signed,
+ * no zero point; int4 two per byte, low nibble first), each output row's K values in blocks of 32; 2 scales float
+ * [H, N, K/32]. Output: float [H, M, N], head h = A[h] . W[h], each row of A quantized to int8 per block of 32 (the
+ * engine's fast compute, as BlockwiseMatMul). Attributes: K, N, bits (4, 8), block_size (32). */
+
+static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
+    const LinearKernel *kernel = (const LinearKernel *)kernel_data;
+    const int K = (int)kernel->K, N = (int)kernel->N, bits = (int)kernel->bits;
+    const OrtValue *in[3];
+    for (size_t i = 0; i < 3; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    int64_t a[3], b[3], s[3];
+    CHECK(shape_of(in[0], TYPE_FLOAT, 3, a, "HeadwiseMatMul: A must be float [H, M, K]"));
+    CHECK(shape_of(in[1], TYPE_UINT8, 3, b, "HeadwiseMatMul: B must be uint8 [H, N, K*bits/8]"));
+    CHECK(shape_of(in[2], TYPE_FLOAT, 3, s, "HeadwiseMatMul: scales must be float [H, N, K/32]"));
+    if (a[2] != K || b[0] != a[0] || b[1] != N || b[2] != (int64_t)K * bits / 8 || s[0] != a[0] || s[1] != N ||
+        s[2] != K / BLOCK)
+        return fail("HeadwiseMatMul: A, B and scales do not agree with each other and the attributes K and N");
+    const int64_t dims[3] = {a[0], a[1], N};
+    OrtValue *output;
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, dims, 3, &output));
+    void *ptr[4];
+    for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
+    LinearWork w = {(int)a[1], N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], (const float *)ptr[2],
+                    (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL},
+                    (float *)ptr[3]};
+    return run_products(ctx, &w, (int)a[0], &((LinearKernel *)kernel_data)->advised);
+}
+
+static OrtStatus *headwise_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
+    (void)op, (void)ort_api;
+    const char *names[4] = {"K", "N", "bits", "block_size"};
+    return new_kernel(info, names, linear_valid,
+                      "HeadwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1",
+                      sizeof(LinearKernel), out);
+}
+
+static const char *headwise_name(const OrtCustomOp *op) { (void)op; return "HeadwiseMatMul"; }
+
+static OrtCustomOp headwise_matmul =
+    OP_TABLE(headwise_name, linear_input_type, linear_input_count, headwise_create, headwise_compute);
+
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
@@ -696,6 +757,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         CHECK(CALL(CreateCustomOpDomain)("mla_deploy", &created));
         CHECK(CALL(CustomOpDomain_Add)(created, &routed_experts));
         CHECK(CALL(CustomOpDomain_Add)(created, &blockwise_matmul));
+        CHECK(CALL(CustomOpDomain_Add)(created, &headwise_matmul));
         domain = created;
     }
     return CALL(AddCustomOpDomain)(options, domain);

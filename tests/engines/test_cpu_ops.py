@@ -317,3 +317,109 @@ def test_the_operators_read_the_engine_file_on_huge_pages(libraries, tmp_path):
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"])
     session.run(None, {"a": rng.standard_normal((1, k), dtype=np.float32)})
     assert _file_pmd_mapped_kib(data) >= 2048, _file_pmd_mapped_kib(data)
+
+
+# ---- HeadwiseMatMul: the absorbed attention's per-head products ------------------------------------------------------
+HEADS, HN = 3, 40  # 40 rows: two tiles of 16 and one of 8
+
+
+def _signed(bits: int, shape, seed: int):
+    """Signed integers of ``bits`` in ``shape`` (``[H, N, K]``) and positive block scales ``[H, N, K/32]``."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), size=shape).astype(np.int8)
+    return q, rng.random((*shape[:2], shape[2] // 32), dtype=np.float32) * 0.02 + 0.005
+
+
+def _per_head_graph(q, scales, bits: int, block: int = 32, axis: int = 2, perm=(0, 2, 1), zero_point: bool = False):
+    """``MatMul(a [H, M, K], Transpose(DequantizeLinear(q, scales, axis, block), perm))``: the export's per-head
+    product (mla_deploy.quant.formats.HEADWISE)."""
+    import ml_dtypes
+
+    h, n, k = q.shape
+    ints = numpy_helper.from_array(q.astype(ml_dtypes.int4) if bits == 4 else q, "q")
+    inits = [ints, numpy_helper.from_array(scales, "s")]
+    if zero_point:
+        zeros = np.zeros(scales.shape, np.int8)
+        inits.append(numpy_helper.from_array(zeros.astype(ml_dtypes.int4) if bits == 4 else zeros, "z"))
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s", "z"] if zero_point else ["q", "s"], ["w"], axis=axis,
+                              block_size=block),
+             helper.make_node("Transpose", ["w"], ["wt"], perm=list(perm)),
+             helper.make_node("MatMul", ["a", "wt"], ["y"])]
+    graph = helper.make_graph(nodes, "heads", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [h, "M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [h, "M", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_headwise_matmul_equals_matmulnbits_on_each_head(libraries, bits, rows, build):
+    """The export's per-head product, swapped for ours, against ONNX Runtime's MatMulNBits run on each head's
+    weights (the same integers with its zero point, the same scales): equal to float32 rounding, for one row
+    (decode) and six (prefill)."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    q, scales = _signed(bits, (HEADS, HN, D), seed=bits)
+    model = _per_head_graph(q, scales, bits)
+    assert own_ops.swap_headwise(model) == 1
+    assert [n.op_type for n in model.graph.node] == [own_ops.HEADWISE_OP_TYPE]
+    a = np.random.default_rng(rows).standard_normal((HEADS, rows, D), dtype=np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    cpu_ops.register(options, library.path)
+    got = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, {"a": a})[0]
+    assert got.shape == (HEADS, rows, HN)
+    zero = 1 << (bits - 1)
+    for h in range(HEADS):
+        stored = (q[h].astype(np.int16) + zero).astype(np.uint8).reshape(HN, D // 32, 32)
+        if bits == 4:
+            stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
+        node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=D, N=HN, bits=bits,
+                                block_size=32, accuracy_level=4)
+        graph = helper.make_graph([node], "head", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [rows, D])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, HN])],
+                                  [numpy_helper.from_array(np.ascontiguousarray(stored), "b"),
+                                   numpy_helper.from_array(scales[h].reshape(-1), "s")])
+        want = _open(graph, None).run(None, {"a": a[h]})[0]
+        scale = np.abs(want).max()
+        assert scale > 0 and np.abs(got[h] - want).max() <= 2e-5 * scale, (h, np.abs(got[h] - want).max() / scale)
+
+
+@pytest.mark.parametrize("change", [{"block": 64}, {"axis": 1}, {"perm": (0, 1, 2)}, {"zero_point": True},
+                                    {"k": 48}])
+def test_headwise_swap_only_where_the_operator_reads_the_weight(change):
+    """Blocks of 64, another axis or transpose, a zero point, or input features that fill no whole block of 32 keep
+    the standard nodes (ONNX Runtime folds them into a float weight)."""
+    bits, k = 4, change.pop("k", 64)
+    q, scales = _signed(bits, (HEADS, 32 if change.get("axis") == 1 else HN, k), seed=0)
+    if change.get("block") == 64 or k % 32:
+        scales = np.ones((HEADS, HN, -(-k // change.get("block", 32))), np.float32)
+    model = _per_head_graph(q, scales, bits, **change)
+    assert own_ops.swap_headwise(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["DequantizeLinear", "Transpose", "MatMul"]
+
+
+def test_engine_computes_the_per_head_products_with_the_operator(libraries, tmp_path):
+    """An int4 export whose per-head weights fill blocks of 32: the CPU engine swaps each for HeadwiseMatMul (its
+    integers read from the artifact's file as they are) and decodes the source graphs' tokens."""
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
+    import onnx
+
+    from mla_deploy.exporter import export_recipe
+
+    recipe = tiny_recipe("static", weights="int4", block_size=32, prefill_form="A_CC", external_data_threshold=0)
+    recipe = recipe.replace(model=recipe.model.replace(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32))
+    art = tmp_path / "art"
+    export_recipe(recipe, art)
+    out = ok(cli("build", art, "--target", "cpu"))
+    record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
+    layers = recipe.model.num_hidden_layers
+    assert record["heads"] == 2 * layers and f"mla_deploy.HeadwiseMatMul x{2 * layers}" in out, out
+    ops = [n.op_type for n in onnx.load(str(art / "cpu" / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count(own_ops.HEADWISE_OP_TYPE) == 2 * layers and "DequantizeLinear" not in ops
+    assert _tokens(art) == _tokens(art, "--no-engine")

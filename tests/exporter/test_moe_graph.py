@@ -352,6 +352,7 @@ class _ExpertsTarget:
     quant_format: str = "matmulnbits"
     external_data_threshold: int = 1 << 30
     experts: str = "branches"
+    per_head_weights: bool = False
 
     def prepare(self, out, overwrite):
         return []

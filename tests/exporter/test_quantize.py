@@ -182,9 +182,99 @@ def test_the_record_describes_the_graphs_and_their_bytes(quantized):
     kind = (int(record.weights[3:]), record.block_size)
     fused = manifest.graph("decode").experts == "fused"
     assert (("qmoe", *kind) in graphs.held) == fused  # the fused experts' weights, whatever the format
-    assert graphs.experts_counted_as(record.format.name).held == {(record.format.name, *kind): record.tensors}
+    assert graphs.counted_as(record.format.name).held == {(record.format.name, *kind): record.tensors}
     edited = dataclasses.replace(graphs, held={**graphs.held, (record.format.name, *kind): 1})
     assert "its quantization record says" in record.disagreement(edited)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in MLAForCausalLM(manifest.config, "CC").state_dict().items()}
     assert record.quantized_nbytes(shapes, 4) == record.bytes
+
+
+def _heads_recipe(weights: str, quant_format: str, prefill_form: str = "A_CC"):
+    """The tiny preset with per-head products whose input features fill blocks of 32 (``w_uk`` sums over
+    ``qk_nope_head_dim`` 32, ``w_uv`` over ``kv_lora_rank`` 64), quantized in blocks of 32."""
+    recipe = tiny_recipe("concat", weights=weights, block_size=32, prefill_form=prefill_form, quant_format=quant_format)
+    return recipe.replace(model=recipe.model.replace(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32))
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def per_head(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads") / "artifact"
+    export_recipe(_heads_recipe(request.param, "matmulnbits"), out)
+    return out
+
+
+def test_matmulnbits_quantizes_the_absorbed_halves_per_head(per_head, tmp_path):
+    """Each layer's w_uk and w_uv: signed integers [H, N, K] and scales [H, N, K/32] read by DequantizeLinear along
+    axis 2, transposed into the product; recorded per head; the plain session folds them into float constants once
+    (its optimised graph holds no DequantizeLinear); the record describes the graphs and counts their bytes as the
+    bench's absorbed model names them."""
+    from mla_deploy.model import MLAForCausalLM
+    from mla_deploy.quant import observe_graphs
+
+    manifest = load_manifest(per_head)
+    record, config = manifest.quantization, manifest.config
+    layers = [f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in range(config.num_hidden_layers)]
+    assert record.per_head == tuple(layers) and not set(layers) & set(record.keys)
+    assert json.loads((per_head / "manifest.json").read_text())["quantization"]["per_head"] == layers
+    model = onnx.load(str(per_head / "model.onnx"), load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == 2 * config.num_hidden_layers
+    h, r, dn, dv = config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim, config.v_head_dim
+    shapes = sorted(tuple(inits[n.input[0]].dims) for n in dq)
+    assert shapes == sorted([(h, r, dn), (h, dv, r)] * config.num_hidden_layers)  # [H, N, K]
+    int_type = onnx.TensorProto.INT4 if record.weights == "int4" else onnx.TensorProto.INT8
+    for node in dq:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        q, scale = inits[node.input[0]], inits[node.input[1]]
+        assert attrs == {"axis": 2, "block_size": 32} and q.data_type == int_type
+        assert list(scale.dims) == [q.dims[0], q.dims[1], q.dims[2] // 32]
+    graphs = observe_graphs([model])
+    assert graphs.held[("headwise", record.scheme.bits, 32)] == 2 * config.num_hidden_layers
+    assert record.disagreement(graphs) is None
+    with torch.device("meta"):
+        absorbed = {k: tuple(v.shape) for k, v in MLAForCausalLM(config, "A_CC").state_dict().items()}
+    assert record.quantized_nbytes(absorbed, 4) == record.bytes
+
+    options = session_options(1)
+    path, entries = record.session(per_head / "model.onnx", "int8")
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    ops = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx"),
+                                                            load_external_data=False).graph.node)
+    assert ops["DequantizeLinear"] == 0 and ops["Transpose"] < collections.Counter(
+        n.op_type for n in model.graph.node)["Transpose"]
+
+
+def test_per_head_weights_compute_what_pytorch_does_with_them_dequantized(per_head):
+    """fp32 arithmetic equals PyTorch's with kv_b_proj quantized per head (w_uk in blocks of qk_nope_head_dim): the
+    same weights quantized along kv_b_proj's own input features (as a Linear) are measurably farther off."""
+    from mla_deploy.quant import fake_quantize
+
+    manifest = load_manifest(per_head)
+    ids = torch.randint(0, manifest.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, 9)
+    engine = OrtEngine(per_head, threads=1, quantized_compute="fp32")
+    got = engine.forward("prefill", ids.numpy(), pos.numpy(), engine.new_state(2))["logits"]
+    with torch.no_grad():
+        model = load_reference_model(per_head, manifest)
+        want = model(ids, pos, model.empty_cache(2, 0))[0].numpy()
+        state = load_reference_model(per_head, manifest, quantized=False).state_dict()
+        for key in manifest.quantization.per_head:  # the same halves, quantized the Linear's way
+            model.state_dict()[key].copy_(fake_quantize(state[key], manifest.quantization.scheme))
+        linear_way = model(ids, pos, model.empty_cache(2, 0))[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert np.abs(linear_way - want).max() > 50 * np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("quant_format, prefill_form", [("qdq", "A_CC"), ("matmulnbits", "CC")])
+def test_absorbed_halves_stay_float_where_they_cannot_be_held_per_head(quant_format, prefill_form, tmp_path):
+    """qdq (TensorRT's format) keeps them in the float type; so does a CC prefill, which multiplies with kv_b_proj
+    whole (its blocks would run along another axis than the decode's)."""
+    export_recipe(_heads_recipe("int4", quant_format, prefill_form), tmp_path / "a")
+    record = load_manifest(tmp_path / "a").quantization
+    assert record.per_head == () and not [k for k in record.keys if "kv_b" in k] and record.keys
+    assert "per_head" not in json.loads((tmp_path / "a" / "manifest.json").read_text())["quantization"]

@@ -193,9 +193,10 @@ def _weights_protocol(variants) -> str:
     if not quantized:
         return "fp32"
     return (f"ours: fp32 weights; ours-int8, ours-int4: symmetric int8/int4 MatMul weights in blocks of "
-            f"{quantized[0].block_size} input features, one fp32 scale each (export --weights/--block-size; the "
-            f"embedding, norms, kv_b_proj and routers stay fp32), run by ONNX Runtime's MatMulNBits with "
-            f"int8 activations (OrtEngine's default); x float = the ours row's median time / this row's")
+            f"{quantized[0].block_size} input features, one fp32 scale each (export --weights/--block-size; "
+            f"{quantized[0].kept_float()} stay fp32), run with int8 activations (OrtEngine's default: "
+            f"ONNX Runtime's MatMulNBits, or the CPU engine's operators); x float = the ours row's median time / "
+            f"this row's")
 
 
 def _path_info(path: str, status: dict, result: dict | None, groups, artifact: str | None) -> dict:
