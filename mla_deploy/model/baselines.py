@@ -16,7 +16,7 @@ from torch import nn
 
 from .cache import ConcatCache
 from .mla import masked_softmax
-from .rope import apply_rope
+from .rope import apply_rope, rope_tables
 
 
 class MultiHeadAttention(nn.Module):
@@ -42,7 +42,7 @@ class MultiHeadAttention(nn.Module):
         """
         cache = ConcatCache() if cache is None else cache
         angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, d_h/2]
-        cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+        cos, sin = (t.unsqueeze(1) for t in rope_tables(angles))
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, S, d_h]

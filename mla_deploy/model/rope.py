@@ -4,6 +4,12 @@ DeepSeek's weights rotate the pairs ``(x[2i], x[2i+1])`` of the rope slice (``q_
 the angle ``position * inv_freq[i]``. The rotated vector keeps that interleaved layout, so the
 ``k_pe`` written to the latent cache is in DeepSeek's own order (as in DeepSeek-V2's HF code; V3's HF
 code stores it de-interleaved, which changes no score).
+
+The tables are laid out for that order (:func:`rope_tables`): ``cos`` repeated over each pair and ``sin`` signed
+(``-sin`` on a pair's first element), so a rotation is ``x * cos + swap_pairs(x) * sin``: one ``Gather``, two
+``Mul`` and one ``Add`` in the exported graph, where rotating the pairs apart and stacking them back takes fourteen
+nodes per rotation (two per layer). The arithmetic is the same, product for product (``a + (-b)`` is ``a - b`` and
+a sum's order of two terms does not round differently), so the outputs are bit for bit the pairwise form's.
 """
 
 from __future__ import annotations
@@ -42,8 +48,16 @@ def inv_freq_for(config: MLAConfig) -> torch.Tensor:
     return yarn_inv_freq(dim, config.rope_theta, config.rope_scaling)
 
 
+def rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation tables of ``angles [..., d/2]`` (one per pair) in the pairs' interleaved layout: ``cos [..., d]``
+    (``cos(a_i)`` at ``2i`` and ``2i+1``) and ``sin [..., d]`` (``-sin(a_i)`` at ``2i``, ``sin(a_i)`` at ``2i+1``)."""
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2))
+
+
 class RotaryEmbedding(nn.Module):
-    """Maps positions to ``(cos, sin)``, each ``[B, S, qk_rope_head_dim / 2]`` in float32.
+    """Maps positions to the rotation tables ``(cos, sin)`` (:func:`rope_tables`), each ``[B, S, qk_rope_head_dim]``
+    in float32.
 
     Under YaRN, cos and sin carry the amplitude ``rope_scaling.cos_sin_scale`` (1.0 for the published
     DeepSeek configs), as transformers applies it.
@@ -55,24 +69,23 @@ class RotaryEmbedding(nn.Module):
         self.amplitude = 1.0 if config.rope_scaling is None else config.rope_scaling.cos_sin_scale
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: position_ids ``[B, S]`` int64. Returns: cos, sin ``[B, S, d/2]`` float32."""
+        """Args: position_ids ``[B, S]`` int64. Returns: cos, sin ``[B, S, d]`` float32 (:func:`rope_tables`)."""
         angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, d/2]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = rope_tables(angles)
         if self.amplitude != 1.0:
             cos, sin = cos * self.amplitude, sin * self.amplitude
         return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of the last axis.
+    """Rotate adjacent pairs of the last axis: ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` per pair.
 
     Args:
         x: ``[..., d]`` with ``d`` even; pairs are ``(x[2i], x[2i+1])``.
-        cos, sin: broadcastable to ``[..., d/2]`` (float32).
+        cos, sin: :func:`rope_tables`'s, broadcastable to ``[..., d]`` (float32).
     Returns:
         ``[..., d]`` in ``x``'s dtype, pairs still interleaved.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # [..., d/2, 2]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # [..., d/2, 2]
-    return rotated.flatten(-2).to(x.dtype)
+    swap = torch.arange(x.shape[-1], device=x.device) ^ 1  # 1, 0, 3, 2, ...: each pair's other element
+    wide = x.float()
+    return (wide * cos + wide.index_select(-1, swap) * sin).to(x.dtype)

@@ -37,7 +37,9 @@ def _split_kv_a_swapped(kv_a: torch.Tensor, kv_lora_rank: int):
 
 
 def _apply_rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The mistake: NeoX rotate_half, pairs (i, i + d/2), instead of DeepSeek's adjacent pairs (2i, 2i+1)."""
+    """The mistake: NeoX rotate_half, pairs (i, i + d/2), instead of DeepSeek's adjacent pairs (2i, 2i+1) (with
+    the same angles: one per pair, read from the interleaved tables)."""
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
