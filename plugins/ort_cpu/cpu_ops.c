@@ -681,12 +681,15 @@ static int linear_valid(const int64_t *a) { /* K, N, bits, block */
     return (a[2] == 4 || a[2] == 8) && a[3] == BLOCK && a[0] >= BLOCK && a[0] % BLOCK == 0 && a[1] >= 1;
 }
 
+/* a LinearKernel of BlockwiseMatMul or HeadwiseMatMul (the same attributes), `refusal` naming the operator */
+static OrtStatus *product_kernel(const OrtKernelInfo *info, const char *refusal, void **out) {
+    const char *names[4] = {"K", "N", "bits", "block_size"};
+    return new_kernel(info, names, linear_valid, refusal, sizeof(LinearKernel), out);
+}
+
 static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
-    const char *names[4] = {"K", "N", "bits", "block_size"};
-    return new_kernel(info, names, linear_valid,
-                      "BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1",
-                      sizeof(LinearKernel), out);
+    return product_kernel(info, "BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1", out);
 }
 
 static const char *linear_name(const OrtCustomOp *op) { (void)op; return "BlockwiseMatMul"; }
@@ -729,10 +732,7 @@ static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
 
 static OrtStatus *headwise_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
-    const char *names[4] = {"K", "N", "bits", "block_size"};
-    return new_kernel(info, names, linear_valid,
-                      "HeadwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1",
-                      sizeof(LinearKernel), out);
+    return product_kernel(info, "HeadwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1", out);
 }
 
 static const char *headwise_name(const OrtCustomOp *op) { (void)op; return "HeadwiseMatMul"; }
