@@ -112,7 +112,10 @@ def test_the_record_keeps_the_manifest_format():
     ({"weights": "int3", "keys": []}, "weights must be"), ({"weights": "int8", "block_size": 48, "keys": []}, "block"),
     ({"weights": "int8", "format": "nf4", "keys": []}, "format must be"),
     ({"weights": "int8", "tensors": "15", "keys": []}, "must be counts"),
-    ({"weights": "int8", "colour": "red", "keys": []}, "unknown field(s) colour")])
+    ({"weights": "int8", "colour": "red", "keys": []}, "unknown field(s) colour"),
+    ({"weights": "int8", "keys": [], "per_head": "a.kv_b_proj.weight"}, "per_head must be a list"),
+    ({"weights": "int8", "format": "qdq", "keys": [], "per_head": ["a.kv_b_proj.weight"]},
+     "the qdq format holds no per-head weights")])
 def test_a_malformed_record_is_refused_naming_the_manifest(record, message):
     with pytest.raises(ArtifactError, match="^m.json: quantization") as info:
         from_manifest(record, "m.json")
