@@ -87,7 +87,8 @@ class MLABase(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`). Returns: q_nope ``[B, H, S, dn]``, q_pe ``[B, H, S, dr]`` (rotated)."""
+        """Args: x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`).
+        Returns: q_nope ``[B, H, S, dn]``, q_pe ``[B, H, S, dr]`` (rotated)."""
         c = self.config
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -129,7 +130,8 @@ class MLAttention(MLABase):
 
     def forward(self, x, cos, sin, mask, past, cache):
         """Args:
-            x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`); mask ``[B|1, 1, S, T]`` bool;
+            x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`);
+            mask ``[B|1, 1, S, T]`` bool;
             past: CD ``(k [B, H, P, dn+dr], v [B, H, P, dv])``, CC ``[B, P, C]`` (or the static layouts).
         Returns: y ``[B, S, D]`` and the present cache in the past's layout.
         """
@@ -170,7 +172,8 @@ class AbsorbedMLAttention(MLABase):
 
     def forward(self, x, cos, sin, mask, past, cache):
         """Args:
-            x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`); mask ``[B|1, 1, S, T]`` bool;
+            x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`);
+            mask ``[B|1, 1, S, T]`` bool;
             past: the latent cache ``[B, P, C]`` (concat) or ``[B, 1, T_max, C]`` (static).
         Returns: y ``[B, S, D]`` and the present latent cache in the past's layout.
         """

@@ -163,8 +163,9 @@ class _Qdq(WeightFormat):
         import onnx
 
         bits = {onnx.TensorProto.INT8: 8, onnx.TensorProto.INT4: 4}
-        held = {i.name: bits[i.data_type] for i in model.graph.initializer if i.data_type in bits}
-        held = {name: n for name, n in held.items() if name not in HEADWISE.observe(model)}
+        per_head = HEADWISE.observe(model)
+        held = {i.name: bits[i.data_type] for i in model.graph.initializer
+                if i.data_type in bits and i.name not in per_head}
         return {node.input[0]: (held[node.input[0]], _attributes(node).get("block_size", 0))
                 for node in model.graph.node
                 if node.op_type == "DequantizeLinear" and node.domain in ONNX_DOMAINS and node.input[0] in held}
@@ -456,7 +457,8 @@ class _Headwise(WeightFormat):
                      attributes=[ir.AttrInt64("axis", 2), ir.AttrInt64("block_size", scheme.block_size)])
         rows = dq.outputs[0]
         rows.name, rows.shape, rows.type = f"{value.name}.dequantized", ir.Shape([h, n, k]), value.type
-        transpose = ir.Node("", "Transpose", inputs=[rows], num_outputs=1, attributes=[ir.AttrInt64s("perm", [0, 2, 1])])
+        transpose = ir.Node("", "Transpose", inputs=[rows], num_outputs=1,
+                            attributes=[ir.AttrInt64s("perm", [0, 2, 1])])
         out = transpose.outputs[0]
         out.name, out.shape, out.type = f"{value.name}.weight", ir.Shape([h, k, n]), value.type
         value.replace_all_uses_with(out)

@@ -130,9 +130,9 @@ class Quantization:
     # the export -----------------------------------------------------------------------------------------------------
     def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None],
                         per_head: bool = True) -> QuantizedKeys:
-        """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`; ``per_head``:
-        the absorbed halves of ``kv_b_proj`` too, where the format takes them); returns the checkpoint keys
-        quantized (none for float)."""
+        """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`;
+        ``per_head``: the absorbed halves of ``kv_b_proj`` too, where the format takes them); returns the checkpoint
+        keys quantized (none for float)."""
         return QuantizedKeys()
 
     def recorded(self, keys: QuantizedKeys, parts: Iterable[tuple[WeightPart, int]]) -> "Quantization":
@@ -156,6 +156,11 @@ class Quantization:
         as stored."""
         return sum(self.stored_nbytes(key, shape, itemsize) for key, shape in shapes.items()
                    if key in self.keys or _per_head_key(key) in self.per_head)
+
+    @property
+    def key_count(self) -> int:
+        """How many checkpoint tensors are held quantized (:attr:`keys` and :attr:`per_head`)."""
+        return len(self.keys) + len(self.per_head)
 
     def unknown_keys(self, available: Iterable[str]) -> list[str]:
         """The recorded keys that are not among ``available`` (a model's state-dict keys, in any form: a per-head
@@ -309,8 +314,8 @@ class Quantized(Quantization):
 
 
 def _per_head_key(name: str) -> str | None:
-    """The ``kv_b_proj`` key whose absorbed half ``name`` is (``...self_attn.w_uk`` -> ``...self_attn.kv_b_proj.weight``),
-    or None."""
+    """The ``kv_b_proj`` key whose absorbed half ``name`` is (``...self_attn.w_uk`` ->
+    ``...self_attn.kv_b_proj.weight``), or None."""
     for half in _HALVES:
         if name.endswith("." + half):
             return name[: -len(half)] + _KV_B

@@ -145,7 +145,7 @@ def quantization_report(run_results, feeds: Sequence[dict] | None, manifest, set
     masks = step_masks(feeds if feeds is not None and len(feeds) == len(ref) else None, len(ref))
     figures = quantization_figures(out, ref, [token for token, _ in masks])
     failures = judge(figures, threshold)
-    return {"weights": quantization.weights, "block_size": quantization.block_size, "tensors": len(quantization.keys) + len(quantization.per_head),
+    return {"weights": quantization.weights, "block_size": quantization.block_size, "tensors": quantization.key_count,
             "runner": DEPLOYED, "reference": ORIGINAL, "compute": "int8 activations (ONNX Runtime MatMulNBits)",
             "decode_steps": len(figures["steps"]) - 1, "minimum_steps": settings.quantization_steps,
             "clamped": bool(trajectory.get("quantization_steps_clamped", False)),

@@ -624,7 +624,8 @@ static void run_linear(void *data, size_t item) {
 static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, int *advised) {
     const size_t rows = (size_t)heads * w->M, K = (size_t)w->a.K;
     const void *weights[2] = {w->w, w->s};
-    const size_t weight_bytes[2] = {(size_t)heads * w->N * w->row_bytes, (size_t)heads * w->N * (K / BLOCK) * sizeof(float)};
+    const size_t rows_of_weights = (size_t)heads * w->N;
+    const size_t weight_bytes[2] = {rows_of_weights * w->row_bytes, rows_of_weights * (K / BLOCK) * sizeof(float)};
     advise_huge(advised, weights, weight_bytes, 2);
     if (rows == 0) return NULL;
     Scratch scratch = {malloc(aligned(rows * K) + 2 * aligned(rows * (K / BLOCK) * sizeof(float))), NULL};

@@ -96,7 +96,7 @@ class WeightGroups:
                 "all_experts_bytes": self.expert_bytes * self.n_experts * len(self.moe_layers),
                 "embedding_row_bytes": self.embedding_row_bytes, "lm_head_bytes": self.lm_head_bytes,
                 "total_params": self.total_params, "total_bytes": self.total_bytes,
-                "quantized_bytes": self.quantized_bytes, "quantized_tensors": len(self.quantization.keys) + len(self.quantization.per_head),
+                "quantized_bytes": self.quantized_bytes, "quantized_tensors": self.quantization.key_count,
                 "active_params_per_token": self.active_params_per_token()}
 
 
@@ -154,7 +154,8 @@ def export_bytes(config: MLAConfig, quantization: Quantization = FLOAT, itemsize
     check before an export (a full-size V2-Lite is 63 GB in fp32, about 10 GB in int4)."""
     state = _meta_state(config)
     keys = [k for k, t in state.items() if t.dim() >= 2 and k != "model.embed_tokens.weight"]
-    return weight_groups(config, itemsize, quantization.recorded(QuantizedKeys(tuple(keys)), ())).total_bytes  # float: nothing recorded
+    recorded = quantization.recorded(QuantizedKeys(tuple(keys)), ())  # float: nothing recorded
+    return weight_groups(config, itemsize, recorded).total_bytes
 
 
 def manifest_weight_groups(manifest) -> WeightGroups:
