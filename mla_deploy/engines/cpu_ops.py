@@ -7,7 +7,9 @@ to int8 per block of 32, integer dot products, one scale product per block. ``ml
 ``QMoE``'s weights as they are (int4/int8 blocks of 32, zero point
 ``2^(bits-1)``, fp32 scales, gate and up rows interleaved) and computes what ``QMoE`` computes at ``accuracy_level``
 4 (each token's vector quantized to int8 per block, integer dot products): the same inputs, attributes and
-routing (top ``k`` of ``router_probs``, softmax over the chosen). They exist because these products
+routing (top ``k`` of ``router_probs``, softmax over the chosen), or, where the swap finds the export's routing
+round trip, the chosen experts and their weights as given (``normalize_routing_weights`` 0). They exist because these
+products
 are most of a quantized decode step and a kernel written for them streams faster than ONNX Runtime 1.31's at decode
 (one token: the kernels' fixed costs, not the bytes, bound ONNX Runtime's on a layer's matrices), as fast at a
 512-token prefill, and reads the weights where ONNX Runtime maps them: nothing is packed at open, so an engine opens

@@ -74,8 +74,136 @@ def swap_linear(model) -> int:
 
 def swap_experts(model) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every eligible ``com.microsoft`` ``QMoE`` node by
-    ``mla_deploy.RoutedExperts`` over the same inputs (its bias slot dropped) and output; returns how many."""
-    return _swap(model, "QMoE", OP_TYPE, _eligible, (0, 1, 2, 3, 5, 6))
+    ``mla_deploy.RoutedExperts`` over the same inputs (its bias slot dropped) and output; returns how many.
+
+    Where the node's routing is the export's (:func:`~mla_deploy.exporter.moe_onnx.moe_experts_fused_onnx`:
+    ``router_probs = ScatterElements(ConstantOfShape(-1e30), idx, Log(Max(weights, 1e-30)))``, the output multiplied
+    by ``ReduceSum(weights, axis 1, keepdims)``), the operator is given ``weights`` and ``idx`` themselves
+    (``normalize_routing_weights`` 0, :func:`_give_routing`): the same sum of experts without the round trip, and
+    about 8 nodes fewer per layer."""
+    swapped = _swap(model, "QMoE", OP_TYPE, _eligible, (0, 1, 2, 3, 5, 6))
+    if swapped:
+        _give_routing(model)
+    return swapped
+
+
+def _give_routing(model) -> int:
+    """Rewrite each ``mla_deploy.RoutedExperts`` node of ``model`` (``normalize_routing_weights`` 1) whose router
+    input and output follow the export's pattern (:func:`swap_experts`) to take the routing as given; the nodes left
+    without a use are removed. Returns how many were rewritten."""
+    from onnx import helper
+
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    constant = _constants(model)
+    rewritten, freed = 0, []
+    for node in [n for n in graph.node if (n.domain, n.op_type) == (DOMAIN, OP_TYPE)]:
+        found = _routing_pattern(node, producer, consumers, outputs, constant)
+        if found is None:
+            continue
+        weights, idx, mul = found
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs["normalize_routing_weights"] = 0
+        given = helper.make_node(OP_TYPE, [node.input[0], weights, *node.input[2:6], idx], list(mul.output),
+                                 name=node.name, domain=DOMAIN, **attrs)
+        given.metadata_props.extend(node.metadata_props)
+        at = list(graph.node).index(node)
+        for old in (node, mul):
+            graph.node.remove(old)
+            freed.extend(old.input)
+        graph.node.insert(at, given)
+        rewritten += 1
+    if rewritten:
+        _drop_unused(graph, freed)
+    return rewritten
+
+
+def _routing_pattern(node, producer, consumers, outputs, constant) -> tuple[str, str, object] | None:
+    """``(weights, idx, the Mul node)`` when the RoutedExperts ``node`` reads the export's routing round trip
+    (:func:`swap_experts`), else None. ``constant``: tensor name -> numpy value of the graph's constants."""
+    from onnx import helper, numpy_helper
+
+    def made_by(name, op_type):
+        found = producer.get(name)
+        return found if found is not None and found.op_type == op_type and found.domain in ("", "ai.onnx") else None
+
+    def attr(n, name, default=None):
+        return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+
+    def small(name, below):  # a constant whose every value is < below
+        value = constant.get(name)
+        return value is not None and value.size >= 1 and bool((value < below).all())
+
+    def single_use(name):
+        return len(consumers.get(name, [])) == 1 and name not in outputs
+
+    if attr(node, "normalize_routing_weights") != 1 or not single_use(node.input[1]):
+        return None
+    scatter = made_by(node.input[1], "ScatterElements")
+    if scatter is None or attr(scatter, "axis", 0) not in (1, -1) or attr(scatter, "reduction", b"none") not in (
+            b"none", "none") or len(scatter.input) != 3:
+        return None
+    floor, idx, log_weights = scatter.input
+    fill = made_by(floor, "ConstantOfShape")
+    log = made_by(log_weights, "Log")
+    if fill is None or attr(fill, "value") is None or not (numpy_helper.to_array(attr(fill, "value")) < -1e20).all():
+        return None
+    floored = made_by(log.input[0], "Max") if log is not None else None
+    if floored is None or len(floored.input) != 2:
+        return None
+    weights = next((name for name in floored.input if name not in constant), None)
+    if weights is None or not any(small(name, 1e-20) for name in floored.input if name != weights):
+        return None
+    if not single_use(node.output[0]):
+        return None
+    mul = consumers[node.output[0]][0]
+    if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or len(mul.input) != 2:
+        return None
+    total = made_by(next(n for n in mul.input if n != node.output[0]), "ReduceSum") if mul.input[0] != mul.input[
+        1] else None
+    if total is None or total.input[0] != weights or attr(total, "keepdims", 1) != 1:
+        return None
+    axes = constant.get(total.input[1]) if len(total.input) > 1 and total.input[1] else None
+    if axes is None or [int(a) for a in axes.reshape(-1)] not in ([1], [-1]):
+        return None
+    return weights, idx, mul
+
+
+def _constants(model) -> dict:
+    """Name -> numpy value of ``model``'s small initializers held in the graph and of its ``Constant`` nodes' outputs
+    (what the routing pattern reads)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    found = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+             if t.data_location != TensorProto.EXTERNAL and _count(list(t.dims)) <= 64}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
+            value = helper.get_attribute_value(node.attribute[0])
+            found[node.output[0]] = numpy_helper.to_array(value) if hasattr(value, "dims") else np.asarray(value)
+    return found
+
+
+def _drop_unused(graph, names: list[str]) -> None:
+    """Remove the nodes producing ``names`` (and, in turn, their producers) whose outputs nothing reads any more;
+    initializers left without a reader are removed too."""
+    outputs = {o.name for o in graph.output}
+    pending = list(names)
+    while pending:
+        used = {name for node in graph.node for name in node.input} | outputs
+        name = pending.pop()
+        node = next((n for n in graph.node if name in n.output), None)
+        if node is not None and not any(out in used for out in node.output):
+            graph.node.remove(node)
+            pending.extend(node.input)
+        elif node is None and name not in used:
+            for tensor in [t for t in graph.initializer if t.name == name]:
+                graph.initializer.remove(tensor)
 
 
 def _swap(model, old: str, new: str, eligible, inputs: tuple[int, ...]) -> int:

@@ -19,10 +19,15 @@
  *   3 fc1 scales      float [E, 2I, D/B]
  *   4 fc2 weights     uint8 [E, D, I*bits/8]
  *   5 fc2 scales      float [E, D, I/B]
- * Output 0: float [T, D] = sum over the chosen experts j of w_j * fc2_j(silu(gate_j) * up_j), w the softmax of
- * router_probs over the k chosen (QMoE's normalize_routing_weights = 1, the only setting taken: with 0, ONNX
- * Runtime 1.31's CPU QMoE was measured to normalise all the same).
- * Attributes: k, expert_weight_bits (4, 8), block_size (32), normalize_routing_weights (1).
+ *   6 chosen          int64 [T, k]   (optional; only with normalize_routing_weights = 0)
+ * Output 0: float [T, D] = sum over the chosen experts j of w_j * fc2_j(silu(gate_j) * up_j). With
+ * normalize_routing_weights = 1 (QMoE's setting), the experts are the top k of router_probs and w their softmax over
+ * the k chosen. With 0, the routing is given, whatever chose it (greedy, group-limited, noaux_tc): input 1 is
+ * then the weights float [T, k], used as they are, and input 6 the experts they weigh (each in [0, E)). The CPU
+ * engine's build gives it that way where the export wrote the routing's weights into QMoE's router_probs through
+ * ScatterElements/Log and multiplied the output back by their sum (mla_deploy/quant/own_ops.py): a handful of
+ * nodes per layer fewer, and no renormalisation to undo.
+ * Attributes: k, expert_weight_bits (4, 8), block_size (32), normalize_routing_weights (0, 1).
  *
  * ABI: this file declares the few ONNX Runtime C API entries it uses itself (by their fixed positions in the
  * append-only OrtApi table, ORT >= 1.17), as the C API header is not distributed with the Python wheel; the tests
@@ -59,7 +64,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2 };
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT64 = 7 };
 
 /* positions in struct OrtApi (zero-based; the table only ever grows at its end) */
 enum {
@@ -425,18 +430,27 @@ static OrtStatus *shape_of(const OrtValue *value, int want_type, size_t rank, in
 
 static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     const Kernel *kernel = (const Kernel *)kernel_data;
-    const OrtValue *in[6];
-    for (size_t i = 0; i < 6; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
-    int64_t xs[2], rs[2], w1[3], s1[3], w2[3], s2[3];
+    const int given = kernel->normalize == 0; /* the routing comes chosen: weights [T, k] and experts [T, k] */
+    const OrtValue *in[7];
+    for (size_t i = 0; i < 7; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    int64_t xs[2], rs[2], w1[3], s1[3], w2[3], s2[3], cs[2];
+    for (int i = 0; i < 6; i++)
+        if (!in[i]) return fail("RoutedExperts: inputs 0 to 5 are required");
+    if (given != (in[6] != NULL))
+        return fail("RoutedExperts: the chosen experts (input 6) go with normalize_routing_weights 0, only there");
     CHECK(shape_of(in[0], TYPE_FLOAT, 2, xs, "RoutedExperts: input must be float [T, D]"));
-    CHECK(shape_of(in[1], TYPE_FLOAT, 2, rs, "RoutedExperts: router_probs must be float [T, E]"));
+    CHECK(shape_of(in[1], TYPE_FLOAT, 2, rs, given ? "RoutedExperts: the routing weights must be float [T, k]"
+                                                   : "RoutedExperts: router_probs must be float [T, E]"));
+    if (given) CHECK(shape_of(in[6], TYPE_INT64, 2, cs, "RoutedExperts: the chosen experts must be int64 [T, k]"));
     CHECK(shape_of(in[2], TYPE_UINT8, 3, w1, "RoutedExperts: fc1 weights must be uint8 [E, 2I, D*bits/8]"));
     CHECK(shape_of(in[3], TYPE_FLOAT, 3, s1, "RoutedExperts: fc1 scales must be float [E, 2I, D/32]"));
     CHECK(shape_of(in[4], TYPE_UINT8, 3, w2, "RoutedExperts: fc2 weights must be uint8 [E, D, I*bits/8]"));
     CHECK(shape_of(in[5], TYPE_FLOAT, 3, s2, "RoutedExperts: fc2 scales must be float [E, D, I/32]"));
-    const int T = (int)xs[0], D = (int)xs[1], E = (int)rs[1], I = (int)(w1[1] / 2), bits = (int)kernel->bits;
+    const int T = (int)xs[0], D = (int)xs[1], E = (int)w1[0], I = (int)(w1[1] / 2), bits = (int)kernel->bits;
     const int k = (int)kernel->k;
-    if (rs[0] != T || w1[0] != E || w1[1] != 2 * I || w1[2] != (int64_t)D * bits / 8 || s1[0] != E ||
+    if (given && (rs[1] != k || cs[0] != T || cs[1] != k))
+        return fail("RoutedExperts: the routing weights and the chosen experts must both be [T, k]");
+    if (rs[0] != T || (!given && rs[1] != E) || w1[1] != 2 * I || w1[2] != (int64_t)D * bits / 8 || s1[0] != E ||
         s1[1] != 2 * I || s1[2] != D / BLOCK || w2[0] != E || w2[1] != D || w2[2] != (int64_t)I * bits / 8 ||
         s2[0] != E || s2[1] != D || s2[2] != I / BLOCK || D % BLOCK || I % BLOCK || k < 1 || k > E)
         return fail("RoutedExperts: the input shapes do not agree (see cpu_ops.c)");
@@ -452,6 +466,14 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     advise_huge(&((Kernel *)kernel_data)->advised, weights, weight_bytes, 4);
     if (T == 0) return NULL;
     const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
+    const int64_t *picked = NULL;
+    if (given) {
+        void *p;
+        CHECK(CALL(GetTensorMutableData)((OrtValue *)in[6], &p));
+        picked = (const int64_t *)p;
+        for (size_t i = 0; i < (size_t)T * k; i++)
+            if (picked[i] < 0 || picked[i] >= E) return fail("RoutedExperts: a chosen expert lies outside [0, E)");
+    }
 
     /* routing: each token's top k, its weights, and the pairs grouped by expert; every buffer in one allocation */
     const size_t pairs = (size_t)T * k;
@@ -467,7 +489,14 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     int *start = take(&scratch, E * sizeof(int)), *used = take(&scratch, E * sizeof(int));
     float *weight = take(&scratch, pairs * sizeof(float));
     memset(count, 0, E * sizeof(int));
-    for (int t = 0; t < T; t++) {
+    for (int t = 0; given && t < T; t++)
+        for (int j = 0; j < k; j++) {
+            const size_t at = (size_t)t * k + j;
+            chosen[at] = (int)picked[at];
+            weight[at] = router[at];
+            count[chosen[at]]++;
+        }
+    for (int t = 0; !given && t < T; t++) {
         const float *r = router + (size_t)t * E;
         int *c = chosen + (size_t)t * k;
         for (int j = 0; j < k; j++) { /* selection: k is small */
@@ -540,21 +569,25 @@ static OrtStatus *new_kernel(const OrtKernelInfo *info, const char *const names[
 }
 
 static int experts_valid(const int64_t *a) { /* k, bits, block, normalize */
-    return (a[1] == 4 || a[1] == 8) && a[2] == BLOCK && a[0] >= 1 && a[3] == 1;
+    return (a[1] == 4 || a[1] == 8) && a[2] == BLOCK && a[0] >= 1 && (a[3] == 0 || a[3] == 1);
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
     const char *names[4] = {"k", "expert_weight_bits", "block_size", "normalize_routing_weights"};
     return new_kernel(info, names, experts_valid, "RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, "
-                      "k >= 1, normalize_routing_weights 1", sizeof(Kernel), out);
+                      "k >= 1, normalize_routing_weights 0 or 1", sizeof(Kernel), out);
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 2 || i == 4 ? TYPE_UINT8 : TYPE_FLOAT; }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 6; }
+static int input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 2 || i == 4 ? TYPE_UINT8 : i == 6 ? TYPE_INT64 : TYPE_FLOAT;
+}
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 7; }
+static int optional_last(const OrtCustomOp *op, size_t i) { (void)op; return i == 6; } /* 1: INPUT_OUTPUT_OPTIONAL */
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static int required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; }
@@ -562,17 +595,17 @@ static int default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; 
 static int one(const OrtCustomOp *op) { (void)op; return 1; }
 
 /* an operator's table at version 16 (CreateKernelV2, KernelComputeV2: errors come back as statuses) */
-#define OP_TABLE(name, input_type, input_count, create, compute)                                                   \
+#define OP_TABLE(name, input_type, input_count, create, compute, inputs)                                               \
     {                                                                                                              \
         .version = 16, .GetName = name, .GetExecutionProviderType = op_provider, .GetInputType = input_type,      \
         .GetInputTypeCount = input_count, .GetOutputType = output_type, .GetOutputTypeCount = output_count,       \
-        .KernelDestroy = destroy_kernel, .GetInputCharacteristic = required, .GetOutputCharacteristic = required, \
+        .KernelDestroy = destroy_kernel, .GetInputCharacteristic = inputs, .GetOutputCharacteristic = required,        \
         .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, \
         .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = create,          \
         .KernelComputeV2 = compute,                                                                                \
     }
 
-static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, create_kernel, compute);
+static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, create_kernel, compute, optional_last);
 
 /* ---- mla_deploy.BlockwiseMatMul: MatMulNBits's product, computed the same way ---------------------------------
  * Inputs: 0 A float [..., K]; 1 B uint8 [N, K/32, 32*bits/8] (MatMulNBits's layout: zero point 2^(bits-1), int4
@@ -698,7 +731,7 @@ static int linear_input_type(const OrtCustomOp *op, size_t i) { (void)op; return
 static size_t linear_input_count(const OrtCustomOp *op) { (void)op; return 3; }
 
 static OrtCustomOp blockwise_matmul =
-    OP_TABLE(linear_name, linear_input_type, linear_input_count, linear_create, linear_compute);
+    OP_TABLE(linear_name, linear_input_type, linear_input_count, linear_create, linear_compute, required);
 
 /* ---- mla_deploy.HeadwiseMatMul: the absorbed attention's per-head products, MatMul(A, W) with W [H, K, N] held as
  * signed integers per output row (mla_deploy.quant.formats.HEADWISE) --------------------------------------------
@@ -739,7 +772,7 @@ static OrtStatus *headwise_create(const OrtCustomOp *op, const void *ort_api, co
 static const char *headwise_name(const OrtCustomOp *op) { (void)op; return "HeadwiseMatMul"; }
 
 static OrtCustomOp headwise_matmul =
-    OP_TABLE(headwise_name, linear_input_type, linear_input_count, headwise_create, headwise_compute);
+    OP_TABLE(headwise_name, linear_input_type, linear_input_count, headwise_create, headwise_compute, required);
 
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }

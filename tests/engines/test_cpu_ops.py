@@ -132,6 +132,96 @@ def test_swap_only_where_the_operator_computes_exactly_qmoe(change, swapped):
     assert any(o.domain == own_ops.DOMAIN for o in model.opset_import) == bool(swapped)
 
 
+def _routing_round_trip(bits: int, also_read: bool = False):
+    """The export's fused routing around QMoE (:func:`mla_deploy.exporter.moe_onnx.moe_experts_fused_onnx`): the
+    chosen experts' weights ``w [T, K]`` scattered as log-probabilities over ``-1e30``, QMoE's output multiplied back
+    by their sum. ``also_read``: QMoE's output is a graph output too (then the rewrite must leave it alone)."""
+    qmoe = _qmoe(bits, 1)
+    qmoe.output[0] = "moe"
+    nodes = [helper.make_node("Shape", ["x"], ["t"], start=0, end=1),
+             helper.make_node("Constant", [], ["e"], value_ints=[E]),
+             helper.make_node("Concat", ["t", "e"], ["te"], axis=0),
+             helper.make_node("ConstantOfShape", ["te"], ["floor"],
+                              value=numpy_helper.from_array(np.array([-1e30], np.float32))),
+             helper.make_node("Constant", [], ["tiny"], value_float=1e-30),
+             helper.make_node("Max", ["w", "tiny"], ["floored"]),
+             helper.make_node("Log", ["floored"], ["log_w"]),
+             helper.make_node("ScatterElements", ["floor", "idx", "log_w"], ["r"], axis=1), qmoe,
+             helper.make_node("Constant", [], ["axes"], value_ints=[1]),
+             helper.make_node("ReduceSum", ["w", "axes"], ["total"], keepdims=1),
+             helper.make_node("Mul", ["moe", "total"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", D])]
+    if also_read:
+        outputs.append(helper.make_tensor_value_info("moe", TensorProto.FLOAT, ["T", D]))
+    graph = helper.make_graph(
+        nodes, "routing", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", K]),
+                           helper.make_tensor_value_info("idx", TensorProto.INT64, ["T", K])], outputs,
+        [numpy_helper.from_array(w, n) for w, n in zip(_weights(bits), ("w1", "s1", "w2", "s2"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def _routing(tokens: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, D), dtype=np.float32)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(tokens)]).astype(np.int64)
+    w = (rng.random((tokens, K), dtype=np.float32) * 2 + 0.1).astype(np.float32)  # not normalised (V3 scales them)
+    return {"x": x, "w": w, "idx": idx}
+
+
+def _run(model, feeds, library: Path | None):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if library is not None:
+        cpu_ops.register(options, library)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, feeds)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_swap_gives_the_operator_the_routing_itself(libraries, bits, tokens):
+    """The export's routing round trip (weights scattered as log-probabilities into QMoE, the output multiplied back
+    by their sum) becomes one RoutedExperts given the weights and the experts (normalize_routing_weights 0): every
+    node of the round trip is gone, and the output equals QMoE's through the round trip to float32 rounding, for
+    weights that do not sum to 1. Other experts give another output (the operator reads idx)."""
+    library = libraries["native"] if libraries["native"].path else libraries["portable"]
+    model = _routing_round_trip(bits)
+    feeds = _routing(tokens, seed=tokens + bits)
+    want = _run(model, feeds, None)[0]
+    assert own_ops.swap_experts(model) == 1
+    assert [n.op_type for n in model.graph.node] == [own_ops.OP_TYPE]
+    node = model.graph.node[0]
+    assert list(node.input) == ["x", "w", "w1", "s1", "w2", "s2", "idx"] and list(node.output) == ["y"]
+    assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "normalize_routing_weights")) == 0
+    got = _run(model, feeds, library.path)[0]
+    scale = np.abs(want).max()
+    assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
+    other = _run(model, {**feeds, "idx": (feeds["idx"] + 1) % E}, library.path)[0]
+    assert np.abs(other - want).max() > 0.1 * scale
+
+
+def test_routing_read_elsewhere_stays_a_round_trip():
+    """QMoE's own output read by something else (here a graph output): swapped, but its router input kept."""
+    model = _routing_round_trip(4, also_read=True)
+    assert own_ops.swap_experts(model) == 1
+    node = next(n for n in model.graph.node if n.op_type == own_ops.OP_TYPE)
+    assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "normalize_routing_weights")) == 1
+    assert {"ScatterElements", "Mul", "ReduceSum"} <= {n.op_type for n in model.graph.node}
+
+
+def test_given_routing_outside_the_experts_is_refused(libraries):
+    """An expert index outside [0, E) fails the run in one ONNX Runtime error, read nowhere."""
+    model = _routing_round_trip(4)
+    own_ops.swap_experts(model)
+    feeds = _routing(2, seed=3)
+    feeds["idx"][1, 0] = E
+    with pytest.raises(Exception, match=r"outside \[0, E\)"):
+        _run(model, feeds, libraries["portable"].path)
+
+
 def _linear_session(node, weights, library: Path | None):
     b, scales = weights
     graph = helper.make_graph(
