@@ -158,7 +158,8 @@ def _routing_round_trip(bits: int, also_read: bool = False):
                            helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", K]),
                            helper.make_tensor_value_info("idx", TensorProto.INT64, ["T", K])], outputs,
         [numpy_helper.from_array(w, n) for w, n in zip(_weights(bits), ("w1", "s1", "w2", "s2"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
     return model
 
