@@ -119,6 +119,8 @@ class CpuOperators:
         why_not: why the build swapped nothing (no compiler, no source, no AVX-512 VNNI), or None.
         heads: how many per-head products (``DequantizeLinear -> Transpose -> MatMul``) it swapped for
             ``mla_deploy.HeadwiseMatMul`` (a record without the field: none).
+        attention: how many layers' attention cores it swapped for ``mla_deploy.LatentAttention`` (their per-head
+            products inside them, no longer counted in ``heads``; a record without the field: none).
     """
 
     experts: int = 0
@@ -128,25 +130,29 @@ class CpuOperators:
     source_sha256: str | None = None
     why_not: str | None = None
     heads: int = 0
+    attention: int = 0
 
     @property
     def used(self) -> bool:
-        return bool(self.experts or self.linear or self.heads)
+        return bool(self.experts or self.linear or self.heads or self.attention)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "library": self.library,
+        return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "attention": self.attention,
+                "library": self.library,
                 "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
-                   data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)))
+                   data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)),
+                   int(data.get("attention", 0)))
 
     def describe(self) -> str:
         """One phrase: what computes the experts and the quantized products."""
         if not self.used:
             return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
         heads = f", mla_deploy.HeadwiseMatMul x{self.heads}" if self.heads else ""
+        heads += f", mla_deploy.LatentAttention x{self.attention}" if self.attention else ""
         return (f"mla_deploy.RoutedExperts x{self.experts}, mla_deploy.BlockwiseMatMul x{self.linear}{heads} "
                 f"({self.library})")
 

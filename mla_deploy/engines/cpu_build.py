@@ -25,7 +25,10 @@ per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blo
 mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
 ``mla_deploy.HeadwiseMatMul``
 (:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
-compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Without a C
+compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Over a
+concatenated cache, each layer's absorbed attention core (the cache write, the rope, ``kv_a_layernorm``, ``W_UK``, the
+scores, the softmax, the weighted sum and ``W_UV``: about 40 nodes) then becomes one ``mla_deploy.LatentAttention``
+(:func:`~mla_deploy.quant.own_ops.swap_attention`). Without a C
 compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.
 
 The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; the same kernels, so the same numbers:
@@ -122,7 +125,7 @@ class _Operators:
     swapped into every graph that does (:func:`~mla_deploy.quant.own_ops.swap_experts`, ``swap_linear``)."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
+        self.tmp, self.library, self.experts, self.linear, self.heads, self.attention = tmp, None, 0, 0, 0, 0
 
     def swap(self, model: str | bytes):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s) with its eligible nodes
@@ -138,16 +141,19 @@ class _Operators:
         if self.library.path is None:
             return model, None
         experts, linear, heads = own_ops.swap_experts(proto), own_ops.swap_linear(proto), own_ops.swap_headwise(proto)
-        if not experts + linear + heads:
+        attention = own_ops.swap_attention(proto) if heads else 0
+        heads -= 2 * attention  # each core takes its layer's two per-head products inside
+        if not experts + linear + heads + attention:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
+        self.attention += attention
         return proto.SerializeToString(), self.library.path
 
     def record(self) -> CpuOperators:
-        if self.experts + self.linear + self.heads:
+        if self.experts + self.linear + self.heads + self.attention:
             path = self.library.path
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
-                                sha256_file(cpu_ops.source_path()), heads=self.heads)
+                                sha256_file(cpu_ops.source_path()), heads=self.heads, attention=self.attention)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
             return CpuOperators(why_not="no QMoE, MatMulNBits or per-head product they compute exactly "

@@ -15,6 +15,10 @@ are most of a quantized decode step and a kernel written for them streams faster
 512-token prefill, and reads the weights where ONNX Runtime maps them: nothing is packed at open, so an engine opens
 in seconds at the size of its weights. Figures: the README's CPU engine section.
 
+``mla_deploy.LatentAttention`` computes one layer's absorbed attention core over a concatenated latent cache (what
+:class:`~mla_deploy.model.mla.AbsorbedMLAttention` computes between its projections; its per-head products as
+``HeadwiseMatMul`` computes them): one node where ONNX Runtime ran about 40 small ones per layer.
+
 The CPU engine build (:mod:`~mla_deploy.engines.cpu_build`) compiles the source for the CPU it runs on
 (:func:`compile_library`: ``cc -O3 -march=native``, into the engine folder), swaps every eligible node
 (:func:`mla_deploy.quant.own_ops.swap_experts`, :func:`~mla_deploy.quant.own_ops.swap_linear`: which nodes they

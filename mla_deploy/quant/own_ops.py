@@ -305,3 +305,253 @@ def swappable(model) -> bool:
     return any((n.domain, n.op_type) in (("com.microsoft", "QMoE"), ("com.microsoft", "MatMulNBits"))
                or (n.op_type == "DequantizeLinear" and any(a.name == "axis" and a.i == 2 for a in n.attribute))
                for n in model.graph.node)
+
+
+ATTENTION_OP_TYPE = "LatentAttention"
+#: the op types a layer's attention core holds besides its key nodes (views, the rope, the norm, the cache write)
+_ATTENTION_VIEWS = {"Reshape", "Transpose", "Split", "Slice", "Mul", "Add", "Concat", "Pow", "Sqrt", "Div",
+                    "Unsqueeze", "Squeeze", "Identity"}
+#: the key nodes, how many of each one layer's core holds
+_ATTENTION_KEYS = {HEADWISE_OP_TYPE: 2, "MatMul": 2, "Softmax": 1, "Where": 1, "Gather": 2, "ReduceMean": 1}
+
+
+def swap_attention(model) -> int:
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), each layer's absorbed attention core over a
+    concatenated latent cache (:class:`~mla_deploy.model.mla.AbsorbedMLAttention`, ``A_CC``, float32, its per-head
+    products already ``HeadwiseMatMul``: :func:`swap_headwise`) by one ``mla_deploy.LatentAttention`` node; returns
+    how many. The core is every node on a path from the query and ``kv_a`` products' outputs and the past cache to
+    ``o_proj``'s input and the present cache; it is swapped only where it holds exactly the nodes that form computes
+    (:data:`_ATTENTION_KEYS`, the rest views and elementwise ops) and nothing outside reads its inner tensors."""
+    from onnx import helper
+
+    graph = model.graph
+    graph_inputs = {i.name for i in graph.input}
+    outputs = {o.name for o in graph.output}
+    initializers = {t.name: t for t in graph.initializer}
+    constant = _constants(model)
+    swapped, freed = 0, []
+    presents = [n.output[0] for n in graph.node if n.op_type == "Concat" and len(n.input) == 2
+                and n.input[0] in graph_inputs and n.output[0] in outputs]
+    for present in presents:
+        concat = next(n for n in graph.node if present in n.output)
+        found = _attention_core(graph, concat, initializers, constant)
+        if found is None:
+            continue
+        region, inputs, attrs, attn = found
+        node = helper.make_node(ATTENTION_OP_TYPE, inputs, [attn, present], domain=DOMAIN,
+                                name=f"{concat.name}/LatentAttention", **attrs)
+        nodes = _copies(graph.node)
+        last = max(region)
+        order = []
+        for i, copy in enumerate(nodes):
+            if i in region:
+                freed.extend(copy.input)
+            else:
+                order.append(copy)
+            if i == last:
+                order.append(node)
+        del graph.node[:]
+        graph.node.extend(order)
+        swapped += 1
+    if swapped:
+        _drop_unused(graph, freed)
+        _sort_nodes(graph)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return swapped
+
+
+def _is_product(node, initializers) -> bool:
+    """A layer's projection: a quantized product, or a float MatMul/Gemm by a stored weight."""
+    if (node.domain, node.op_type) in (("com.microsoft", "MatMulNBits"), (DOMAIN, LINEAR_OP_TYPE)):
+        return True
+    return node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in initializers
+
+
+def _attention_core(graph, concat, initializers, constant):
+    """``(the region's node positions in graph.node, the LatentAttention inputs, its attributes, o_proj's input
+    name)`` for the layer whose
+    present cache ``concat`` writes, or None where its attention is not the absorbed core :func:`swap_attention`
+    replaces."""
+    from onnx import helper
+
+    everything = list(graph.node)  # one wrapper per node: ids below are of these (a repeated field's item is not)
+    producer = {out: n for n in everything for out in n.output}
+    consumers: dict[str, list] = {}
+    for n in everything:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+    present = concat.output[0]
+    concat = producer[present]
+
+    # forward from the present cache to the first product: o_proj, whose input is the core's output
+    seen, todo, ends = set(), [present], []
+    while todo:
+        for n in consumers.get(todo.pop(), []):
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            if _is_product(n, initializers):
+                ends.append(n)
+            else:
+                todo.extend(n.output)
+    if len({id(n) for n in ends}) != 1:
+        return None
+    attn = ends[0].input[0]
+    # backward from the core's outputs to the products feeding it: the query and kv_a projections
+    back, todo, sources = set(), [attn, present], set()
+    while todo:
+        n = producer.get(todo.pop())
+        if n is None or id(n) in back:
+            continue
+        if _is_product(n, initializers):
+            sources.add(n.output[0])
+            continue
+        back.add(id(n))
+        todo.extend(n.input)
+    if len(sources) != 2:
+        return None
+
+    def forward(starts):
+        reached, names = set(), list(starts)
+        while names:
+            for n in consumers.get(names.pop(), []):
+                if id(n) not in reached and id(n) in back:
+                    reached.add(id(n))
+                    names.extend(n.output)
+        return reached
+
+    region = forward(sources)  # the past is read by the cache write and, through its shape, by the shared mask
+    if id(concat) not in region:
+        return None
+    nodes = [n for n in everything if id(n) in region]
+    kinds: dict[str, int] = {}
+    for n in nodes:
+        kinds[n.op_type] = kinds.get(n.op_type, 0) + 1
+    if {k: kinds.get(k, 0) for k in _ATTENTION_KEYS} != _ATTENTION_KEYS or any(
+            k not in _ATTENTION_KEYS and k not in _ATTENTION_VIEWS for k in kinds):
+        return None
+    if any(n.domain not in ("", "ai.onnx") for n in nodes if n.op_type != HEADWISE_OP_TYPE):
+        return None
+    # nothing outside may read an inner tensor
+    inner = {out for n in nodes for out in n.output} - {attn, present}
+    if any(id(c) not in region for name in inner for c in consumers.get(name, [])) or inner & set(
+            o.name for o in graph.output):
+        return None
+
+    def attr(n, name, default=None):
+        return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+
+    def scalar(name):
+        value = constant.get(name)
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+    by_type = {k: [n for n in nodes if n.op_type == k] for k in _ATTENTION_KEYS}
+    (softmax,), (where,) = by_type["Softmax"], by_type["Where"]
+    if softmax.input[0] != where.output[0] or attr(softmax, "axis", -1) not in (-1, 3):
+        return None
+    after_softmax = forward([softmax.output[0]])
+    heads = by_type[HEADWISE_OP_TYPE]
+    uv = [n for n in heads if id(n) in after_softmax]
+    uk = [n for n in heads if id(n) not in after_softmax]
+    if len(uv) != 1 or len(uk) != 1:
+        return None
+    uk, uv = uk[0], uv[0]
+    # the mask: Where(cond, fill, scores) hides where cond holds; Where(cond, scores, fill) where it does not
+    cond, first, second = where.input
+    if scalar(second) is not None and first in producer and id(producer[first]) in region:
+        hidden_when, fill, scores = 0, scalar(second), first
+    elif scalar(first) is not None and second in producer and id(producer[second]) in region:
+        hidden_when, fill, scores = 1, scalar(first), second
+    else:
+        return None
+    # the scale: a Mul by a scalar between the scores' MatMul and the Where, through views only
+    n, scale = producer.get(scores), None
+    while n is not None and id(n) in region and n.op_type in ("Reshape", "Transpose", "Unsqueeze", "Squeeze"):
+        n = producer.get(n.input[0])
+    if n is not None and n.op_type == "Mul":
+        scale = next((scalar(i) for i in n.input if scalar(i) is not None), None)
+    if scale is None:
+        return None
+    # the norm: x / sqrt(mean(x^2) + eps) * w
+    (mean,) = by_type["ReduceMean"]
+    adds = [c for c in consumers.get(mean.output[0], []) if c.op_type == "Add"]
+    eps = next((scalar(i) for i in adds[0].input if scalar(i) is not None), None) if len(adds) == 1 else None
+    weights = [i for n in nodes if n.op_type == "Mul" for i in n.input
+               if i in initializers and len(initializers[i].dims) == 1]
+    r = helper.get_attribute_value(next(a for a in uk.attribute if a.name == "N"))
+    if eps is None or len(weights) != 1 or list(initializers[weights[0]].dims) != [r]:
+        return None
+    # the two products: kv_a's output reaches the rows written to the cache, the query's does not
+    new_rows = producer.get(concat.input[1])
+    kv = [s for s in sorted(sources) if new_rows is not None and id(new_rows) in forward([s])]
+    if len(kv) != 1:
+        return None
+    kv = kv[0]
+    q = next(s for s in sources if s != kv)
+    from_q = forward([q])
+    # the two ropes: x * cos + Gather(x, pairs) * sin, pairs a constant along the last axis
+    ropes = {}
+    for gather in by_type["Gather"]:
+        x, pairs = gather.input
+        uses = consumers.get(gather.output[0], [])
+        if (pairs not in constant or constant[pairs].ndim != 1 or attr(gather, "axis", 0) != -1 or len(uses) != 1
+                or uses[0].op_type != "Mul"):
+            return None
+        sin = next(i for i in uses[0].input if i != gather.output[0])
+        add = consumers.get(uses[0].output[0], [])
+        if len(add) != 1 or add[0].op_type != "Add":
+            return None
+        mul = producer.get(next((i for i in add[0].input if i != uses[0].output[0]), ""))
+        if mul is None or mul.op_type != "Mul" or x not in mul.input:
+            return None
+        cos = next(i for i in mul.input if i != x)
+        ropes["q" if id(gather) in from_q else "k"] = (cos, sin, pairs)
+    if set(ropes) != {"q", "k"}:
+        return None
+    bits = {name: helper.get_attribute_value(next(a for a in n.attribute if a.name == "bits"))
+            for name, n in (("uk", uk), ("uv", uv))}
+    inputs = [q, kv, concat.input[0], cond, *ropes["q"][:2], *ropes["k"][:2], ropes["q"][2], ropes["k"][2],
+              weights[0], uk.input[1], uk.input[2], uv.input[1], uv.input[2]]
+    attrs = {"bits_uk": bits["uk"], "bits_uv": bits["uv"], "hidden_when": hidden_when, "scale": scale, "eps": eps,
+             "fill": fill}
+    return {i for i, n in enumerate(everything) if id(n) in region}, inputs, attrs, attn
+
+
+
+def _sort_nodes(graph) -> None:
+    """Order ``graph``'s nodes so that each comes after the producers of its inputs, keeping their order otherwise
+    (each step takes the earliest node whose inputs are all made)."""
+    import heapq
+
+    nodes = _copies(graph.node)
+    producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+    waiting = [0] * len(nodes)
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for j in {producer[name] for name in n.input if name in producer and producer[name] != i}:
+            waiting[i] += 1
+            readers.setdefault(j, []).append(i)
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for k in readers.get(i, []):
+            waiting[k] -= 1
+            if waiting[k] == 0:
+                heapq.heappush(ready, k)
+    assert len(order) == len(nodes), "the graph has a cycle"
+    del graph.node[:]
+    graph.node.extend(order)
+
+
+def _copies(nodes) -> list:
+    """Detached copies of the NodeProtos ``nodes`` (a repeated field cleared and refilled copies what it is given)."""
+    copies = []
+    for n in nodes:
+        copy = type(n)()
+        copy.CopyFrom(n)
+        copies.append(copy)
+    return copies

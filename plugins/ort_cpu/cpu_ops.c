@@ -64,7 +64,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT64 = 7 };
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT64 = 7, TYPE_BOOL = 9 };
 
 /* positions in struct OrtApi (zero-based; the table only ever grows at its end) */
 enum {
@@ -73,6 +73,7 @@ enum {
     API_CreateCustomOpDomain = 26,
     API_CustomOpDomain_Add = 27,
     API_AddCustomOpDomain = 28,
+    API_KernelInfoGetAttribute_float = 85,
     API_KernelInfoGetAttribute_int64 = 86,
     API_KernelContext_GetInput = 90,
     API_KernelContext_GetOutput = 91,
@@ -92,6 +93,7 @@ typedef OrtStatus *(*CreateCustomOpDomain_t)(const char *domain, OrtCustomOpDoma
 typedef OrtStatus *(*CustomOpDomain_Add_t)(OrtCustomOpDomain *domain, const OrtCustomOp *op);
 typedef OrtStatus *(*AddCustomOpDomain_t)(OrtSessionOptions *options, OrtCustomOpDomain *domain);
 typedef OrtStatus *(*KernelInfoGetAttribute_int64_t)(const OrtKernelInfo *info, const char *name, int64_t *out);
+typedef OrtStatus *(*KernelInfoGetAttribute_float_t)(const OrtKernelInfo *info, const char *name, float *out);
 typedef OrtStatus *(*KernelContext_GetInput_t)(const OrtKernelContext *ctx, size_t index, const OrtValue **out);
 typedef OrtStatus *(*KernelContext_GetOutput_t)(OrtKernelContext *ctx, size_t index, const int64_t *dims,
                                                 size_t count, OrtValue **out);
@@ -774,6 +776,399 @@ static const char *headwise_name(const OrtCustomOp *op) { (void)op; return "Head
 static OrtCustomOp headwise_matmul =
     OP_TABLE(headwise_name, linear_input_type, linear_input_count, headwise_create, headwise_compute, required);
 
+/* ---- mla_deploy.LatentAttention: one layer's absorbed MLA attention over a concatenated latent cache -----------
+ * What mla_deploy.model.mla.AbsorbedMLAttention (form A_CC, concat cache, float32) computes between its projections:
+ * from the query projection's and kv_a_proj_with_mqa's outputs to o_proj's input and the present cache.
+ * Inputs (B sequences, S new tokens, P cached rows, T = P + S, H heads, dn/dr the query's no-rope/rope widths, r the
+ * latent rank, C = r + dr, dv the value width):
+ *   0 q        float [B, S, H*(dn+dr)]   per head [q_nope | q_pe]
+ *   1 kv       float [B, S, C]           [c_kv | k_pe] before the norm and the rope
+ *   2 past     float [B, P, C]
+ *   3 mask     bool  [B or 1, 1, S, T]   hidden where it equals the attribute hidden_when
+ *   4, 5       float q's rope tables cos, sin (B*S*dr values, [B, S, dr] in order; shared by the heads)
+ *   6, 7       float k's rope tables cos, sin (the same layout)
+ *   8, 9       int64 [dr] q's and k's rope pairs: rope(x)[j] = x[j] * cos[j] + x[pairs[j]] * sin[j]
+ *   10         float [r] kv_a_layernorm's weight: c = w * (x / sqrt(mean(x^2) + eps))
+ *   11, 12     w_uk as HeadwiseMatMul reads it: uint8 [H, r, dn*bits/8], scales float [H, r, dn/32]
+ *   13, 14     w_uv likewise: uint8 [H, dv, r*bits/8], scales float [H, dv, r/32]
+ * Outputs: 0 float [B, S, H*dv] (o_proj's input, heads in order); 1 present float [B, T, C] = past then the new rows
+ * [norm(c_kv) | rope(k_pe)].
+ * Per head h and token s: q_lat = q_nope . W_UK[h] (HeadwiseMatMul's compute: int8 activations), scores over the
+ * T rows = [q_lat | rope(q_pe)] . row * scale, hidden ones set to `fill`, softmax, o = sum p * row[:r], output
+ * o . W_UV[h] (HeadwiseMatMul's compute). Attributes: bits_uk, bits_uv (4, 8), hidden_when (0, 1); scale, eps, fill
+ * (float). */
+
+typedef struct {
+    int64_t bits_uk, bits_uv, hidden_when;
+    float scale, eps, fill;
+    int advised_uk, advised_uv;
+} AttentionKernel;
+
+#define LANES 16 /* query rows per panel: one vector */
+#define SPAN 64  /* cache rows per scores item */
+#define CHANNELS 32 /* value channels per values item */
+
+typedef struct {
+    int B, S, T, H, C, r, panels; /* panels per sequence: ceil(S * H / LANES); row n of a sequence = (s, h) */
+    const float *present;         /* [B, T, C] */
+    const float *qt;              /* [B, panels, C, LANES]: the queries, transposed per panel (0 past the rows) */
+    float *p;                     /* [B, panels, T, LANES]: scores, then probabilities */
+    const int *limit;             /* [B, panels]: cache rows the panel's rows may see (others are hidden) */
+    const uint8_t *mask;          /* [Bm, 1, S, T] */
+    int mask_batch, hidden_when;
+    float scale, fill;
+    float *o;                     /* [H, B*S, r]: the weighted sums, as HeadwiseMatMul takes them */
+} AttentionWork;
+
+/* rows t .. t + R - 1 of the cache against a panel's transposed queries qt [C, LANES]: p[t + i] = row_i . qt */
+#define SCORE_ROWS 8
+static void run_scores(void *data, size_t item) {
+    const AttentionWork *w = (const AttentionWork *)data;
+    const int spans = (w->T + SPAN - 1) / SPAN, b = (int)(item / ((size_t)w->panels * spans));
+    const int panel = (int)(item / spans % w->panels), t0 = (int)(item % spans) * SPAN;
+    const int limit = w->limit[b * w->panels + panel], t1 = t0 + SPAN < limit ? t0 + SPAN : limit;
+    const int C = w->C;
+    const float *qt = w->qt + ((size_t)b * w->panels + panel) * C * LANES;
+    float *p = w->p + ((size_t)b * w->panels + panel) * w->T * LANES;
+    const float *rows = w->present + (size_t)b * w->T * C;
+    int t = t0;
+#if defined(__AVX512F__)
+    for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
+        const float *row = rows + (size_t)t * C;
+        __m512 acc[SCORE_ROWS];
+        for (int i = 0; i < SCORE_ROWS; i++) acc[i] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) {
+            const __m512 q = _mm512_loadu_ps(qt + (size_t)c * LANES);
+            for (int i = 0; i < SCORE_ROWS; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(row[(size_t)i * C + c]), q, acc[i]);
+        }
+        for (int i = 0; i < SCORE_ROWS; i++) _mm512_storeu_ps(p + (size_t)(t + i) * LANES, acc[i]);
+    }
+    for (; t < t1; t++) {
+        const float *row = rows + (size_t)t * C;
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(_mm512_set1_ps(row[c]), _mm512_loadu_ps(qt + c * LANES), acc);
+        _mm512_storeu_ps(p + (size_t)t * LANES, acc);
+    }
+#else
+    for (; t < t1; t++) {
+        const float *row = rows + (size_t)t * C;
+        float acc[LANES] = {0};
+        for (int c = 0; c < C; c++)
+            for (int l = 0; l < LANES; l++) acc[l] += row[c] * qt[c * LANES + l];
+        memcpy(p + (size_t)t * LANES, acc, sizeof acc);
+    }
+#endif
+}
+
+#if defined(__AVX512F__)
+/* e^x for 16 floats (Cephes' expf: a degree-6 polynomial on [-ln2/2, ln2/2], then a scale by 2^n; ~1 ulp; 0 far
+ * below -87, as expf) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
+/* one panel: scale, hide, softmax over its `limit` rows (rows past it are hidden and weigh exactly 0) */
+static void run_softmax(void *data, size_t item) {
+    const AttentionWork *w = (const AttentionWork *)data;
+    const int b = (int)(item / w->panels), panel = (int)(item % w->panels), limit = w->limit[item];
+    float *p = w->p + item * w->T * LANES;
+    const int rows = w->S * w->H;
+    float top[LANES], sum[LANES];
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY, sum[l] = 0.f;
+#if defined(__AVX512F__)
+    const int first = panel * LANES / w->H, last = ((panel + 1) * LANES - 1) / w->H;
+    if (first == last) { /* one token's heads: one mask row for every lane */
+        const uint8_t *hidden = w->mask + ((size_t)(w->mask_batch == 1 ? 0 : b) * w->S + first) * w->T;
+        const __m512 scale = _mm512_set1_ps(w->scale), fill = _mm512_set1_ps(w->fill);
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < limit; t++) {
+            float *v = p + (size_t)t * LANES;
+            const __m512 x = (hidden[t] != 0) == w->hidden_when ? fill : _mm512_mul_ps(_mm512_loadu_ps(v), scale);
+            _mm512_storeu_ps(v, x);
+            most = _mm512_max_ps(most, x);
+        }
+        _mm512_storeu_ps(top, most);
+    } else
+#endif
+        for (int l = 0; l < LANES; l++) {
+            const int n = panel * LANES + l, s = n < rows ? n / w->H : 0;
+            const uint8_t *hidden = w->mask + ((size_t)(w->mask_batch == 1 ? 0 : b) * w->S + s) * w->T;
+            for (int t = 0; t < limit; t++) {
+                float *v = p + (size_t)t * LANES + l;
+                *v = (hidden[t] != 0) == w->hidden_when ? w->fill : *v * w->scale;
+                top[l] = fmaxf(top[l], *v);
+            }
+        }
+#if defined(__AVX512F__)
+    const __m512 most = _mm512_loadu_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int t = 0; t < limit; t++) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + (size_t)t * LANES), most));
+        _mm512_storeu_ps(p + (size_t)t * LANES, e);
+        total = _mm512_add_ps(total, e);
+    }
+    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.f), total);
+    for (int t = 0; t < limit; t++)
+        _mm512_storeu_ps(p + (size_t)t * LANES, _mm512_mul_ps(_mm512_loadu_ps(p + (size_t)t * LANES), inverse));
+    (void)sum;
+#else
+    for (int t = 0; t < limit; t++)
+        for (int l = 0; l < LANES; l++) {
+            float *v = p + (size_t)t * LANES + l;
+            *v = expf(*v - top[l]);
+            sum[l] += *v;
+        }
+    for (int t = 0; t < limit; t++)
+        for (int l = 0; l < LANES; l++) p[(size_t)t * LANES + l] /= sum[l];
+#endif
+}
+
+/* one (sequence, panel, CHANNELS channels of r): o[h, b*S + s, c] = sum_t p[t, n] row_t[c] */
+static void run_values(void *data, size_t item) {
+    const AttentionWork *w = (const AttentionWork *)data;
+    const int chunks = (w->r + CHANNELS - 1) / CHANNELS, b = (int)(item / ((size_t)w->panels * chunks));
+    const int panel = (int)(item / chunks % w->panels), c0 = (int)(item % chunks) * CHANNELS;
+    const int limit = w->limit[b * w->panels + panel];
+    const int rows = w->S * w->H;
+    const float *p = w->p + ((size_t)b * w->panels + panel) * w->T * LANES;
+    for (int half = 0; half < LANES; half += 8) {
+        float acc[8][CHANNELS];
+#if defined(__AVX512F__)
+        __m512 lo[8], hi[8];
+        for (int l = 0; l < 8; l++) lo[l] = hi[l] = _mm512_setzero_ps();
+        for (int t = 0; t < limit; t++) {
+            const float *row = w->present + ((size_t)b * w->T + t) * w->C + c0;
+            const __m512 a = _mm512_loadu_ps(row), z = _mm512_loadu_ps(row + 16);
+            const float *pt = p + (size_t)t * LANES + half;
+            for (int l = 0; l < 8; l++) {
+                const __m512 pl = _mm512_set1_ps(pt[l]);
+                lo[l] = _mm512_fmadd_ps(pl, a, lo[l]);
+                hi[l] = _mm512_fmadd_ps(pl, z, hi[l]);
+            }
+        }
+        for (int l = 0; l < 8; l++) _mm512_storeu_ps(acc[l], lo[l]), _mm512_storeu_ps(acc[l] + 16, hi[l]);
+#else
+        memset(acc, 0, sizeof acc);
+        for (int t = 0; t < limit; t++) {
+            const float *row = w->present + ((size_t)b * w->T + t) * w->C + c0;
+            for (int l = 0; l < 8; l++) {
+                const float pl = p[(size_t)t * LANES + half + l];
+                for (int c = 0; c < CHANNELS; c++) acc[l][c] += pl * row[c];
+            }
+        }
+#endif
+        for (int l = 0; l < 8; l++) {
+            const int n = panel * LANES + half + l;
+            if (n >= rows) break;
+            const int s = n / w->H, h = n % w->H;
+            memcpy(w->o + (((size_t)h * w->B + b) * w->S + s) * w->r + c0, acc[l], CHANNELS * sizeof(float));
+        }
+    }
+}
+
+static void rope(const float *x, const float *cos, const float *sin, const int64_t *pairs, int d, float *out) {
+    for (int j = 0; j < d; j++) out[j] = x[j] * cos[j] + x[pairs[j]] * sin[j];
+}
+
+static OrtStatus *element_count(const OrtValue *value, int want_type, size_t want, const char *what) {
+    OrtShapeInfo *info;
+    size_t count = 0;
+    int type = 0;
+    CHECK(CALL(GetTensorTypeAndShape)(value, &info));
+    OrtStatus *status = CALL(GetTensorShapeElementCount)(info, &count);
+    if (!status) status = CALL(GetTensorElementType)(info, &type);
+    CALL(ReleaseTensorTypeAndShapeInfo)(info);
+    if (status) return status;
+    return count != want || type != want_type ? fail(what) : NULL;
+}
+
+static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
+    AttentionKernel *kernel = (AttentionKernel *)kernel_data;
+    const int bits_uk = (int)kernel->bits_uk, bits_uv = (int)kernel->bits_uv;
+    const OrtValue *in[15];
+    for (size_t i = 0; i < 15; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    int64_t qd[3], kd[3], pd[3], md[4], uk[3], uks[3], uv[3], uvs[3];
+    CHECK(shape_of(in[0], TYPE_FLOAT, 3, qd, "LatentAttention: q must be float [B, S, H*(dn+dr)]"));
+    CHECK(shape_of(in[1], TYPE_FLOAT, 3, kd, "LatentAttention: kv must be float [B, S, C]"));
+    CHECK(shape_of(in[2], TYPE_FLOAT, 3, pd, "LatentAttention: past must be float [B, P, C]"));
+    CHECK(shape_of(in[3], TYPE_BOOL, 4, md, "LatentAttention: mask must be bool [B or 1, 1, S, T]"));
+    CHECK(shape_of(in[11], TYPE_UINT8, 3, uk, "LatentAttention: w_uk must be uint8 [H, r, dn*bits/8]"));
+    CHECK(shape_of(in[12], TYPE_FLOAT, 3, uks, "LatentAttention: w_uk's scales must be float [H, r, dn/32]"));
+    CHECK(shape_of(in[13], TYPE_UINT8, 3, uv, "LatentAttention: w_uv must be uint8 [H, dv, r*bits/8]"));
+    CHECK(shape_of(in[14], TYPE_FLOAT, 3, uvs, "LatentAttention: w_uv's scales must be float [H, dv, r/32]"));
+    const int B = (int)qd[0], S = (int)qd[1], P = (int)pd[1], T = P + S, C = (int)kd[2], H = (int)uk[0];
+    const int r = (int)uk[1], dn = (int)(uk[2] * 8 / bits_uk), dr = C - r, dv = (int)uv[1];
+    if (kd[0] != B || kd[1] != S || pd[0] != B || pd[2] != C || dr <= 0 || dr % 2 || qd[2] != (int64_t)H * (dn + dr) ||
+        uks[0] != H || uks[1] != r || uks[2] != dn / BLOCK || dn % BLOCK || r % BLOCK || uv[0] != H ||
+        uv[2] != (int64_t)r * bits_uv / 8 || uvs[0] != H || uvs[1] != dv || uvs[2] != r / BLOCK ||
+        (md[0] != 1 && md[0] != B) || md[1] != 1 || md[2] != S || md[3] != T)
+        return fail("LatentAttention: the input shapes do not agree (see cpu_ops.c)");
+    const size_t tokens = (size_t)B * S;
+    for (int i = 4; i < 8; i++)
+        CHECK(element_count(in[i], TYPE_FLOAT, tokens * dr, "LatentAttention: a rope table must hold B*S*dr floats"));
+    for (int i = 8; i < 10; i++)
+        CHECK(element_count(in[i], TYPE_INT64, (size_t)dr, "LatentAttention: the rope pairs must be int64 [dr]"));
+    CHECK(element_count(in[10], TYPE_FLOAT, (size_t)r, "LatentAttention: the norm's weight must be float [r]"));
+    void *ptr[15];
+    for (int i = 0; i < 15; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    const int64_t *pairs[2] = {(const int64_t *)ptr[8], (const int64_t *)ptr[9]};
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < dr; j++)
+            if (pairs[k][j] < 0 || pairs[k][j] >= dr) return fail("LatentAttention: a rope pair lies outside [0, dr)");
+    const int64_t out_dims[3] = {B, S, (int64_t)H * dv}, present_dims[3] = {B, T, C};
+    OrtValue *outputs[2];
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, out_dims, 3, &outputs[0]));
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 1, present_dims, 3, &outputs[1]));
+    void *out_ptr[2];
+    for (int i = 0; i < 2; i++) CHECK(CALL(GetTensorMutableData)(outputs[i], &out_ptr[i]));
+    float *y = (float *)out_ptr[0], *present = (float *)out_ptr[1];
+    const float *q = (const float *)ptr[0], *kv = (const float *)ptr[1], *past = (const float *)ptr[2];
+    const float *tables[4] = {(const float *)ptr[4], (const float *)ptr[5], (const float *)ptr[6],
+                              (const float *)ptr[7]};
+    const float *norm = (const float *)ptr[10];
+
+    /* the present cache: the past, then the new rows */
+    for (int b = 0; b < B; b++) {
+        memcpy(present + (size_t)b * T * C, past + (size_t)b * P * C, (size_t)P * C * sizeof(float));
+        for (int s = 0; s < S; s++) {
+            const size_t token = (size_t)b * S + s;
+            const float *x = kv + token * C;
+            float *row = present + ((size_t)b * T + P + s) * C;
+            float squares = 0.f;
+            for (int j = 0; j < r; j++) squares += x[j] * x[j];
+            const float root = sqrtf(squares / (float)r + kernel->eps);
+            for (int j = 0; j < r; j++) row[j] = norm[j] * (x[j] / root);
+            rope(x + r, tables[2] + token * dr, tables[3] + token * dr, pairs[1], dr, row + r);
+        }
+    }
+    if (tokens == 0) return NULL;
+
+    const int rows = S * H, panels = (rows + LANES - 1) / LANES;
+    const size_t heads_rows = (size_t)H * tokens;
+    const size_t bytes = aligned(heads_rows * dn * sizeof(float)) + aligned(heads_rows * r * sizeof(float)) * 2 +
+                         aligned(heads_rows * dr * sizeof(float)) +
+                         aligned((size_t)B * panels * C * LANES * sizeof(float)) +
+                         aligned((size_t)B * panels * T * LANES * sizeof(float)) +
+                         aligned((size_t)B * panels * sizeof(int)) + aligned(heads_rows * dv * sizeof(float));
+    Scratch scratch = {malloc(bytes), NULL};
+    if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "LatentAttention: out of memory");
+    scratch.at = scratch.base;
+    float *nope = take(&scratch, heads_rows * dn * sizeof(float));
+    float *lat = take(&scratch, heads_rows * r * sizeof(float));
+    float *pe = take(&scratch, heads_rows * dr * sizeof(float));
+    float *qt = take(&scratch, (size_t)B * panels * C * LANES * sizeof(float));
+    float *p = take(&scratch, (size_t)B * panels * T * LANES * sizeof(float));
+    int *limit = take(&scratch, (size_t)B * panels * sizeof(int));
+    float *o = take(&scratch, heads_rows * r * sizeof(float)), *ov = take(&scratch, heads_rows * dv * sizeof(float));
+
+    /* the queries: q_nope heads first [H, B*S, dn] for W_UK, rope(q_pe) [B*S, H, dr] */
+    for (size_t token = 0; token < tokens; token++)
+        for (int h = 0; h < H; h++) {
+            const float *x = q + token * H * (dn + dr) + (size_t)h * (dn + dr);
+            memcpy(nope + ((size_t)h * tokens + token) * dn, x, (size_t)dn * sizeof(float));
+            rope(x + dn, tables[0] + token * dr, tables[1] + token * dr, pairs[0], dr,
+                 pe + (token * H + h) * dr);
+        }
+    LinearWork uk_work = {(int)tokens, r, (r + TILE - 1) / TILE, (const uint8_t *)ptr[11], (const float *)ptr[12],
+                          (size_t)dn * bits_uk / 8, bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL},
+                          lat};
+    OrtStatus *status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
+
+    /* each sequence's S*H query rows in panels of LANES, transposed: [q_lat | rope(q_pe)] per row */
+    const uint8_t *mask = (const uint8_t *)ptr[3];
+    const int hidden_when = (int)kernel->hidden_when;
+    for (int b = 0; !status && b < B; b++)
+        for (int panel = 0; panel < panels; panel++) {
+            float *t_panel = qt + ((size_t)b * panels + panel) * C * LANES;
+            int seen = 0;
+            for (int l = 0; l < LANES; l++) {
+                const int n = panel * LANES + l;
+                if (n >= rows) {
+                    for (int c = 0; c < C; c++) t_panel[c * LANES + l] = 0.f;
+                    continue;
+                }
+                const int s = n / H, h = n % H;
+                const size_t token = (size_t)b * S + s;
+                const float *ql = lat + ((size_t)h * tokens + token) * r, *qp = pe + (token * H + h) * dr;
+                for (int c = 0; c < r; c++) t_panel[c * LANES + l] = ql[c];
+                for (int c = 0; c < dr; c++) t_panel[(r + c) * LANES + l] = qp[c];
+                /* the rows this query may see: up to its last visible one; all of them when it sees none */
+                const uint8_t *hidden = mask + ((size_t)(md[0] == 1 ? 0 : b) * S + s) * T;
+                int last = -1;
+                for (int t = 0; t < T; t++)
+                    if ((hidden[t] != 0) != hidden_when) last = t;
+                const int sees = last < 0 ? T : last + 1;
+                seen = sees > seen ? sees : seen;
+            }
+            limit[b * panels + panel] = seen;
+        }
+    AttentionWork work = {B, S, T, H, C, r, panels, present, qt, p, limit, mask, (int)md[0], hidden_when,
+                          kernel->scale, kernel->fill, o};
+    const size_t spans = (size_t)(T + SPAN - 1) / SPAN, chunks = (size_t)(r + CHANNELS - 1) / CHANNELS;
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_scores, (size_t)B * panels * spans, 0, &work);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_softmax, (size_t)B * panels, 0, &work);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_values, (size_t)B * panels * chunks, 0, &work);
+    LinearWork uv_work = {(int)tokens, dv, (dv + TILE - 1) / TILE, (const uint8_t *)ptr[13], (const float *)ptr[14],
+                          (size_t)r * bits_uv / 8, bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov};
+    if (!status) status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
+    for (size_t token = 0; !status && token < tokens; token++)
+        for (int h = 0; h < H; h++)
+            memcpy(y + (token * H + h) * dv, ov + ((size_t)h * tokens + token) * dv, (size_t)dv * sizeof(float));
+    free(scratch.base);
+    return status;
+}
+
+static OrtStatus *attention_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
+    (void)op, (void)ort_api;
+    int64_t bits_uk, bits_uv, hidden_when;
+    float scale, eps, fill;
+    CHECK(CALL(KernelInfoGetAttribute_int64)(info, "bits_uk", &bits_uk));
+    CHECK(CALL(KernelInfoGetAttribute_int64)(info, "bits_uv", &bits_uv));
+    CHECK(CALL(KernelInfoGetAttribute_int64)(info, "hidden_when", &hidden_when));
+    CHECK(CALL(KernelInfoGetAttribute_float)(info, "scale", &scale));
+    CHECK(CALL(KernelInfoGetAttribute_float)(info, "eps", &eps));
+    CHECK(CALL(KernelInfoGetAttribute_float)(info, "fill", &fill));
+    if ((bits_uk != 4 && bits_uk != 8) || (bits_uv != 4 && bits_uv != 8) || (hidden_when != 0 && hidden_when != 1))
+        return fail("LatentAttention: bits_uk and bits_uv must be 4 or 8, hidden_when 0 or 1");
+    AttentionKernel *kernel = calloc(1, sizeof(AttentionKernel));
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
+    *kernel = (AttentionKernel){bits_uk, bits_uv, hidden_when, scale, eps, fill, 0, 0};
+    *out = kernel;
+    return NULL;
+}
+
+static const char *attention_name(const OrtCustomOp *op) { (void)op; return "LatentAttention"; }
+static int attention_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 3 ? TYPE_BOOL : i == 8 || i == 9 ? TYPE_INT64 : i == 11 || i == 13 ? TYPE_UINT8 : TYPE_FLOAT;
+}
+static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 15; }
+static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
+
+static OrtCustomOp latent_attention = {
+    .version = 16, .GetName = attention_name, .GetExecutionProviderType = op_provider,
+    .GetInputType = attention_input_type, .GetInputTypeCount = attention_input_count, .GetOutputType = output_type,
+    .GetOutputTypeCount = two, .KernelDestroy = destroy_kernel, .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = attention_create, .KernelComputeV2 = attention_compute,
+};
+
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
@@ -792,6 +1187,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         CHECK(CALL(CustomOpDomain_Add)(created, &routed_experts));
         CHECK(CALL(CustomOpDomain_Add)(created, &blockwise_matmul));
         CHECK(CALL(CustomOpDomain_Add)(created, &headwise_matmul));
+        CHECK(CALL(CustomOpDomain_Add)(created, &latent_attention));
         domain = created;
     }
     return CALL(AddCustomOpDomain)(options, domain);

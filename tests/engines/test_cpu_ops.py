@@ -514,3 +514,82 @@ def test_engine_computes_the_per_head_products_with_the_operator(libraries, tmp_
     ops = [n.op_type for n in onnx.load(str(art / "cpu" / "model.onnx"), load_external_data=False).graph.node]
     assert ops.count(own_ops.HEADWISE_OP_TYPE) == 2 * layers and "DequantizeLinear" not in ops
     assert _tokens(art) == _tokens(art, "--no-engine")
+
+
+def _concat_per_head_recipe(heads: int = 4):
+    """The tiny preset with a concatenated latent cache, int4 weights in blocks of 32, per-head weights that fill
+    them (r 64, dn 32, dv 32; an absorbed prefill too, so that they are quantized). 4 heads: a panel of 16 query
+    rows spans several tokens; 16: one token's heads fill a panel (the vector path of the softmax)."""
+    recipe = tiny_recipe("concat", weights="int4", block_size=32, prefill_form="A_CC", external_data_threshold=0)
+    return recipe.replace(model=recipe.model.replace(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32,
+                                                     num_attention_heads=heads))
+
+
+@pytest.fixture(scope="module", params=[4, 16], ids=["4-heads", "16-heads"])
+def attention_engines(libraries, tmp_path_factory, request) -> tuple[Path, Path]:
+    """One export built twice: with each layer's attention core as LatentAttention, and without (its per-head
+    products HeadwiseMatMul, the rest ONNX Runtime's nodes: the same int8 compute of the per-head products)."""
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
+    from mla_deploy.exporter import export_recipe
+
+    root = tmp_path_factory.mktemp("attention")
+    export_recipe(_concat_per_head_recipe(request.param), root / "fused")
+    shutil.copytree(root / "fused", root / "unfused")
+    ok(cli("build", root / "fused", "--target", "cpu"))
+    swap = own_ops.swap_attention
+    own_ops.swap_attention = lambda model: 0
+    try:
+        ok(cli("build", root / "unfused", "--target", "cpu"))
+    finally:
+        own_ops.swap_attention = swap
+    return root / "fused", root / "unfused"
+
+
+def test_engine_holds_one_attention_node_per_layer(attention_engines):
+    """Each layer's attention core (cache write, rope, norm, W_UK, scores, softmax, W_UV) is one LatentAttention
+    node; the record and the build's line count them and no longer count their per-head products."""
+    import onnx
+
+    fused, unfused = attention_engines
+    layers = _concat_per_head_recipe().model.num_hidden_layers
+    record = json.loads((fused / "cpu" / "engine.json").read_text())["operators"]
+    assert record["attention"] == layers and record["heads"] == 0
+    ops = [n.op_type for n in onnx.load(str(fused / "cpu" / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count(own_ops.ATTENTION_OP_TYPE) == layers
+    assert "Softmax" not in ops and own_ops.HEADWISE_OP_TYPE not in ops
+    before = [n.op_type for n in onnx.load(str(unfused / "cpu" / "model.onnx"), load_external_data=False).graph.node]
+    assert own_ops.ATTENTION_OP_TYPE not in before and len(before) - len(ops) >= 20 * layers
+    assert f"mla_deploy.LatentAttention x{layers}" in OrtEngine(fused, threads=1).info()["operators"]
+
+
+def test_attention_operator_equals_the_nodes_it_replaces(attention_engines):
+    """Two sequences (one right-padded) prefilled, then three decode steps: the logits of the engine with
+    LatentAttention equal those of the engine computing the same core with ONNX Runtime's nodes, to float32
+    rounding (the per-head products are the same int8 compute in both)."""
+    engines = [OrtEngine(path, threads=2) for path in attention_engines]
+    states = [e.new_state(2, 12) for e in engines]
+    rng = np.random.default_rng(5)
+    vocab = _concat_per_head_recipe().model.vocab_size
+    ids = rng.integers(0, vocab, size=(2, 5), dtype=np.int64)
+    valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)
+    got = [np.asarray(e.to_host(e.step("prefill", ids, np.arange(5)[None].repeat(2, 0), s, valid=valid)))
+           for e, s in zip(engines, states)]
+    steps = [got]
+    for _ in range(3):
+        tok = np.argmax(got[1][:, -1], axis=-1).astype(np.int64)[:, None]
+        positions = states[1].lengths[:, None].copy()
+        got = [np.asarray(e.to_host(e.step("decode", tok, positions, s))) for e, s in zip(engines, states)]
+        steps.append(got)
+    for fused, unfused in steps:
+        scale = np.abs(unfused[valid[:, -1] == 1] if fused.shape[1] == 5 else unfused).max()
+        keep = np.ones(fused.shape[:2], bool) if fused.shape[1] == 1 else valid.astype(bool)
+        assert scale > 0 and np.abs(fused[keep] - unfused[keep]).max() <= 1e-4 * scale
+
+
+def test_engine_with_the_attention_operator_gives_the_source_graphs_tokens(attention_engines):
+    fused, _ = attention_engines
+    prompts = ("--prompt-ids", "3,14,15,92,65", "--prompt-ids", "7,8")
+    record = json.loads(ok(cli("run", fused, *prompts, "--max-new-tokens", "12", "--json")))
+    source = json.loads(ok(cli("run", fused, *prompts, "--max-new-tokens", "12", "--json", "--no-engine")))
+    assert [s["tokens"] for s in record["sequences"]] == [s["tokens"] for s in source["sequences"]]
