@@ -518,14 +518,16 @@ def test_engine_computes_the_per_head_products_with_the_operator(libraries, tmp_
 
 def _concat_per_head_recipe(heads: int = 4):
     """The tiny preset with a concatenated latent cache, int4 weights in blocks of 32, per-head weights that fill
-    them (r 64, dn 32, dv 32; an absorbed prefill too, so that they are quantized). 4 heads: a panel of 16 query
-    rows spans several tokens; 16: one token's heads fill a panel (the vector path of the softmax)."""
+    them (r 64, dn 32, dv 32; an absorbed prefill too, so that they are quantized), YaRN rope. 4 heads with the
+    query compressed (V3's q_a_proj/q_b_proj): a panel of 16 query rows spans several tokens; 16 heads with a plain
+    q_proj (V2-Lite's): one token's heads fill a panel (the vector path of the softmax)."""
     recipe = tiny_recipe("concat", weights="int4", block_size=32, prefill_form="A_CC", external_data_threshold=0)
     return recipe.replace(model=recipe.model.replace(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32,
-                                                     num_attention_heads=heads))
+                                                     num_attention_heads=heads,
+                                                     q_lora_rank=recipe.model.q_lora_rank if heads == 4 else None))
 
 
-@pytest.fixture(scope="module", params=[4, 16], ids=["4-heads", "16-heads"])
+@pytest.fixture(scope="module", params=[4, 16], ids=["4-heads-q-lora", "16-heads-q-proj"])
 def attention_engines(libraries, tmp_path_factory, request) -> tuple[Path, Path]:
     """One export built twice: with each layer's attention core as LatentAttention, and without (its per-head
     products HeadwiseMatMul, the rest ONNX Runtime's nodes: the same int8 compute of the per-head products)."""
@@ -563,33 +565,62 @@ def test_engine_holds_one_attention_node_per_layer(attention_engines):
     assert f"mla_deploy.LatentAttention x{layers}" in OrtEngine(fused, threads=1).info()["operators"]
 
 
+def _first_attention_session(engine: Path):
+    """A session on ``engine``'s CPU engine graph with layer 0's attention output (``o_proj``'s input) as an output
+    too: ``(session, that output's name)``."""
+    import onnx
+
+    from mla_deploy.quant.formats import EXTERNAL_FOLDER_ENTRY
+
+    model = onnx.load(str(engine / "cpu" / "model.onnx"), load_external_data=False)
+    o_proj = next(n for n in model.graph.node if n.op_type == own_ops.LINEAR_OP_TYPE
+                  and "layers.0.self_attn.o_proj" in n.input[1])
+    model.graph.output.append(onnx.ValueInfoProto(name=o_proj.input[0]))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(engine / "cpu"))
+    cpu_ops.register(options, engine / "cpu" / cpu_ops.LIBRARY)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session, o_proj.input[0]
+
+
 def test_attention_operator_equals_the_nodes_it_replaces(attention_engines):
-    """Two sequences (one right-padded) prefilled, then three decode steps: the logits of the engine with
-    LatentAttention equal those of the engine computing the same core with ONNX Runtime's nodes, to float32
-    rounding (the per-head products are the same int8 compute in both)."""
-    engines = [OrtEngine(path, threads=2) for path in attention_engines]
-    states = [e.new_state(2, 12) for e in engines]
+    """Two sequences (one right-padded) prefilled over an empty cache, then one decode step over what it wrote,
+    through both engines: layer 0's attention output (o_proj's input: the same inputs reach both) and its present
+    cache equal to float32 rounding (1e-5 of their scale; the per-head products are the same int8 compute in both).
+    Later layers are compared loosely: there the inputs already differ in the last bits, which can move an
+    activation's int8 rounding."""
+    recipe = _concat_per_head_recipe()
+    width, layers = recipe.model.kv_lora_rank + recipe.model.qk_rope_head_dim, recipe.model.num_hidden_layers
+    sessions = [_first_attention_session(path) for path in attention_engines]
     rng = np.random.default_rng(5)
-    vocab = _concat_per_head_recipe().model.vocab_size
-    ids = rng.integers(0, vocab, size=(2, 5), dtype=np.int64)
+    ids = rng.integers(0, recipe.model.vocab_size, size=(2, 5), dtype=np.int64)
     valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)
-    got = [np.asarray(e.to_host(e.step("prefill", ids, np.arange(5)[None].repeat(2, 0), s, valid=valid)))
-           for e, s in zip(engines, states)]
-    steps = [got]
-    for _ in range(3):
-        tok = np.argmax(got[1][:, -1], axis=-1).astype(np.int64)[:, None]
-        positions = states[1].lengths[:, None].copy()
-        got = [np.asarray(e.to_host(e.step("decode", tok, positions, s))) for e, s in zip(engines, states)]
-        steps.append(got)
-    for fused, unfused in steps:
-        scale = np.abs(unfused[valid[:, -1] == 1] if fused.shape[1] == 5 else unfused).max()
-        keep = np.ones(fused.shape[:2], bool) if fused.shape[1] == 1 else valid.astype(bool)
-        assert scale > 0 and np.abs(fused[keep] - unfused[keep]).max() <= 1e-4 * scale
+    feed = {"input_ids": ids, "position_ids": np.arange(5)[None].repeat(2, 0), "attention_mask": valid,
+            "logits_index": np.array([[4], [2]], dtype=np.int64),
+            **{f"past_latent.{i}": np.zeros((2, 0, width), np.float32) for i in range(layers)}}
+    prefill = [session.run(None, feed) for session, _ in sessions]
+    step = {"input_ids": np.array([[11], [12]], dtype=np.int64), "position_ids": np.array([[5], [3]], dtype=np.int64),
+            "attention_mask": np.concatenate([valid, np.ones((2, 1), np.int64)], axis=1),
+            "logits_index": np.zeros((2, 1), np.int64),
+            **{f"past_latent.{i}": prefill[1][1 + i] for i in range(layers)}}
+    decode = [session.run(None, step) for session, _ in sessions]
+    for fused, unfused in (prefill, decode):
+        attn, want = fused[-1], unfused[-1]
+        rows = valid.astype(bool) if attn.shape[1] == 5 else np.ones(attn.shape[:2], bool)  # padding rows: any
+        assert np.abs(attn[rows] - want[rows]).max() <= 1e-5 * np.abs(want[rows]).max()
+        assert np.abs(fused[1] - unfused[1]).max() <= 1e-5 * np.abs(unfused[1]).max()  # layer 0's cache
+        for i in range(1, layers):
+            assert np.abs(fused[1 + i] - unfused[1 + i]).max() <= 0.05 * np.abs(unfused[1 + i]).max()
+        assert np.abs(fused[0] - unfused[0]).max() <= 0.05 * np.abs(unfused[0]).max()  # the logits
 
 
-def test_engine_with_the_attention_operator_gives_the_source_graphs_tokens(attention_engines):
-    fused, _ = attention_engines
+def test_engine_with_the_attention_operator_gives_the_same_tokens(attention_engines):
+    """Two prompts of different lengths through `mla-deploy run`: the same greedy tokens with the attention core
+    as one operator as with ONNX Runtime's nodes around HeadwiseMatMul (the source graphs compute the per-head
+    products in float, so on a random tiny model a near tie may go either way there)."""
     prompts = ("--prompt-ids", "3,14,15,92,65", "--prompt-ids", "7,8")
-    record = json.loads(ok(cli("run", fused, *prompts, "--max-new-tokens", "12", "--json")))
-    source = json.loads(ok(cli("run", fused, *prompts, "--max-new-tokens", "12", "--json", "--no-engine")))
-    assert [s["tokens"] for s in record["sequences"]] == [s["tokens"] for s in source["sequences"]]
+    fused, unfused = (json.loads(ok(cli("run", path, *prompts, "--max-new-tokens", "12", "--json")))
+                      for path in attention_engines)
+    assert [s["tokens"] for s in fused["sequences"]] == [s["tokens"] for s in unfused["sequences"]]
