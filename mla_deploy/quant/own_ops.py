@@ -192,18 +192,31 @@ def _constants(model) -> dict:
 def _drop_unused(graph, names: list[str]) -> None:
     """Remove the nodes producing ``names`` (and, in turn, their producers) whose outputs nothing reads any more;
     initializers left without a reader are removed too."""
-    outputs = {o.name for o in graph.output}
-    pending = list(names)
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for output in graph.output:
+        readers[output.name] = readers.get(output.name, 0) + 1
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    dropped, pending = set(), list(names)
     while pending:
-        used = {name for node in graph.node for name in node.input} | outputs
         name = pending.pop()
-        node = next((n for n in graph.node if name in n.output), None)
-        if node is not None and not any(out in used for out in node.output):
-            graph.node.remove(node)
-            pending.extend(node.input)
-        elif node is None and name not in used:
-            for tensor in [t for t in graph.initializer if t.name == name]:
-                graph.initializer.remove(tensor)
+        if readers.get(name, 0):
+            continue
+        at = producer.get(name)
+        if at is None or at in dropped or any(readers.get(out, 0) for out in graph.node[at].output):
+            continue
+        dropped.add(at)
+        for source in graph.node[at].input:
+            readers[source] -= 1
+            pending.append(source)
+    unread = {name for name in names if not readers.get(name, 0)}
+    kept = [n for i, n in enumerate(_copies(graph.node)) if i not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    for tensor in [t for t in graph.initializer if t.name in unread or (t.name in readers and not readers[t.name])]:
+        graph.initializer.remove(tensor)
 
 
 def _swap(model, old: str, new: str, eligible, inputs: tuple[int, ...]) -> int:
@@ -319,8 +332,8 @@ def swap_attention(model) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), each layer's absorbed attention core over a
     concatenated latent cache (:class:`~mla_deploy.model.mla.AbsorbedMLAttention`, ``A_CC``, float32, its per-head
     products already ``HeadwiseMatMul``: :func:`swap_headwise`) by one ``mla_deploy.LatentAttention`` node; returns
-    how many. The core is every node on a path from the query and ``kv_a`` products' outputs and the past cache to
-    ``o_proj``'s input and the present cache; it is swapped only where it holds exactly the nodes that form computes
+    how many. The core is every node on a path from the query and ``kv_a`` products' outputs to ``o_proj``'s input
+    and the present cache (the past cache is one of its inputs); it is swapped only where it holds exactly the nodes that form computes
     (:data:`_ATTENTION_KEYS`, the rest views and elementwise ops) and nothing outside reads its inner tensors."""
     from onnx import helper
 
@@ -370,9 +383,8 @@ def _is_product(node, initializers) -> bool:
 
 def _attention_core(graph, concat, initializers, constant):
     """``(the region's node positions in graph.node, the LatentAttention inputs, its attributes, o_proj's input
-    name)`` for the layer whose
-    present cache ``concat`` writes, or None where its attention is not the absorbed core :func:`swap_attention`
-    replaces."""
+    name)`` for the layer whose present cache ``concat`` writes, or None where its attention is not the absorbed
+    core :func:`swap_attention` replaces."""
     from onnx import helper
 
     everything = list(graph.node)  # one wrapper per node: ids below are of these (a repeated field's item is not)
