@@ -121,6 +121,8 @@ class CpuOperators:
             ``mla_deploy.HeadwiseMatMul`` (a record without the field: none).
         attention: how many layers' attention cores it swapped for ``mla_deploy.LatentAttention`` (their per-head
             products inside them, no longer counted in ``heads``; a record without the field: none).
+        float_experts: how many float ``MoE`` nodes it swapped for ``mla_deploy.FloatExperts`` (a record without the
+            field: none).
     """
 
     experts: int = 0
@@ -131,21 +133,22 @@ class CpuOperators:
     why_not: str | None = None
     heads: int = 0
     attention: int = 0
+    float_experts: int = 0
 
     @property
     def used(self) -> bool:
-        return bool(self.experts or self.linear or self.heads or self.attention)
+        return bool(self.experts or self.linear or self.heads or self.attention or self.float_experts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "attention": self.attention,
-                "library": self.library,
+                "float_experts": self.float_experts, "library": self.library,
                 "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
                    data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)),
-                   int(data.get("attention", 0)))
+                   int(data.get("attention", 0)), int(data.get("float_experts", 0)))
 
     def describe(self) -> str:
         """One phrase: what computes the experts and the quantized products."""
@@ -153,6 +156,9 @@ class CpuOperators:
             return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
         heads = f", mla_deploy.HeadwiseMatMul x{self.heads}" if self.heads else ""
         heads += f", mla_deploy.LatentAttention x{self.attention}" if self.attention else ""
+        if self.float_experts and not self.experts + self.linear:
+            return f"mla_deploy.FloatExperts x{self.float_experts}{heads} ({self.library})"
+        heads += f", mla_deploy.FloatExperts x{self.float_experts}" if self.float_experts else ""
         return (f"mla_deploy.RoutedExperts x{self.experts}, mla_deploy.BlockwiseMatMul x{self.linear}{heads} "
                 f"({self.library})")
 

@@ -125,7 +125,8 @@ class _Operators:
     swapped into every graph that does (:func:`~mla_deploy.quant.own_ops.swap_experts`, ``swap_linear``)."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.library, self.experts, self.linear, self.heads, self.attention = tmp, None, 0, 0, 0, 0
+        self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
+        self.attention = self.float_experts = 0
 
     def swap(self, model: str | bytes):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s) with its eligible nodes
@@ -141,19 +142,21 @@ class _Operators:
         if self.library.path is None:
             return model, None
         experts, linear, heads = own_ops.swap_experts(proto), own_ops.swap_linear(proto), own_ops.swap_headwise(proto)
+        float_experts = own_ops.swap_float_experts(proto)
         attention = own_ops.swap_attention(proto) if heads else 0
         heads -= 2 * attention  # each core takes its layer's two per-head products inside
-        if not experts + linear + heads + attention:
+        if not experts + linear + heads + attention + float_experts:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
-        self.attention += attention
+        self.attention, self.float_experts = self.attention + attention, self.float_experts + float_experts
         return proto.SerializeToString(), self.library.path
 
     def record(self) -> CpuOperators:
-        if self.experts + self.linear + self.heads + self.attention:
+        if self.experts + self.linear + self.heads + self.attention + self.float_experts:
             path = self.library.path
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
-                                sha256_file(cpu_ops.source_path()), heads=self.heads, attention=self.attention)
+                                sha256_file(cpu_ops.source_path()), heads=self.heads, attention=self.attention,
+                                float_experts=self.float_experts)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
             return CpuOperators(why_not="no QMoE, MatMulNBits or per-head product they compute exactly "

@@ -123,6 +123,56 @@ def _give_routing(model) -> int:
     return rewritten
 
 
+FLOAT_EXPERTS_OP_TYPE = "FloatExperts"
+
+
+def swap_float_experts(model) -> int:
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every float ``com.microsoft`` ``MoE`` node that
+    ``mla_deploy.FloatExperts`` computes (SwiGLU with gate and up interleaved, alpha 1, beta 0, no limit, no biases)
+    and whose routing is the export's round trip (:func:`swap_experts`) by that operator, given the routing's weights
+    and experts; returns how many."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    floats = {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
+    constant = _constants(model)
+    swapped, freed = 0, []
+    for node in [n for n in graph.node if (n.domain, n.op_type) == ("com.microsoft", "MoE")]:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        activation = attrs.get("activation_type", b"relu")
+        inputs = list(node.input) + [""] * (5 - len(node.input))
+        if ((activation.decode() if isinstance(activation, bytes) else activation) != "swiglu"
+                or attrs.get("swiglu_fusion", 0) != 1 or attrs.get("activation_alpha", 1.0) != 1.0
+                or attrs.get("activation_beta", 0.0) != 0.0 or "swiglu_limit" in attrs
+                or [i for i, name in enumerate(inputs) if name] != [0, 1, 2, 4]
+                or not {inputs[2], inputs[4]} <= floats):
+            continue
+        found = _routing_pattern(node, producer, consumers, outputs, constant)
+        if found is None:
+            continue
+        weights, idx, mul = found
+        given = helper.make_node(FLOAT_EXPERTS_OP_TYPE, [node.input[0], weights, inputs[2], inputs[4], idx],
+                                 list(mul.output), name=node.name, domain=DOMAIN, k=attrs.get("k", 1))
+        given.metadata_props.extend(node.metadata_props)
+        at = list(graph.node).index(node)
+        for old in (node, mul):
+            graph.node.remove(old)
+            freed.extend(old.input)
+        graph.node.insert(at, given)
+        swapped += 1
+    if swapped:
+        _drop_unused(graph, freed)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return swapped
+
+
 def _routing_pattern(node, producer, consumers, outputs, constant) -> tuple[str, str, object] | None:
     """``(weights, idx, the Mul node)`` when the RoutedExperts ``node`` reads the export's routing round trip
     (:func:`swap_experts`), else None. ``constant``: tensor name -> numpy value of the graph's constants."""
@@ -313,9 +363,10 @@ def _as_bytes(tensor, bits: int):
 
 
 def swappable(model) -> bool:
-    """Whether the ``onnx.ModelProto`` ``model`` holds a node these operators could replace (``QMoE``,
+    """Whether the ``onnx.ModelProto`` ``model`` holds a node these operators could replace (``QMoE``, ``MoE``,
     ``MatMulNBits``, a ``DequantizeLinear`` along axis 2; eligible or not)."""
-    return any((n.domain, n.op_type) in (("com.microsoft", "QMoE"), ("com.microsoft", "MatMulNBits"))
+    return any((n.domain, n.op_type) in (("com.microsoft", "QMoE"), ("com.microsoft", "MatMulNBits"),
+                                         ("com.microsoft", "MoE"))
                or (n.op_type == "DequantizeLinear" and any(a.name == "axis" and a.i == 2 for a in n.attribute))
                for n in model.graph.node)
 

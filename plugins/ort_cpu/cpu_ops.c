@@ -1169,6 +1169,182 @@ static OrtCustomOp latent_attention = {
     .CreateKernelV2 = attention_create, .KernelComputeV2 = attention_compute,
 };
 
+/* ---- mla_deploy.FloatExperts: RoutedExperts for float32 expert weights, the routing given -----------------------
+ * Inputs: 0 input float [T, D]; 1 weights float [T, k] (used as they are); 2 fc1 float [E, 2I, D] (gate and up rows
+ * interleaved, as ONNX Runtime's MoE takes them with swiglu_fusion 1); 3 fc2 float [E, D, I]; 4 chosen int64 [T, k]
+ * (each in [0, E)). Output: float [T, D] = sum_j w_j * fc2_j(silu(gate_j) * up_j), computed in float32 (ONNX
+ * Runtime's MoE computes the same sums in another order). Attribute: k. The CPU engine's build swaps it for a float
+ * MoE node where the export's routing round trip feeds it (mla_deploy/quant/own_ops.py). */
+
+typedef struct {
+    int64_t k;
+    int advised;
+} FloatExpertsKernel;
+
+typedef struct {
+    int D, I, T, k;
+    const float *x, *fc1, *fc2;
+    const int *count, *start, *pair_token, *used;
+    float *a; /* [pairs, I]: silu(gate) * up */
+    float *o; /* [pairs, D]: fc2's rows */
+    int tiles2;
+} FloatWork;
+
+/* out[j * stride] = w . x_j for m (<= 4) vectors of K floats */
+static inline __attribute__((always_inline)) void float_dots(const float *w, int K, int m, const float *const *x,
+                                                             float *out, size_t stride) {
+    float total[4] = {0.f, 0.f, 0.f, 0.f};
+    int c = 0;
+#if defined(__AVX512F__)
+    __m512 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm512_setzero_ps();
+    for (; c + 16 <= K; c += 16) {
+        const __m512 v = _mm512_loadu_ps(w + c);
+        for (int j = 0; j < m; j++) acc[j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x[j] + c), acc[j]);
+    }
+    for (int j = 0; j < m; j++) total[j] = _mm512_reduce_add_ps(acc[j]);
+#endif
+    for (; c < K; c++)
+        for (int j = 0; j < m; j++) total[j] += w[c] * x[j][c];
+    for (int j = 0; j < m; j++) out[j * stride] = total[j];
+}
+
+static void float_dot(const float *w, int K, int m, const float *const *x, float *out, size_t stride) {
+    switch (m) {
+    case 1: float_dots(w, K, 1, x, out, stride); break;
+    case 2: float_dots(w, K, 2, x, out, stride); break;
+    case 3: float_dots(w, K, 3, x, out, stride); break;
+    default: float_dots(w, K, 4, x, out, stride); break;
+    }
+}
+
+/* stage 1, one item: an expert's 64 fc1 rows (32 gate and 32 up, interleaved) for all its pairs */
+static void run_float_fc1(void *data, size_t item) {
+    FloatWork *w = (FloatWork *)data;
+    const int blocks = w->I / BLOCK, e = w->used[item / blocks], block = (int)(item % blocks), D = w->D;
+    const float *rows = w->fc1 + ((size_t)e * 2 * w->I + (size_t)block * 2 * BLOCK) * D;
+    const int first = w->start[e], n = w->count[e];
+    float h[4][2 * BLOCK];
+    for (int p = 0; p < n; p += 4) {
+        const int m = n - p < 4 ? n - p : 4;
+        const float *x[4];
+        for (int j = 0; j < m; j++) x[j] = w->x + (size_t)w->pair_token[first + p + j] * D;
+        for (int r = 0; r < 2 * BLOCK; r++) float_dot(rows + (size_t)r * D, D, m, x, &h[0][r], 2 * BLOCK);
+        for (int j = 0; j < m; j++) {
+            float *a = w->a + (size_t)(first + p + j) * w->I + block * BLOCK;
+            for (int i = 0; i < BLOCK; i++) {
+                const float gate = h[j][2 * i], up = h[j][2 * i + 1];
+                a[i] = gate / (1.f + expf(-gate)) * up;
+            }
+        }
+    }
+}
+
+/* stage 2, one item: an expert's TILE fc2 rows for all its pairs */
+static void run_float_fc2(void *data, size_t item) {
+    FloatWork *w = (FloatWork *)data;
+    const int e = w->used[item / w->tiles2], tile = (int)(item % w->tiles2), D = w->D, K = w->I;
+    const int r0 = tile * TILE, r1 = r0 + TILE < D ? r0 + TILE : D;
+    const int first = w->start[e], n = w->count[e];
+    for (int p = 0; p < n; p += 4) {
+        const int m = n - p < 4 ? n - p : 4;
+        const float *x[4];
+        for (int j = 0; j < m; j++) x[j] = w->a + (size_t)(first + p + j) * K;
+        for (int r = r0; r < r1; r++)
+            float_dot(w->fc2 + ((size_t)e * D + r) * K, K, m, x, w->o + (size_t)(first + p) * D + r, (size_t)D);
+    }
+}
+
+static OrtStatus *float_experts_compute(void *kernel_data, OrtKernelContext *ctx) {
+    FloatExpertsKernel *kernel = (FloatExpertsKernel *)kernel_data;
+    const OrtValue *in[5];
+    for (size_t i = 0; i < 5; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    int64_t xs[2], ws[2], w1[3], w2[3], cs[2];
+    CHECK(shape_of(in[0], TYPE_FLOAT, 2, xs, "FloatExperts: input must be float [T, D]"));
+    CHECK(shape_of(in[1], TYPE_FLOAT, 2, ws, "FloatExperts: the routing weights must be float [T, k]"));
+    CHECK(shape_of(in[2], TYPE_FLOAT, 3, w1, "FloatExperts: fc1 must be float [E, 2I, D]"));
+    CHECK(shape_of(in[3], TYPE_FLOAT, 3, w2, "FloatExperts: fc2 must be float [E, D, I]"));
+    CHECK(shape_of(in[4], TYPE_INT64, 2, cs, "FloatExperts: the chosen experts must be int64 [T, k]"));
+    const int T = (int)xs[0], D = (int)xs[1], E = (int)w1[0], I = (int)(w1[1] / 2), k = (int)kernel->k;
+    if (ws[0] != T || ws[1] != k || cs[0] != T || cs[1] != k || w1[1] != 2 * I || w1[2] != D || w2[0] != E ||
+        w2[1] != D || w2[2] != I || I % BLOCK || k < 1)
+        return fail("FloatExperts: the input shapes do not agree (see cpu_ops.c)");
+    OrtValue *output;
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, xs, 2, &output));
+    void *ptr[6];
+    for (int i = 0; i < 5; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    CHECK(CALL(GetTensorMutableData)(output, &ptr[5]));
+    const void *weights[2] = {ptr[2], ptr[3]};
+    const size_t weight_bytes[2] = {(size_t)E * 2 * I * D * sizeof(float), (size_t)E * D * I * sizeof(float)};
+    advise_huge(&kernel->advised, weights, weight_bytes, 2);
+    if (T == 0) return NULL;
+    const float *routing = (const float *)ptr[1];
+    const int64_t *picked = (const int64_t *)ptr[4];
+    const size_t pairs = (size_t)T * k;
+    for (size_t i = 0; i < pairs; i++)
+        if (picked[i] < 0 || picked[i] >= E) return fail("FloatExperts: a chosen expert lies outside [0, E)");
+    Scratch scratch = {malloc(aligned(pairs * sizeof(int)) * 3 + aligned(E * sizeof(int)) * 3 +
+                              aligned(pairs * I * sizeof(float)) + aligned(pairs * D * sizeof(float))), NULL};
+    if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "FloatExperts: out of memory");
+    scratch.at = scratch.base;
+    int *pair_token = take(&scratch, pairs * sizeof(int)), *pair_of = take(&scratch, pairs * sizeof(int));
+    int *count = take(&scratch, E * sizeof(int)), *start = take(&scratch, E * sizeof(int));
+    int *used = take(&scratch, E * sizeof(int));
+    (void)take(&scratch, pairs * sizeof(int));
+    memset(count, 0, E * sizeof(int));
+    for (size_t i = 0; i < pairs; i++) count[picked[i]]++;
+    int n_used = 0;
+    for (int e = 0, offset = 0; e < E; e++) {
+        start[e] = offset;
+        offset += count[e];
+        if (count[e]) used[n_used++] = e;
+        count[e] = 0;
+    }
+    for (size_t i = 0; i < pairs; i++) {
+        const int e = (int)picked[i], pair = start[e] + count[e]++;
+        pair_token[pair] = (int)(i / k);
+        pair_of[i] = pair;
+    }
+    FloatWork w = {D, I, T, k, (const float *)ptr[0], (const float *)ptr[2], (const float *)ptr[3], count, start,
+                   pair_token, used, take(&scratch, pairs * I * sizeof(float)),
+                   take(&scratch, pairs * D * sizeof(float)), (D + TILE - 1) / TILE};
+    OrtStatus *status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc2, (size_t)n_used * w.tiles2, 0, &w);
+    float *y = (float *)ptr[5];
+    if (!status)
+        for (int t = 0; t < T; t++) {
+            float *out = y + (size_t)t * D;
+            memset(out, 0, D * sizeof(float));
+            for (int j = 0; j < k; j++) {
+                const float wj = routing[(size_t)t * k + j];
+                const float *o = w.o + (size_t)pair_of[(size_t)t * k + j] * D;
+                for (int i = 0; i < D; i++) out[i] += wj * o[i];
+            }
+        }
+    free(scratch.base);
+    return status;
+}
+
+static OrtStatus *float_experts_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info,
+                                       void **out) {
+    (void)op, (void)ort_api;
+    int64_t k;
+    CHECK(CALL(KernelInfoGetAttribute_int64)(info, "k", &k));
+    if (k < 1) return fail("FloatExperts: k must be >= 1");
+    FloatExpertsKernel *kernel = calloc(1, sizeof(FloatExpertsKernel));
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
+    kernel->k = k;
+    *out = kernel;
+    return NULL;
+}
+
+static const char *float_experts_name(const OrtCustomOp *op) { (void)op; return "FloatExperts"; }
+static int float_experts_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 4 ? TYPE_INT64 : TYPE_FLOAT; }
+static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; return 5; }
+
+static OrtCustomOp float_experts = OP_TABLE(float_experts_name, float_experts_input_type, float_experts_input_count,
+                                            float_experts_create, float_experts_compute, required);
+
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
@@ -1188,6 +1364,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         CHECK(CALL(CustomOpDomain_Add)(created, &blockwise_matmul));
         CHECK(CALL(CustomOpDomain_Add)(created, &headwise_matmul));
         CHECK(CALL(CustomOpDomain_Add)(created, &latent_attention));
+        CHECK(CALL(CustomOpDomain_Add)(created, &float_experts));
         domain = created;
     }
     return CALL(AddCustomOpDomain)(options, domain);

@@ -7,6 +7,7 @@ why said) without a C compiler."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -221,6 +222,45 @@ def test_given_routing_outside_the_experts_is_refused(libraries):
     feeds["idx"][1, 0] = E
     with pytest.raises(Exception, match=r"outside \[0, E\)"):
         _run(model, feeds, libraries["portable"].path)
+
+
+def _float_round_trip():
+    """The export's routing round trip around a float ``MoE`` (:func:`_routing_round_trip`'s, float weights)."""
+    model = _routing_round_trip(4)
+    graph = model.graph
+    rng = np.random.default_rng(7)
+    fc1 = rng.standard_normal((E, 2 * I, D), dtype=np.float32) * 0.05
+    fc2 = rng.standard_normal((E, D, I), dtype=np.float32) * 0.05
+    del graph.initializer[:]
+    graph.initializer.extend([numpy_helper.from_array(fc1, "w1"), numpy_helper.from_array(fc2, "w2")])
+    at = next(i for i, n in enumerate(graph.node) if n.op_type == "QMoE")
+    moe = helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["moe"], domain="com.microsoft", k=K,
+                           activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=1,
+                           activation_alpha=1.0, activation_beta=0.0)
+    graph.node.remove(graph.node[at])
+    graph.node.insert(at, moe)
+    return model
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_float_experts_equal_moe(libraries, tokens, build):
+    """A float MoE behind the export's routing round trip becomes one FloatExperts given the routing: every node of
+    the round trip is gone, and the output equals ONNX Runtime's MoE to float32 rounding."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    model = _float_round_trip()
+    feeds = _routing(tokens, seed=tokens)
+    want = _run(model, feeds, None)[0]
+    assert own_ops.swap_float_experts(model) == 1
+    assert [n.op_type for n in model.graph.node] == [own_ops.FLOAT_EXPERTS_OP_TYPE]
+    assert list(model.graph.node[0].input) == ["x", "w", "w1", "w2", "idx"]
+    got = _run(model, feeds, library.path)[0]
+    scale = np.abs(want).max()
+    assert scale > 0 and np.abs(got - want).max() <= 1e-5 * scale, np.abs(got - want).max() / scale
+    other = _run(model, {**feeds, "idx": (feeds["idx"] + 1) % E}, library.path)[0]
+    assert np.abs(other - want).max() > 0.1 * scale
 
 
 def _linear_session(node, weights, library: Path | None):
@@ -624,3 +664,25 @@ def test_engine_with_the_attention_operator_gives_the_same_tokens(attention_engi
     fused, unfused = (json.loads(ok(cli("run", path, *prompts, "--max-new-tokens", "12", "--json")))
                       for path in attention_engines)
     assert [s["tokens"] for s in fused["sequences"]] == [s["tokens"] for s in unfused["sequences"]]
+
+
+def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path):
+    """A float export with MoE layers (V3 routing): the CPU engine swaps each float MoE for FloatExperts, says so,
+    and decodes the source graphs' tokens (float32 throughout: no int8 rounding to move)."""
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
+    import onnx
+
+    from mla_deploy.exporter import export_recipe
+
+    recipe = _moe_recipe()
+    recipe = recipe.replace(export=dataclasses.replace(recipe.export, weights="float"))
+    art = tmp_path / "art"
+    export_recipe(recipe, art)
+    out = ok(cli("build", art, "--target", "cpu"))
+    record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
+    assert record["float_experts"] == 2 and "mla_deploy.FloatExperts x2" in out, out  # prefill and decode graphs
+    for graph in ("prefill", "decode"):
+        ops = [n.op_type for n in onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph.node]
+        assert ops.count(own_ops.FLOAT_EXPERTS_OP_TYPE) == 1 and "MoE" not in ops and "Log" not in ops
+    assert _tokens(art) == _tokens(art, "--no-engine")
