@@ -25,8 +25,8 @@ per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blo
 mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
 ``mla_deploy.HeadwiseMatMul``
 (:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
-compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Over a
-concatenated cache, each layer's absorbed attention core (the cache write, the rope, ``kv_a_layernorm``, ``W_UK``, the
+compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Each layer's
+absorbed attention core (the cache write, the rope, ``kv_a_layernorm``, ``W_UK``, the
 scores, the softmax, the weighted sum and ``W_UV``: about 40 nodes) then becomes one ``mla_deploy.LatentAttention``
 (:func:`~mla_deploy.quant.own_ops.swap_attention`). Without a C
 compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.

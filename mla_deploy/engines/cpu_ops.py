@@ -15,7 +15,7 @@ are most of a quantized decode step and a kernel written for them streams faster
 512-token prefill, and reads the weights where ONNX Runtime maps them: nothing is packed at open, so an engine opens
 in seconds at the size of its weights. Figures: the README's CPU engine section.
 
-``mla_deploy.LatentAttention`` computes one layer's absorbed attention core over a concatenated latent cache (what
+``mla_deploy.LatentAttention`` computes one layer's absorbed attention core over its latent cache (what
 :class:`~mla_deploy.model.mla.AbsorbedMLAttention` computes between its projections; its per-head products as
 ``HeadwiseMatMul`` computes them): one node where ONNX Runtime ran about 40 small ones per layer.
 

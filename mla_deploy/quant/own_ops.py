@@ -374,14 +374,15 @@ def swappable(model) -> bool:
 ATTENTION_OP_TYPE = "LatentAttention"
 #: the op types a layer's attention core holds besides its key nodes (views, the rope, the norm, the cache write)
 _ATTENTION_VIEWS = {"Reshape", "Transpose", "Split", "Slice", "Mul", "Add", "Concat", "Pow", "Sqrt", "Div",
-                    "Unsqueeze", "Squeeze", "Identity"}
+                    "Unsqueeze", "Squeeze", "Identity", "TensorScatter"}
 #: the key nodes, how many of each one layer's core holds
 _ATTENTION_KEYS = {HEADWISE_OP_TYPE: 2, "MatMul": 2, "Softmax": 1, "Where": 1, "Gather": 2, "ReduceMean": 1}
 
 
 def swap_attention(model) -> int:
-    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), each layer's absorbed attention core over a
-    concatenated latent cache (:class:`~mla_deploy.model.mla.AbsorbedMLAttention`, ``A_CC``, float32, its per-head
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), each layer's absorbed attention core over its
+    latent cache, concatenated (``Concat``) or static (``TensorScatter`` at ``write_indices``)
+    (:class:`~mla_deploy.model.mla.AbsorbedMLAttention`, ``A_CC``, float32, its per-head
     products already ``HeadwiseMatMul``: :func:`swap_headwise`) by one ``mla_deploy.LatentAttention`` node; returns
     how many. The core is every node on a path from the query and ``kv_a`` products' outputs to ``o_proj``'s input
     and the present cache (the past cache is one of its inputs); it is swapped only where it holds exactly the nodes that form computes
@@ -394,14 +395,16 @@ def swap_attention(model) -> int:
     initializers = {t.name: t for t in graph.initializer}
     constant = _constants(model)
     swapped, freed = 0, []
-    presents = [n.output[0] for n in graph.node if n.op_type == "Concat" and len(n.input) == 2
-                and n.input[0] in graph_inputs and n.output[0] in outputs]
+    presents = [n.output[0] for n in graph.node if n.input and n.input[0] in graph_inputs and n.output[0] in outputs
+                and ((n.op_type == "Concat" and len(n.input) == 2) or _static_write(n, graph_inputs))]
     for present in presents:
         concat = next(n for n in graph.node if present in n.output)
         found = _attention_core(graph, concat, initializers, constant)
         if found is None:
             continue
         region, inputs, attrs, attn = found
+        if concat.op_type == "TensorScatter":
+            inputs.append(concat.input[2])  # write_indices
         node = helper.make_node(ATTENTION_OP_TYPE, inputs, [attn, present], domain=DOMAIN,
                                 name=f"{concat.name}/LatentAttention", **attrs)
         nodes = _copies(graph.node)
@@ -423,6 +426,18 @@ def swap_attention(model) -> int:
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return swapped
+
+
+def _static_write(node, graph_inputs) -> bool:
+    """Whether ``node`` writes a static cache's new rows: ``TensorScatter(past [B, 1, T, C], rows [B, 1, S, C],
+    write_indices [B])`` along the slots (axis -2), mode linear, its past and write_indices the graph's inputs."""
+    from onnx import helper
+
+    if node.op_type != "TensorScatter" or len(node.input) != 3 or node.input[2] not in graph_inputs:
+        return False
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    mode = attrs.get("mode", "linear")
+    return attrs.get("axis", -2) in (-2, 2) and (mode.decode() if isinstance(mode, bytes) else mode) == "linear"
 
 
 def _is_product(node, initializers) -> bool:

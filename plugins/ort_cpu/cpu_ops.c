@@ -783,7 +783,7 @@ static OrtCustomOp headwise_matmul =
  * latent rank, C = r + dr, dv the value width):
  *   0 q        float [B, S, H*(dn+dr)]   per head [q_nope | q_pe]
  *   1 kv       float [B, S, C]           [c_kv | k_pe] before the norm and the rope
- *   2 past     float [B, P, C]
+ *   2 past     float [B, P, C] (a concatenated cache), or [B, 1, T, C] (a static one, with input 15)
  *   3 mask     bool  [B or 1, 1, S, T]   hidden where it equals the attribute hidden_when
  *   4, 5       float q's rope tables cos, sin (B*S*dr values, [B, S, dr] in order; shared by the heads)
  *   6, 7       float k's rope tables cos, sin (the same layout)
@@ -791,8 +791,12 @@ static OrtCustomOp headwise_matmul =
  *   10         float [r] kv_a_layernorm's weight: c = w * (x / sqrt(mean(x^2) + eps))
  *   11, 12     w_uk as HeadwiseMatMul reads it: uint8 [H, r, dn*bits/8], scales float [H, r, dn/32]
  *   13, 14     w_uv likewise: uint8 [H, dv, r*bits/8], scales float [H, dv, r/32]
- * Outputs: 0 float [B, S, H*dv] (o_proj's input, heads in order); 1 present float [B, T, C] = past then the new rows
- * [norm(c_kv) | rope(k_pe)].
+ *   15         int64 [B] write_indices (optional; a static cache only): sequence b's new rows go to slots
+ *              write_indices[b] + [0, S) (ONNX TensorScatter, mode linear)
+ * Outputs: 0 float [B, S, H*dv] (o_proj's input, heads in order); 1 present: float [B, T, C] = past then the new rows
+ * [norm(c_kv) | rope(k_pe)] (concatenated), or [B, 1, T, C] = past with the new rows written at write_indices (static;
+ * where ONNX Runtime gives the past's own buffer as the present's, as an in-place IO binding does, nothing is
+ * copied). Every slot of the T is a row the scores may see; the mask says which.
  * Per head h and token s: q_lat = q_nope . W_UK[h] (HeadwiseMatMul's compute: int8 activations), scores over the
  * T rows = [q_lat | rope(q_pe)] . row * scale, hidden ones set to `fill`, softmax, o = sum p * row[:r], output
  * o . W_UV[h] (HeadwiseMatMul's compute). Attributes: bits_uk, bits_uv (4, 8), hidden_when (0, 1); scale, eps, fill
@@ -1000,18 +1004,31 @@ static OrtStatus *element_count(const OrtValue *value, int want_type, size_t wan
 static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     AttentionKernel *kernel = (AttentionKernel *)kernel_data;
     const int bits_uk = (int)kernel->bits_uk, bits_uv = (int)kernel->bits_uv;
-    const OrtValue *in[15];
-    for (size_t i = 0; i < 15; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
-    int64_t qd[3], kd[3], pd[3], md[4], uk[3], uks[3], uv[3], uvs[3];
+    const OrtValue *in[16];
+    for (size_t i = 0; i < 16; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    for (int i = 0; i < 15; i++)
+        if (!in[i]) return fail("LatentAttention: inputs 0 to 14 are required");
+    const int is_static = in[15] != NULL;
+    int64_t qd[3], kd[3], pd[4], md[4], uk[3], uks[3], uv[3], uvs[3], wd[1], slots = 0;
     CHECK(shape_of(in[0], TYPE_FLOAT, 3, qd, "LatentAttention: q must be float [B, S, H*(dn+dr)]"));
     CHECK(shape_of(in[1], TYPE_FLOAT, 3, kd, "LatentAttention: kv must be float [B, S, C]"));
-    CHECK(shape_of(in[2], TYPE_FLOAT, 3, pd, "LatentAttention: past must be float [B, P, C]"));
+    if (is_static) {
+        CHECK(shape_of(in[2], TYPE_FLOAT, 4, pd, "LatentAttention: a static past must be float [B, 1, T, C]"));
+        CHECK(shape_of(in[15], TYPE_INT64, 1, wd, "LatentAttention: write_indices must be int64 [B]"));
+        if (pd[1] != 1 || wd[0] != pd[0])
+            return fail("LatentAttention: a static past is [B, 1, T, C] and write_indices [B]");
+        slots = pd[2];
+        pd[1] = 0, pd[2] = pd[3]; /* as [B, P, C] with no rows before the new ones */
+    } else {
+        CHECK(shape_of(in[2], TYPE_FLOAT, 3, pd, "LatentAttention: past must be float [B, P, C]"));
+    }
     CHECK(shape_of(in[3], TYPE_BOOL, 4, md, "LatentAttention: mask must be bool [B or 1, 1, S, T]"));
     CHECK(shape_of(in[11], TYPE_UINT8, 3, uk, "LatentAttention: w_uk must be uint8 [H, r, dn*bits/8]"));
     CHECK(shape_of(in[12], TYPE_FLOAT, 3, uks, "LatentAttention: w_uk's scales must be float [H, r, dn/32]"));
     CHECK(shape_of(in[13], TYPE_UINT8, 3, uv, "LatentAttention: w_uv must be uint8 [H, dv, r*bits/8]"));
     CHECK(shape_of(in[14], TYPE_FLOAT, 3, uvs, "LatentAttention: w_uv's scales must be float [H, dv, r/32]"));
-    const int B = (int)qd[0], S = (int)qd[1], P = (int)pd[1], T = P + S, C = (int)kd[2], H = (int)uk[0];
+    const int B = (int)qd[0], S = (int)qd[1], P = (int)pd[1], C = (int)kd[2], H = (int)uk[0];
+    const int T = is_static ? (int)slots : P + S; /* static: every slot */
     const int r = (int)uk[1], dn = (int)(uk[2] * 8 / bits_uk), dr = C - r, dv = (int)uv[1];
     if (kd[0] != B || kd[1] != S || pd[0] != B || pd[2] != C || dr <= 0 || dr % 2 || qd[2] != (int64_t)H * (dn + dr) ||
         uks[0] != H || uks[1] != r || uks[2] != dn / BLOCK || dn % BLOCK || r % BLOCK || uv[0] != H ||
@@ -1030,10 +1047,21 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < dr; j++)
             if (pairs[k][j] < 0 || pairs[k][j] >= dr) return fail("LatentAttention: a rope pair lies outside [0, dr)");
-    const int64_t out_dims[3] = {B, S, (int64_t)H * dv}, present_dims[3] = {B, T, C};
+    const int64_t *writes = NULL;
+    if (is_static) {
+        void *w;
+        CHECK(CALL(GetTensorMutableData)((OrtValue *)in[15], &w));
+        writes = (const int64_t *)w;
+        for (int b = 0; b < B; b++)
+            if (writes[b] < 0 || writes[b] + S > T)
+                return fail("LatentAttention: write_indices + S must lie in [0, T] (the static cache is full)");
+    }
+    const int64_t out_dims[3] = {B, S, (int64_t)H * dv}, present_dims[4] = {B, 1, T, C};
+    const int64_t concat_dims[3] = {B, T, C};
     OrtValue *outputs[2];
     CHECK(CALL(KernelContext_GetOutput)(ctx, 0, out_dims, 3, &outputs[0]));
-    CHECK(CALL(KernelContext_GetOutput)(ctx, 1, present_dims, 3, &outputs[1]));
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 1, is_static ? present_dims : concat_dims, is_static ? 4 : 3,
+                                        &outputs[1]));
     void *out_ptr[2];
     for (int i = 0; i < 2; i++) CHECK(CALL(GetTensorMutableData)(outputs[i], &out_ptr[i]));
     float *y = (float *)out_ptr[0], *present = (float *)out_ptr[1];
@@ -1042,13 +1070,15 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
                               (const float *)ptr[7]};
     const float *norm = (const float *)ptr[10];
 
-    /* the present cache: the past, then the new rows */
+    /* the present cache: the past, then the new rows (static: the past, the new rows at write_indices) */
+    if (is_static && present != past) memcpy(present, past, (size_t)B * T * C * sizeof(float));
     for (int b = 0; b < B; b++) {
-        memcpy(present + (size_t)b * T * C, past + (size_t)b * P * C, (size_t)P * C * sizeof(float));
+        if (!is_static) memcpy(present + (size_t)b * T * C, past + (size_t)b * P * C, (size_t)P * C * sizeof(float));
+        const int at = is_static ? (int)writes[b] : P;
         for (int s = 0; s < S; s++) {
             const size_t token = (size_t)b * S + s;
             const float *x = kv + token * C;
-            float *row = present + ((size_t)b * T + P + s) * C;
+            float *row = present + ((size_t)b * T + at + s) * C;
             float squares = 0.f;
             for (int j = 0; j < r; j++) squares += x[j] * x[j];
             const float root = sqrtf(squares / (float)r + kernel->eps);
@@ -1155,15 +1185,17 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const void *ort_api, c
 static const char *attention_name(const OrtCustomOp *op) { (void)op; return "LatentAttention"; }
 static int attention_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
-    return i == 3 ? TYPE_BOOL : i == 8 || i == 9 ? TYPE_INT64 : i == 11 || i == 13 ? TYPE_UINT8 : TYPE_FLOAT;
+    if (i == 3) return TYPE_BOOL;
+    return i == 8 || i == 9 || i == 15 ? TYPE_INT64 : i == 11 || i == 13 ? TYPE_UINT8 : TYPE_FLOAT;
 }
-static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 15; }
+static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 16; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
+static int optional_writes(const OrtCustomOp *op, size_t i) { (void)op; return i == 15; } /* 1: optional */
 
 static OrtCustomOp latent_attention = {
     .version = 16, .GetName = attention_name, .GetExecutionProviderType = op_provider,
     .GetInputType = attention_input_type, .GetInputTypeCount = attention_input_count, .GetOutputType = output_type,
-    .GetOutputTypeCount = two, .KernelDestroy = destroy_kernel, .GetInputCharacteristic = required,
+    .GetOutputTypeCount = two, .KernelDestroy = destroy_kernel, .GetInputCharacteristic = optional_writes,
     .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
     .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
     .CreateKernelV2 = attention_create, .KernelComputeV2 = attention_compute,
@@ -1339,7 +1371,10 @@ static OrtStatus *float_experts_create(const OrtCustomOp *op, const void *ort_ap
 }
 
 static const char *float_experts_name(const OrtCustomOp *op) { (void)op; return "FloatExperts"; }
-static int float_experts_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 4 ? TYPE_INT64 : TYPE_FLOAT; }
+static int float_experts_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 4 ? TYPE_INT64 : TYPE_FLOAT;
+}
 static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; return 5; }
 
 static OrtCustomOp float_experts = OP_TABLE(float_experts_name, float_experts_input_type, float_experts_input_count,

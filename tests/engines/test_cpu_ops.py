@@ -535,8 +535,9 @@ def test_headwise_swap_only_where_the_operator_reads_the_weight(change):
 
 
 def test_engine_computes_the_per_head_products_with_the_operator(libraries, tmp_path):
-    """An int4 export whose per-head weights fill blocks of 32: the CPU engine swaps each for HeadwiseMatMul (its
-    integers read from the artifact's file as they are) and decodes the source graphs' tokens."""
+    """An int4 export whose per-head weights fill blocks of 32 (a static cache): the CPU engine computes each as
+    HeadwiseMatMul does, inside the layer's LatentAttention (its integers read from the artifact's file as they are),
+    and decodes the source graphs' tokens."""
     if libraries["native"].path is None:
         pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
     import onnx
@@ -550,24 +551,27 @@ def test_engine_computes_the_per_head_products_with_the_operator(libraries, tmp_
     out = ok(cli("build", art, "--target", "cpu"))
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     layers = recipe.model.num_hidden_layers
-    assert record["heads"] == 2 * layers and f"mla_deploy.HeadwiseMatMul x{2 * layers}" in out, out
+    # each layer's two products, inside its LatentAttention (the attention tests below) or on their own
+    assert record["heads"] + 2 * record["attention"] == 2 * layers, record
     ops = [n.op_type for n in onnx.load(str(art / "cpu" / "model.onnx"), load_external_data=False).graph.node]
-    assert ops.count(own_ops.HEADWISE_OP_TYPE) == 2 * layers and "DequantizeLinear" not in ops
+    assert ops.count(own_ops.HEADWISE_OP_TYPE) == record["heads"] and "DequantizeLinear" not in ops
+    assert ops.count(own_ops.ATTENTION_OP_TYPE) == record["attention"] == layers, out
     assert _tokens(art) == _tokens(art, "--no-engine")
 
 
-def _concat_per_head_recipe(heads: int = 4):
+def _concat_per_head_recipe(heads: int = 4, cache_mode: str = "concat"):
     """The tiny preset with a concatenated latent cache, int4 weights in blocks of 32, per-head weights that fill
     them (r 64, dn 32, dv 32; an absorbed prefill too, so that they are quantized), YaRN rope. 4 heads with the
     query compressed (V3's q_a_proj/q_b_proj): a panel of 16 query rows spans several tokens; 16 heads with a plain
     q_proj (V2-Lite's): one token's heads fill a panel (the vector path of the softmax)."""
-    recipe = tiny_recipe("concat", weights="int4", block_size=32, prefill_form="A_CC", external_data_threshold=0)
+    recipe = tiny_recipe(cache_mode, weights="int4", block_size=32, prefill_form="A_CC", external_data_threshold=0)
     return recipe.replace(model=recipe.model.replace(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32,
                                                      num_attention_heads=heads,
                                                      q_lora_rank=recipe.model.q_lora_rank if heads == 4 else None))
 
 
-@pytest.fixture(scope="module", params=[4, 16], ids=["4-heads-q-lora", "16-heads-q-proj"])
+@pytest.fixture(scope="module", params=[(4, "concat"), (16, "concat"), (16, "static")],
+                ids=["4-heads-q-lora", "16-heads-q-proj", "static-cache"])
 def attention_engines(libraries, tmp_path_factory, request) -> tuple[Path, Path]:
     """One export built twice: with each layer's attention core as LatentAttention, and without (its per-head
     products HeadwiseMatMul, the rest ONNX Runtime's nodes: the same int8 compute of the per-head products)."""
@@ -576,7 +580,7 @@ def attention_engines(libraries, tmp_path_factory, request) -> tuple[Path, Path]
     from mla_deploy.exporter import export_recipe
 
     root = tmp_path_factory.mktemp("attention")
-    export_recipe(_concat_per_head_recipe(request.param), root / "fused")
+    export_recipe(_concat_per_head_recipe(*request.param), root / "fused")
     shutil.copytree(root / "fused", root / "unfused")
     ok(cli("build", root / "fused", "--target", "cpu"))
     swap = own_ops.swap_attention
@@ -626,25 +630,37 @@ def _first_attention_session(engine: Path):
 
 
 def test_attention_operator_equals_the_nodes_it_replaces(attention_engines):
-    """Two sequences (one right-padded) prefilled over an empty cache, then one decode step over what it wrote,
-    through both engines: layer 0's attention output (o_proj's input: the same inputs reach both) and its present
-    cache equal to float32 rounding (1e-5 of their scale; the per-head products are the same int8 compute in both).
-    Later layers are compared loosely: there the inputs already differ in the last bits, which can move an
-    activation's int8 rounding."""
+    """Two sequences prefilled over an empty cache (one right-padded where the cache is concatenated), then one
+    decode step over what they wrote, through both engines: layer 0's attention output (o_proj's input: the same
+    inputs reach both) and its present cache equal to float32 rounding (1e-5 of their scale; the per-head products
+    are the same int8 compute in both). Later layers are compared loosely: there the inputs already differ in the
+    last bits, which can move an activation's int8 rounding."""
+    import onnx
+
+    fused_path = attention_engines[0]
+    static = any(i.name == "write_indices" for i in onnx.load(str(fused_path / "cpu" / "model.onnx"),
+                                                               load_external_data=False).graph.input)
     recipe = _concat_per_head_recipe()
     width, layers = recipe.model.kv_lora_rank + recipe.model.qk_rope_head_dim, recipe.model.num_hidden_layers
     sessions = [_first_attention_session(path) for path in attention_engines]
     rng = np.random.default_rng(5)
     ids = rng.integers(0, recipe.model.vocab_size, size=(2, 5), dtype=np.int64)
-    valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)
-    feed = {"input_ids": ids, "position_ids": np.arange(5)[None].repeat(2, 0), "attention_mask": valid,
-            "logits_index": np.array([[4], [2]], dtype=np.int64),
-            **{f"past_latent.{i}": np.zeros((2, 0, width), np.float32) for i in range(layers)}}
+    valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1 - static, 1 - static]], dtype=np.int64)
+    lengths = valid.sum(axis=1)
+    feed = {"input_ids": ids, "position_ids": np.arange(5)[None].repeat(2, 0), "logits_index": (lengths - 1)[:, None]}
+    if static:
+        feed["write_indices"] = np.zeros(2, np.int64)
+        feed.update({f"past_latent.{i}": np.zeros((2, 1, 8, width), np.float32) for i in range(layers)})
+    else:
+        feed["attention_mask"] = valid
+        feed.update({f"past_latent.{i}": np.zeros((2, 0, width), np.float32) for i in range(layers)})
     prefill = [session.run(None, feed) for session, _ in sessions]
-    step = {"input_ids": np.array([[11], [12]], dtype=np.int64), "position_ids": np.array([[5], [3]], dtype=np.int64),
-            "attention_mask": np.concatenate([valid, np.ones((2, 1), np.int64)], axis=1),
-            "logits_index": np.zeros((2, 1), np.int64),
-            **{f"past_latent.{i}": prefill[1][1 + i] for i in range(layers)}}
+    step = {"input_ids": np.array([[11], [12]], dtype=np.int64), "position_ids": lengths[:, None],
+            "logits_index": np.zeros((2, 1), np.int64), **{f"past_latent.{i}": prefill[1][1 + i] for i in range(layers)}}
+    if static:
+        step["write_indices"] = lengths
+    else:
+        step["attention_mask"] = np.concatenate([valid, np.ones((2, 1), np.int64)], axis=1)
     decode = [session.run(None, step) for session, _ in sessions]
     for fused, unfused in (prefill, decode):
         attn, want = fused[-1], unfused[-1]
