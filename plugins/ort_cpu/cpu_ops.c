@@ -1241,6 +1241,31 @@ static inline __attribute__((always_inline)) void float_dots(const float *w, int
     for (int j = 0; j < m; j++) out[j * stride] = total[j];
 }
 
+/* out[j * stride + i] = w_i . x_j for 4 rows w_i (row_stride floats apart) and m (<= 4) vectors: each weight and
+ * vector load serves 4 products (a prefill's experts compute, not stream) */
+static void float_dots_4rows(const float *w, size_t row_stride, int K, int m, const float *const *x, float *out,
+                             size_t stride) {
+#if defined(__AVX512F__)
+    if (K % 16 == 0) {
+        __m512 acc[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int c = 0; c < K; c += 16) {
+            __m512 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_ps(w + i * row_stride + c);
+            for (int j = 0; j < m; j++) {
+                const __m512 xj = _mm512_loadu_ps(x[j] + c);
+                for (int i = 0; i < 4; i++) acc[i][j] = _mm512_fmadd_ps(v[i], xj, acc[i][j]);
+            }
+        }
+        for (int j = 0; j < m; j++)
+            for (int i = 0; i < 4; i++) out[j * stride + i] = _mm512_reduce_add_ps(acc[i][j]);
+        return;
+    }
+#endif
+    for (int i = 0; i < 4; i++) float_dots(w + i * row_stride, K, m, x, out + i, stride);
+}
+
 static void float_dot(const float *w, int K, int m, const float *const *x, float *out, size_t stride) {
     switch (m) {
     case 1: float_dots(w, K, 1, x, out, stride); break;
@@ -1259,9 +1284,13 @@ static void run_float_fc1(void *data, size_t item) {
     float h[4][2 * BLOCK];
     for (int p = 0; p < n; p += 4) {
         const int m = n - p < 4 ? n - p : 4;
-        const float *x[4];
+        const float *x[4] = {NULL, NULL, NULL, NULL};
         for (int j = 0; j < m; j++) x[j] = w->x + (size_t)w->pair_token[first + p + j] * D;
-        for (int r = 0; r < 2 * BLOCK; r++) float_dot(rows + (size_t)r * D, D, m, x, &h[0][r], 2 * BLOCK);
+        if (m == 4) /* many tokens (a prefill): four rows at a time */
+            for (int r = 0; r < 2 * BLOCK; r += 4)
+                float_dots_4rows(rows + (size_t)r * D, D, D, 4, x, &h[0][r], 2 * BLOCK);
+        else
+            for (int r = 0; r < 2 * BLOCK; r++) float_dot(rows + (size_t)r * D, D, m, x, &h[0][r], 2 * BLOCK);
         for (int j = 0; j < m; j++) {
             float *a = w->a + (size_t)(first + p + j) * w->I + block * BLOCK;
             for (int i = 0; i < BLOCK; i++) {
@@ -1280,9 +1309,13 @@ static void run_float_fc2(void *data, size_t item) {
     const int first = w->start[e], n = w->count[e];
     for (int p = 0; p < n; p += 4) {
         const int m = n - p < 4 ? n - p : 4;
-        const float *x[4];
+        const float *x[4] = {NULL, NULL, NULL, NULL};
         for (int j = 0; j < m; j++) x[j] = w->a + (size_t)(first + p + j) * K;
-        for (int r = r0; r < r1; r++)
+        int r = r0;
+        for (; m == 4 && r + 4 <= r1; r += 4)
+            float_dots_4rows(w->fc2 + ((size_t)e * D + r) * K, K, K, 4, x, w->o + (size_t)(first + p) * D + r,
+                             (size_t)D);
+        for (; r < r1; r++)
             float_dot(w->fc2 + ((size_t)e * D + r) * K, K, m, x, w->o + (size_t)(first + p) * D + r, (size_t)D);
     }
 }
