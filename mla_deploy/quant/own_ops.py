@@ -94,11 +94,7 @@ def _give_routing(model) -> int:
     from onnx import helper
 
     graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = _links(list(graph.node))
     outputs = {o.name for o in graph.output}
     constant = _constants(model)
     rewritten, freed = 0, []
@@ -111,12 +107,7 @@ def _give_routing(model) -> int:
         attrs["normalize_routing_weights"] = 0
         given = helper.make_node(OP_TYPE, [node.input[0], weights, *node.input[2:6], idx], list(mul.output),
                                  name=node.name, domain=DOMAIN, **attrs)
-        given.metadata_props.extend(node.metadata_props)
-        at = list(graph.node).index(node)
-        for old in (node, mul):
-            graph.node.remove(old)
-            freed.extend(old.input)
-        graph.node.insert(at, given)
+        freed.extend(_replace(graph, node, mul, given))
         rewritten += 1
     if rewritten:
         _drop_unused(graph, freed)
@@ -134,11 +125,7 @@ def swap_float_experts(model) -> int:
     from onnx import TensorProto, helper
 
     graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = _links(list(graph.node))
     outputs = {o.name for o in graph.output}
     floats = {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
     constant = _constants(model)
@@ -159,18 +146,37 @@ def swap_float_experts(model) -> int:
         weights, idx, mul = found
         given = helper.make_node(FLOAT_EXPERTS_OP_TYPE, [node.input[0], weights, inputs[2], inputs[4], idx],
                                  list(mul.output), name=node.name, domain=DOMAIN, k=attrs.get("k", 1))
-        given.metadata_props.extend(node.metadata_props)
-        at = list(graph.node).index(node)
-        for old in (node, mul):
-            graph.node.remove(old)
-            freed.extend(old.input)
-        graph.node.insert(at, given)
+        freed.extend(_replace(graph, node, mul, given))
         swapped += 1
     if swapped:
         _drop_unused(graph, freed)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return swapped
+
+
+def _links(nodes: list) -> tuple[dict, dict]:
+    """``(producer, consumers)`` of the NodeProtos ``nodes``: tensor name -> the node making it, and -> the nodes
+    reading it (in order, once per reading input)."""
+    producer = {out: node for node in nodes for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return producer, consumers
+
+
+def _replace(graph, experts, mul, given) -> list[str]:
+    """Put the node ``given`` where the experts node ``experts`` is, removing it and the ``Mul`` that scaled its
+    output (the routing round trip's last node); ``given`` keeps where ``experts`` came from (its metadata). Returns
+    the names the removed nodes read (what may be left unread: :func:`_drop_unused`)."""
+    given.metadata_props.extend(experts.metadata_props)
+    read = [*experts.input, *mul.input]
+    at = list(graph.node).index(experts)
+    for old in (experts, mul):
+        graph.node.remove(old)
+    graph.node.insert(at, given)
+    return read
 
 
 def _routing_pattern(node, producer, consumers, outputs, constant) -> tuple[str, str, object] | None:
@@ -385,8 +391,9 @@ def swap_attention(model) -> int:
     (:class:`~mla_deploy.model.mla.AbsorbedMLAttention`, ``A_CC``, float32, its per-head
     products already ``HeadwiseMatMul``: :func:`swap_headwise`) by one ``mla_deploy.LatentAttention`` node; returns
     how many. The core is every node on a path from the query and ``kv_a`` products' outputs to ``o_proj``'s input
-    and the present cache (the past cache is one of its inputs); it is swapped only where it holds exactly the nodes that form computes
-    (:data:`_ATTENTION_KEYS`, the rest views and elementwise ops) and nothing outside reads its inner tensors."""
+    and the present cache (the past cache is one of its inputs); it is swapped only where it holds exactly the nodes
+    that form computes (:data:`_ATTENTION_KEYS`, the rest views and elementwise ops) and nothing outside reads its
+    inner tensors."""
     from onnx import helper
 
     graph = model.graph
@@ -454,11 +461,7 @@ def _attention_core(graph, concat, initializers, constant):
     from onnx import helper
 
     everything = list(graph.node)  # one wrapper per node: ids below are of these (a repeated field's item is not)
-    producer = {out: n for n in everything for out in n.output}
-    consumers: dict[str, list] = {}
-    for n in everything:
-        for name in n.input:
-            consumers.setdefault(name, []).append(n)
+    producer, consumers = _links(everything)
     present = concat.output[0]
     concat = producer[present]
 

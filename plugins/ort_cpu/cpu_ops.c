@@ -430,6 +430,40 @@ static OrtStatus *shape_of(const OrtValue *value, int want_type, size_t rank, in
     return NULL;
 }
 
+/* the (token, choice) pairs of chosen [T * k] grouped by expert: per expert its pairs' count and first pair, the
+ * experts with pairs (used; returns how many), each pair's token and each choice's pair */
+static int group_pairs(const int *chosen, size_t pairs, int k, int E, int *count, int *start, int *used,
+                       int *pair_token, int *pair_of) {
+    memset(count, 0, E * sizeof(int));
+    for (size_t i = 0; i < pairs; i++) count[chosen[i]]++;
+    int n_used = 0;
+    for (int e = 0, offset = 0; e < E; e++) {
+        start[e] = offset;
+        offset += count[e];
+        if (count[e]) used[n_used++] = e;
+        count[e] = 0;
+    }
+    for (size_t i = 0; i < pairs; i++) {
+        const int e = chosen[i], pair = start[e] + count[e]++;
+        pair_token[pair] = (int)(i / k);
+        pair_of[i] = pair;
+    }
+    return n_used;
+}
+
+/* y [T, D] = for each token, the sum over its k choices of the choice's weight times its pair's row of o [pairs, D] */
+static void combine(float *y, int T, int D, int k, const float *weight, const int *pair_of, const float *o) {
+    for (int t = 0; t < T; t++) {
+        float *out = y + (size_t)t * D;
+        memset(out, 0, D * sizeof(float));
+        for (int j = 0; j < k; j++) {
+            const float wj = weight[(size_t)t * k + j];
+            const float *row = o + (size_t)pair_of[(size_t)t * k + j] * D;
+            for (int i = 0; i < D; i++) out[i] += wj * row[i];
+        }
+    }
+}
+
 static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     const Kernel *kernel = (const Kernel *)kernel_data;
     const int given = kernel->normalize == 0; /* the routing comes chosen: weights [T, k] and experts [T, k] */
@@ -490,14 +524,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     int *pair_of = take(&scratch, pairs * sizeof(int)), *count = take(&scratch, E * sizeof(int));
     int *start = take(&scratch, E * sizeof(int)), *used = take(&scratch, E * sizeof(int));
     float *weight = take(&scratch, pairs * sizeof(float));
-    memset(count, 0, E * sizeof(int));
-    for (int t = 0; given && t < T; t++)
-        for (int j = 0; j < k; j++) {
-            const size_t at = (size_t)t * k + j;
-            chosen[at] = (int)picked[at];
-            weight[at] = router[at];
-            count[chosen[at]]++;
-        }
+    for (size_t at = 0; given && at < pairs; at++) chosen[at] = (int)picked[at], weight[at] = router[at];
     for (int t = 0; !given && t < T; t++) {
         const float *r = router + (size_t)t * E;
         int *c = chosen + (size_t)t * k;
@@ -513,24 +540,9 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
         const float top = r[c[0]];
         float sum = 0.f;
         for (int j = 0; j < k; j++) sum += expf(r[c[j]] - top);
-        for (int j = 0; j < k; j++) {
-            weight[(size_t)t * k + j] = expf(r[c[j]] - top) / sum;
-            count[c[j]]++;
-        }
+        for (int j = 0; j < k; j++) weight[(size_t)t * k + j] = expf(r[c[j]] - top) / sum;
     }
-    int n_used = 0;
-    for (int e = 0, offset = 0; e < E; e++) {
-        start[e] = offset;
-        offset += count[e];
-        if (count[e]) used[n_used++] = e;
-        count[e] = 0;
-    }
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < k; j++) {
-            const int e = chosen[(size_t)t * k + j], pair = start[e] + count[e]++;
-            pair_token[pair] = t;
-            pair_of[(size_t)t * k + j] = pair;
-        }
+    const int n_used = group_pairs(chosen, pairs, k, E, count, start, used, pair_token, pair_of);
 
     Work w = {D, I, bits, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], (const float *)ptr[3],
               (const float *)ptr[5], (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
@@ -542,16 +554,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     OrtStatus *status = quantize_rows(ctx, &w.x, (size_t)T);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc2, (size_t)n_used * w.tiles2, 0, &w);
-    if (!status)
-        for (int t = 0; t < T; t++) {
-            float *out = y + (size_t)t * D;
-            memset(out, 0, D * sizeof(float));
-            for (int j = 0; j < k; j++) {
-                const float wj = weight[(size_t)t * k + j];
-                const float *o = w.o + (size_t)pair_of[(size_t)t * k + j] * D;
-                for (int i = 0; i < D; i++) out[i] += wj * o[i];
-            }
-        }
+    if (!status) combine(y, T, D, k, weight, pair_of, w.o);
     free(scratch.base);
     return status;
 }
@@ -1354,38 +1357,15 @@ static OrtStatus *float_experts_compute(void *kernel_data, OrtKernelContext *ctx
     scratch.at = scratch.base;
     int *pair_token = take(&scratch, pairs * sizeof(int)), *pair_of = take(&scratch, pairs * sizeof(int));
     int *count = take(&scratch, E * sizeof(int)), *start = take(&scratch, E * sizeof(int));
-    int *used = take(&scratch, E * sizeof(int));
-    (void)take(&scratch, pairs * sizeof(int));
-    memset(count, 0, E * sizeof(int));
-    for (size_t i = 0; i < pairs; i++) count[picked[i]]++;
-    int n_used = 0;
-    for (int e = 0, offset = 0; e < E; e++) {
-        start[e] = offset;
-        offset += count[e];
-        if (count[e]) used[n_used++] = e;
-        count[e] = 0;
-    }
-    for (size_t i = 0; i < pairs; i++) {
-        const int e = (int)picked[i], pair = start[e] + count[e]++;
-        pair_token[pair] = (int)(i / k);
-        pair_of[i] = pair;
-    }
+    int *used = take(&scratch, E * sizeof(int)), *chosen = take(&scratch, pairs * sizeof(int));
+    for (size_t i = 0; i < pairs; i++) chosen[i] = (int)picked[i];
+    const int n_used = group_pairs(chosen, pairs, k, E, count, start, used, pair_token, pair_of);
     FloatWork w = {D, I, T, k, (const float *)ptr[0], (const float *)ptr[2], (const float *)ptr[3], count, start,
                    pair_token, used, take(&scratch, pairs * I * sizeof(float)),
                    take(&scratch, pairs * D * sizeof(float)), (D + TILE - 1) / TILE};
     OrtStatus *status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc2, (size_t)n_used * w.tiles2, 0, &w);
-    float *y = (float *)ptr[5];
-    if (!status)
-        for (int t = 0; t < T; t++) {
-            float *out = y + (size_t)t * D;
-            memset(out, 0, D * sizeof(float));
-            for (int j = 0; j < k; j++) {
-                const float wj = routing[(size_t)t * k + j];
-                const float *o = w.o + (size_t)pair_of[(size_t)t * k + j] * D;
-                for (int i = 0; i < D; i++) out[i] += wj * o[i];
-            }
-        }
+    if (!status) combine((float *)ptr[5], T, D, k, routing, pair_of, w.o);
     free(scratch.base);
     return status;
 }
