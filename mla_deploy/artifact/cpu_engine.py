@@ -151,16 +151,12 @@ class CpuOperators:
                    int(data.get("attention", 0)), int(data.get("float_experts", 0)))
 
     def describe(self) -> str:
-        """One phrase: what computes the experts and the quantized products."""
+        """One phrase: which of our operators the engine holds, how many of each, and their library."""
         if not self.used:
             return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
-        heads = f", mla_deploy.HeadwiseMatMul x{self.heads}" if self.heads else ""
-        heads += f", mla_deploy.LatentAttention x{self.attention}" if self.attention else ""
-        if self.float_experts and not self.experts + self.linear:
-            return f"mla_deploy.FloatExperts x{self.float_experts}{heads} ({self.library})"
-        heads += f", mla_deploy.FloatExperts x{self.float_experts}" if self.float_experts else ""
-        return (f"mla_deploy.RoutedExperts x{self.experts}, mla_deploy.BlockwiseMatMul x{self.linear}{heads} "
-                f"({self.library})")
+        counts = (("RoutedExperts", self.experts), ("BlockwiseMatMul", self.linear), ("HeadwiseMatMul", self.heads),
+                  ("LatentAttention", self.attention), ("FloatExperts", self.float_experts))
+        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library})"
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ class _Operators:
                                 float_experts=self.float_experts)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
-            return CpuOperators(why_not="no QMoE, MatMulNBits or per-head product they compute exactly "
+            return CpuOperators(why_not="no QMoE, MoE, MatMulNBits or per-head product they compute exactly "
                                         "(mla_deploy.engines.cpu_ops)")
         return CpuOperators(why_not=None if self.library is None else self.library.why_not)
 

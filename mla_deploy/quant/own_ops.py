@@ -401,33 +401,33 @@ def swap_attention(model) -> int:
     outputs = {o.name for o in graph.output}
     initializers = {t.name: t for t in graph.initializer}
     constant = _constants(model)
-    swapped, freed = 0, []
     presents = [n.output[0] for n in graph.node if n.input and n.input[0] in graph_inputs and n.output[0] in outputs
                 and ((n.op_type == "Concat" and len(n.input) == 2) or _static_write(n, graph_inputs))]
+    # every layer's core is found in the graph as it is (the cores are disjoint), then the graph is rebuilt once
+    cores: dict[int, object] = {}  # the position of a core's last node -> the node replacing the core
+    region: set[int] = set()
     for present in presents:
         concat = next(n for n in graph.node if present in n.output)
         found = _attention_core(graph, concat, initializers, constant)
         if found is None:
             continue
-        region, inputs, attrs, attn = found
+        positions, inputs, attrs, attn = found
         if concat.op_type == "TensorScatter":
             inputs.append(concat.input[2])  # write_indices
-        node = helper.make_node(ATTENTION_OP_TYPE, inputs, [attn, present], domain=DOMAIN,
-                                name=f"{concat.name}/LatentAttention", **attrs)
-        nodes = _copies(graph.node)
-        last = max(region)
-        order = []
-        for i, copy in enumerate(nodes):
-            if i in region:
-                freed.extend(copy.input)
-            else:
-                order.append(copy)
-            if i == last:
-                order.append(node)
+        cores[max(positions)] = helper.make_node(ATTENTION_OP_TYPE, inputs, [attn, present], domain=DOMAIN,
+                                                 name=f"{concat.name}/LatentAttention", **attrs)
+        region |= positions
+    swapped, freed, order = len(cores), [], []
+    for i, copy in enumerate(_copies(graph.node) if cores else []):
+        if i in region:
+            freed.extend(copy.input)
+        else:
+            order.append(copy)
+        if i in cores:
+            order.append(cores[i])
+    if swapped:
         del graph.node[:]
         graph.node.extend(order)
-        swapped += 1
-    if swapped:
         _drop_unused(graph, freed)
         _sort_nodes(graph)
         if not any(o.domain == DOMAIN for o in model.opset_import):
