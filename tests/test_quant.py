@@ -20,11 +20,22 @@ def test_quantize_is_symmetric_per_block_along_k(weights, block):
     q, scale = quantize(w.T.contiguous().T, scheme)  # any strides
     assert q.dtype == torch.int8 and q.shape == (k, n) and scale.shape == (-(-k // block), n)
     assert int(q.abs().max()) == scheme.qmax  # each block's largest magnitude maps to qmax ...
-    for b in range(scale.shape[0]):  # ... with scale = max|W| / qmax over exactly that block of rows
+    for b in range(scale.shape[0]):  # ... with scale = max|W| / qmax over exactly that block of rows, a float16 value
         rows = w[b * block:(b + 1) * block].float()
-        torch.testing.assert_close(scale[b], rows.abs().amax(0) / scheme.qmax)
+        want = (rows.abs().amax(0) / scheme.qmax).half().float()
+        torch.testing.assert_close(scale[b], want, rtol=0, atol=0)
     error = (dequantize(q, scale, scheme) - w.float()).abs()
     assert bool((error <= torch.repeat_interleave(scale, block, 0)[:k] / 2 + 1e-7).all())  # rounding: half a step
+
+
+def test_scales_below_float16s_normal_range_stay_float32():
+    """A block whose scale a float16 would hold with less precision (below 2^-14) keeps its float32 scale; the
+    others are rounded to float16 values (the CPU engine stores those as float16, exactly)."""
+    w = torch.full((64, 2), 0.5)
+    w[32:, 0] = 1e-4  # scale 1e-4 / 7: below 2^-14
+    q, scale = quantize(w, WeightQuantization("int4", 32))
+    assert scale[1, 0] == torch.tensor(1e-4) / 7 and scale[1, 0].half().float() != scale[1, 0]
+    assert scale[0, 0] == torch.tensor(0.5 / 7).half().float() and int(q[40, 0]) == 7
 
 
 def test_zero_block_has_zero_scale():

@@ -123,6 +123,8 @@ class CpuOperators:
             products inside them, no longer counted in ``heads``; a record without the field: none).
         float_experts: how many float ``MoE`` nodes it swapped for ``mla_deploy.FloatExperts`` (a record without the
             field: none).
+        half_scales: how many of the swapped nodes' scale tensors it stores as float16, exactly
+            (:func:`~mla_deploy.quant.own_ops.store_half_scales`; a record without the field: none).
     """
 
     experts: int = 0
@@ -134,6 +136,7 @@ class CpuOperators:
     heads: int = 0
     attention: int = 0
     float_experts: int = 0
+    half_scales: int = 0
 
     @property
     def used(self) -> bool:
@@ -141,14 +144,14 @@ class CpuOperators:
 
     def to_dict(self) -> dict[str, Any]:
         return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "attention": self.attention,
-                "float_experts": self.float_experts, "library": self.library,
+                "float_experts": self.float_experts, "half_scales": self.half_scales, "library": self.library,
                 "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
                    data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)),
-                   int(data.get("attention", 0)), int(data.get("float_experts", 0)))
+                   int(data.get("attention", 0)), int(data.get("float_experts", 0)), int(data.get("half_scales", 0)))
 
     def describe(self) -> str:
         """One phrase: which of our operators the engine holds, how many of each, and their library."""
@@ -156,7 +159,8 @@ class CpuOperators:
             return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
         counts = (("RoutedExperts", self.experts), ("BlockwiseMatMul", self.linear), ("HeadwiseMatMul", self.heads),
                   ("LatentAttention", self.attention), ("FloatExperts", self.float_experts))
-        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library})"
+        half = f", {self.half_scales} scale tensors as float16" if self.half_scales else ""
+        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library}{half})"
 
 
 @dataclass(frozen=True)

@@ -126,11 +126,13 @@ class _Operators:
 
     def __init__(self, tmp: Path):
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
-        self.attention = self.float_experts = 0
+        self.attention = self.float_experts = self.half_scales = 0
 
-    def swap(self, model: str | bytes):
-        """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s) with its eligible nodes
-        swapped: ``(model, the library to register or None)``."""
+    def swap(self, model: str | bytes, folder: Path, side: Path):
+        """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s; its weights under ``folder``)
+        with its eligible nodes swapped and their scales stored as float16 where exact (into the file ``side``, which
+        the model then names; :func:`~mla_deploy.quant.own_ops.store_half_scales`): ``(model, the library to register
+        or None)``."""
         import onnx
 
         proto = (onnx.load(str(model), load_external_data=False) if isinstance(model, str)
@@ -149,6 +151,7 @@ class _Operators:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
         self.attention, self.float_experts = self.attention + attention, self.float_experts + float_experts
+        self.half_scales += own_ops.store_half_scales(proto, folder, side)
         return proto.SerializeToString(), self.library.path
 
     def record(self) -> CpuOperators:
@@ -156,7 +159,7 @@ class _Operators:
             path = self.library.path
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
                                 sha256_file(cpu_ops.source_path()), heads=self.heads, attention=self.attention,
-                                float_experts=self.float_experts)
+                                float_experts=self.float_experts, half_scales=self.half_scales)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
             return CpuOperators(why_not="no QMoE, MoE, MatMulNBits or per-head product they compute exactly "
@@ -179,7 +182,8 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
                        (SAVE_PREPACKED, "1" if kept else "0")):
         options.add_session_config_entry(key, value)
     model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
-    model, library = operators.swap(model)
+    side = tmp / f"{stem}.scales16"  # float16 scales: read by the session below into the engine's data, then gone
+    model, library = operators.swap(model, (root / source).parent, side)
     if library is not None:
         cpu_ops.register(options, library)
         entries = {**entries, EXTERNAL_FOLDER_ENTRY: str((root / source).parent)}  # the swapped graph, as bytes
@@ -191,6 +195,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ExportError(f"ONNX Runtime could not optimise {source}: {first[:300]}") from exc
     del session  # the files are complete once the session is created; its packed weights are freed here
+    side.unlink(missing_ok=True)
     if not engine.is_file():
         raise ExportError(f"ONNX Runtime did not write the optimised {source}")
     keep_prepacked(engine, kept)

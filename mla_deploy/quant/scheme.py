@@ -3,10 +3,16 @@
 A quantized weight ``W [N, K]`` (a Linear's ``[out, in]``; a stacked expert tensor ``[E, out, in]`` likewise,
 expert by expert) is cut along its input axis ``K`` into blocks of ``block_size`` (32, 64 or 128; a last block
 may be shorter). Each block ``b`` of each output row ``n`` has one scale ``s = max|W[n, b]| / qmax``
-(``qmax`` = 127 for int8, 7 for int4; a block of zeros has scale 0) and integers ``q = round(W / s)`` in
+(``qmax`` = 127 for int8, 7 for int4; a block of zeros has scale 0), rounded to the nearest float16 where that is a
+normal float16 (``2^-14 <= s <= 65504``; outside that range it stays float32), and integers ``q = round(W / s)`` in
 ``[-qmax, qmax]``; the weight the model computes with is ``q * s``. This is what ONNX's ``DequantizeLinear``
 computes with blocked scales (opset >= 21), what ONNX Runtime's ``MatMulNBits`` and TensorRT's weight-only
-quantization read, and the scheme of llama.cpp's ``Q8_0``/``Q4_0`` (block 32).
+quantization read, and the scheme of llama.cpp's ``Q8_0``/``Q4_0`` (block 32), whose scales are float16 too.
+
+The graphs store the scales as float32 (the type ``MatMulNBits``, ``QMoE`` and ``DequantizeLinear`` take with
+float32 activations); being float16 values, they are stored as float16 by the CPU engine's build, exactly
+(:mod:`mla_deploy.engines.cpu_build`): a decode step streams 2 bytes of scale per block instead of 4, 10% of an
+int4 weight's bytes.
 
 :func:`quantize` gives a weight as the graph multiplies with it, ``q [K, N]`` and ``scale [ceil(K/B), N]`` (blocks
 on axis 0), which each format (:mod:`.formats`) lays out its own way; :func:`fake_quantize` gives the same
@@ -27,6 +33,9 @@ if TYPE_CHECKING:
 SCHEMES = {"int8": 8, "int4": 4}
 BLOCK_SIZES = (32, 64, 128)
 DEFAULT_BLOCK_SIZE = 32
+#: the smallest normal float16: a scale below it would lose precision as a float16, so it stays float32
+HALF_MIN_NORMAL = 2.0 ** -14
+HALF_MAX = 65504.0
 #: columns quantized at a time: the float copy a quantization makes stays near 64 MiB whatever the tensor
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -80,8 +89,9 @@ def quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> tuple["torch
     """Quantize ``weight [K, N]`` (any float dtype, any strides) in blocks along ``K`` (axis 0).
 
     Returns:
-        ``(q, scale)``: ``q [K, N]`` int8 in ``[-qmax, qmax]`` and ``scale [ceil(K/B), N]`` float32, so that
-        ``dequantize(q, scale, scheme)`` is the weight the model computes with.
+        ``(q, scale)``: ``q [K, N]`` int8 in ``[-qmax, qmax]`` and ``scale [ceil(K/B), N]`` float32 (float16
+        values where in float16's normal range), so that ``dequantize(q, scale, scheme)`` is the weight the model
+        computes with.
     """
     import torch
 
@@ -96,6 +106,7 @@ def quantize(weight: "torch.Tensor", scheme: WeightQuantization) -> tuple["torch
         w = w.view(w.shape[0], blocks, b)
         s = w.abs().amax(dim=2)  # [rows, blocks]
         s.div_(scheme.qmax)
+        s = torch.where((s >= HALF_MIN_NORMAL) & (s <= HALF_MAX), s.to(torch.float16).to(torch.float32), s)
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
         w.mul_(inv.unsqueeze(2)).round_().clamp_(-scheme.qmax, scheme.qmax)
         q[lo: lo + step] = w.view(w.shape[0], -1)[:, :k]

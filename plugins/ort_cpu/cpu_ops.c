@@ -64,7 +64,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT64 = 7, TYPE_BOOL = 9 };
+enum { TYPE_UNDEFINED = 0, TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT64 = 7, TYPE_BOOL = 9, TYPE_FLOAT16 = 10 };
 
 /* positions in struct OrtApi (zero-based; the table only ever grows at its end) */
 enum {
@@ -201,11 +201,43 @@ static void *take(Scratch *scratch, size_t bytes) {
     return p;
 }
 
+/* an IEEE half's value (the scales' fallback path: every value a float16 holds, subnormals included) */
+static inline float half_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
+        const float v = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u | (mantissa << 13)
+                                                 : ((exponent + 112) << 23) | (mantissa << 13));
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* block scales are float or, where `half`, float16 (the CPU engine stores them so where that is exact) */
+static inline size_t scale_bytes(int half) { return half ? 2 : sizeof(float); }
+static inline const void *scale_row(const void *s, int half, size_t i) { return (const char *)s + i * scale_bytes(half); }
+static inline __attribute__((always_inline)) float scale_at(const void *s, int half, int b) {
+    return half ? half_value(((const uint16_t *)s)[b]) : ((const float *)s)[b];
+}
+#if VNNI
+static inline __attribute__((always_inline)) __m512 scales16(const void *s, int half, int b) { /* blocks b..b+15 */
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + b)))
+                : _mm512_loadu_ps((const float *)s + b);
+}
+static inline __attribute__((always_inline)) __m512 scales4(const void *s, int half, int b) { /* b..b+3, then 0 */
+    return half ? _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + b))))
+                : _mm512_maskz_loadu_ps(0x000F, (const float *)s + b);
+}
+#endif
+
 /* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes; each byte XORed with
  * flip first: 0 for weights stored with the zero point 2^(bits-1), 0x88 (int4) or 0x80 (int8) for signed ones, which
- * that XOR turns into the same) and block scales s, the tokens' quantize_row() outputs q, d, corr */
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const float *s, int K, int bits, int n,
-                                                          const int8_t *const *q, const float *const *d,
+ * that XOR turns into the same) and block scales s (float, or float16 where `half`), the tokens' quantize_row()
+ * outputs q, d, corr */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const void *s, int half, int K, int bits,
+                                                          int n, const int8_t *const *q, const float *const *d,
                                                           const float *const *corr, float *out, size_t stride,
                                                           uint8_t flip) {
     const int blocks = K / BLOCK;
@@ -223,7 +255,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         __m512 acc[4], zp[4];
         for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps(), zp[t] = _mm512_setzero_ps();
         for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
-            const __m512 sw = _mm512_loadu_ps(s + b);
+            const __m512 sw = scales16(s, half, b);
             __m512 scale[4];
             for (int t = 0; t < n; t++) {
                 scale[t] = _mm512_mul_ps(sw, _mm512_loadu_ps(d[t] + b));
@@ -257,7 +289,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
             }
         }
         for (; bits == 4 && b + 4 <= blocks; b += 4) { /* int4: 4 blocks left at a time */
-            const __m512 sw = _mm512_maskz_loadu_ps(0x000F, s + b);
+            const __m512 sw = scales4(s, half, b);
             const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + 16 * b), flips);
             const __m512i even = _mm512_and_si512(packed, low);
             const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
@@ -287,19 +319,21 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                 const int8_t *xb = q[t] + BLOCK * b;
                 for (int j = 0; j < BLOCK; j++) dot += (uint8_t)(wb[j] ^ flip) * xb[j];
             }
-            total[t] += s[b] * ((float)dot * d[t][b] + corr[t][b]);
+            total[t] += scale_at(s, half, b) * ((float)dot * d[t][b] + corr[t][b]);
         }
     }
     for (int t = 0; t < n; t++) out[t * stride] = total[t];
 }
 
-/* dot_rows with n and bits constant in each call, so that its loops over tokens unroll into registers */
-static void dot_row(const uint8_t *w, const float *s, int K, int bits, int n, const int8_t *const *q,
+/* dot_rows with n, bits and the scales' type constant in each call, so that its loops over tokens unroll into
+ * registers */
+static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, int n, const int8_t *const *q,
                     const float *const *d, const float *const *corr, float *out, size_t stride, uint8_t flip) {
-#define CASE(B, N) \
-    case 10 * B + N: dot_rows(w, s, K, B, N, q, d, corr, out, stride, flip); break;
-    switch (10 * bits + n) {
-        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(8, 1) CASE(8, 2) CASE(8, 3) CASE(8, 4)
+#define CASE(H, B, N) \
+    case 100 * H + 10 * B + N: dot_rows(w, s, H, K, B, N, q, d, corr, out, stride, flip); break;
+    switch (100 * (half != 0) + 10 * bits + n) {
+        CASE(0, 4, 1) CASE(0, 4, 2) CASE(0, 4, 3) CASE(0, 4, 4) CASE(0, 8, 1) CASE(0, 8, 2) CASE(0, 8, 3) CASE(0, 8, 4)
+        CASE(1, 4, 1) CASE(1, 4, 2) CASE(1, 4, 3) CASE(1, 4, 4) CASE(1, 8, 1) CASE(1, 8, 2) CASE(1, 8, 3) CASE(1, 8, 4)
     }
 #undef CASE
 }
@@ -333,9 +367,9 @@ static void advise_huge(int *advised, const void *const *weights, const size_t *
 
 /* one layer's call: routing, then work items over (expert, tile of weight rows) */
 typedef struct {
-    int D, I, bits;
+    int D, I, bits, half; /* half: the scales are float16 */
     const uint8_t *fc1, *fc2;
-    const float *s1, *s2;
+    const void *s1, *s2;
     size_t fc1_row, fc2_row; /* bytes per weight row */
     int *count, *start;      /* per expert: how many (token, choice) pairs and where its pairs begin */
     int *pair_token;         /* the pairs ordered by expert: their token */
@@ -364,7 +398,7 @@ static void run_fc1(void *data, size_t item) {
     const int blocks = w->I / BLOCK, e = w->experts_used[item / blocks], block = (int)(item % blocks);
     const int D = w->D, rows = 2 * w->I;
     const uint8_t *weights = w->fc1 + ((size_t)e * rows + (size_t)block * 2 * BLOCK) * w->fc1_row;
-    const float *scales = w->s1 + ((size_t)e * rows + (size_t)block * 2 * BLOCK) * (D / BLOCK);
+    const void *scales = scale_row(w->s1, w->half, ((size_t)e * rows + (size_t)block * 2 * BLOCK) * (D / BLOCK));
     const int first = w->start[e], n = w->count[e];
     float h[4][2 * BLOCK], a[BLOCK];
     for (int p = 0; p < n; p += 4) {
@@ -373,7 +407,8 @@ static void run_fc1(void *data, size_t item) {
         const float *d[4], *c[4];
         operands(w, 1, first + p, m, q, d, c);
         for (int r = 0; r < 2 * BLOCK; r++)
-            dot_row(weights + (size_t)r * w->fc1_row, scales + (size_t)r * (D / BLOCK), D, w->bits, m, q, d, c,
+            dot_row(weights + (size_t)r * w->fc1_row, scale_row(scales, w->half, (size_t)r * (D / BLOCK)), w->half, D,
+                    w->bits, m, q, d, c,
                     &h[0][r], 2 * BLOCK, 0);
         for (int j = 0; j < m; j++) {
             const size_t pair = (size_t)(first + p + j);
@@ -393,7 +428,7 @@ static void run_fc2(void *data, size_t item) {
     const int e = w->experts_used[item / w->tiles2], tile = (int)(item % w->tiles2);
     const int D = w->D, K = w->I;
     const uint8_t *weights = w->fc2 + (size_t)e * D * w->fc2_row;
-    const float *scales = w->s2 + (size_t)e * D * (K / BLOCK);
+    const void *scales = scale_row(w->s2, w->half, (size_t)e * D * (K / BLOCK));
     const int r0 = tile * TILE, r1 = r0 + TILE < D ? r0 + TILE : D;
     const int first = w->start[e], n = w->count[e];
     for (int p = 0; p < n; p += 4) {
@@ -402,7 +437,8 @@ static void run_fc2(void *data, size_t item) {
         const float *d[4], *c[4];
         operands(w, 2, first + p, m, q, d, c);
         for (int r = r0; r < r1; r++)
-            dot_row(weights + (size_t)r * w->fc2_row, scales + (size_t)r * (K / BLOCK), K, w->bits, m, q, d, c,
+            dot_row(weights + (size_t)r * w->fc2_row, scale_row(scales, w->half, (size_t)r * (K / BLOCK)), w->half, K,
+                    w->bits, m, q, d, c,
                     w->o + (size_t)(first + p) * D + r, (size_t)D, 0);
     }
 }
@@ -416,18 +452,31 @@ static OrtStatus *quantize_rows(OrtKernelContext *ctx, Rows *rows, size_t M) {
     return CALL(KernelContext_ParallelFor)(ctx, run_quantize, M, 0, rows);
 }
 
-static OrtStatus *shape_of(const OrtValue *value, int want_type, size_t rank, int64_t *dims, const char *what) {
+/* value's element type (into *type) and, when it has `rank` dimensions, its dimensions; refused (`what`) otherwise */
+static OrtStatus *typed_shape(const OrtValue *value, size_t rank, int64_t *dims, int *type, const char *what) {
     OrtShapeInfo *info;
     CHECK(CALL(GetTensorTypeAndShape)(value, &info));
     size_t got = 0;
-    int type = 0;
     OrtStatus *status = CALL(GetDimensionsCount)(info, &got);
-    if (!status) status = CALL(GetTensorElementType)(info, &type);
+    if (!status) status = CALL(GetTensorElementType)(info, type);
     if (!status && got == rank) status = CALL(GetDimensions)(info, dims, rank);
     CALL(ReleaseTensorTypeAndShapeInfo)(info);
     if (status) return status;
-    if (got != rank || type != want_type) return fail(what);
-    return NULL;
+    return got != rank ? fail(what) : NULL;
+}
+
+static OrtStatus *shape_of(const OrtValue *value, int want_type, size_t rank, int64_t *dims, const char *what) {
+    int type = 0;
+    CHECK(typed_shape(value, rank, dims, &type, what));
+    return type != want_type ? fail(what) : NULL;
+}
+
+/* block scales of `rank` dimensions, float or float16 (*half set for float16) */
+static OrtStatus *scales_of(const OrtValue *value, size_t rank, int64_t *dims, int *half, const char *what) {
+    int type = 0;
+    CHECK(typed_shape(value, rank, dims, &type, what));
+    *half = type == TYPE_FLOAT16;
+    return type != TYPE_FLOAT && type != TYPE_FLOAT16 ? fail(what) : NULL;
 }
 
 /* the (token, choice) pairs of chosen [T * k] grouped by expert: per expert its pairs' count and first pair, the
@@ -479,9 +528,11 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
                                                    : "RoutedExperts: router_probs must be float [T, E]"));
     if (given) CHECK(shape_of(in[6], TYPE_INT64, 2, cs, "RoutedExperts: the chosen experts must be int64 [T, k]"));
     CHECK(shape_of(in[2], TYPE_UINT8, 3, w1, "RoutedExperts: fc1 weights must be uint8 [E, 2I, D*bits/8]"));
-    CHECK(shape_of(in[3], TYPE_FLOAT, 3, s1, "RoutedExperts: fc1 scales must be float [E, 2I, D/32]"));
+    int half1 = 0, half2 = 0;
+    CHECK(scales_of(in[3], 3, s1, &half1, "RoutedExperts: fc1 scales must be float or float16 [E, 2I, D/32]"));
     CHECK(shape_of(in[4], TYPE_UINT8, 3, w2, "RoutedExperts: fc2 weights must be uint8 [E, D, I*bits/8]"));
-    CHECK(shape_of(in[5], TYPE_FLOAT, 3, s2, "RoutedExperts: fc2 scales must be float [E, D, I/32]"));
+    CHECK(scales_of(in[5], 3, s2, &half2, "RoutedExperts: fc2 scales must be float or float16 [E, D, I/32]"));
+    if (half1 != half2) return fail("RoutedExperts: fc1 and fc2 scales must be of one type");
     const int T = (int)xs[0], D = (int)xs[1], E = (int)w1[0], I = (int)(w1[1] / 2), bits = (int)kernel->bits;
     const int k = (int)kernel->k;
     if (given && (rs[1] != k || cs[0] != T || cs[1] != k))
@@ -497,8 +548,8 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     CHECK(CALL(GetTensorMutableData)(output, &ptr[6]));
     float *y = (float *)ptr[6];
     const void *weights[4] = {ptr[2], ptr[3], ptr[4], ptr[5]};
-    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * bits / 8, (size_t)E * 2 * I * (D / BLOCK) * sizeof(float),
-                                    (size_t)E * D * I * bits / 8, (size_t)E * D * (I / BLOCK) * sizeof(float)};
+    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * bits / 8, (size_t)E * 2 * I * (D / BLOCK) * scale_bytes(half1),
+                                    (size_t)E * D * I * bits / 8, (size_t)E * D * (I / BLOCK) * scale_bytes(half1)};
     advise_huge(&((Kernel *)kernel_data)->advised, weights, weight_bytes, 4);
     if (T == 0) return NULL;
     const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
@@ -544,8 +595,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     }
     const int n_used = group_pairs(chosen, pairs, k, E, count, start, used, pair_token, pair_of);
 
-    Work w = {D, I, bits, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], (const float *)ptr[3],
-              (const float *)ptr[5], (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
+    Work w = {D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5], (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
               {x, D, bits, NULL, NULL, NULL}, {NULL, I, bits, NULL, NULL, NULL}, NULL, (D + TILE - 1) / TILE};
     w.x.q = take(&scratch, (size_t)T * D), w.x.d = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float));
     w.x.c = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float)), w.a.q = take(&scratch, pairs * I);
@@ -589,7 +639,7 @@ static const char *op_name(const OrtCustomOp *op) { (void)op; return "RoutedExpe
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
-    return i == 2 || i == 4 ? TYPE_UINT8 : i == 6 ? TYPE_INT64 : TYPE_FLOAT;
+    return i == 2 || i == 4 ? TYPE_UINT8 : i == 6 ? TYPE_INT64 : i == 3 || i == 5 ? TYPE_UNDEFINED : TYPE_FLOAT;
 }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 7; }
 static int optional_last(const OrtCustomOp *op, size_t i) { (void)op; return i == 6; } /* 1: INPUT_OUTPUT_OPTIONAL */
@@ -634,7 +684,8 @@ _Static_assert(offsetof(Kernel, attributes) == 0 && offsetof(LinearKernel, attri
 typedef struct {
     int M, N, tiles; /* per head: A's rows, the weight's rows, their tiles */
     const uint8_t *w;
-    const float *s;
+    const void *s; /* float, or float16 where half */
+    int half;
     size_t row_bytes;
     uint8_t flip; /* dot_rows' */
     Rows a;       /* [heads * M, K]: A's rows quantized */
@@ -653,7 +704,8 @@ static void run_linear(void *data, size_t item) {
         const float *d[4], *c[4];
         for (int j = 0; j < m; j++) row_of(&w->a, (size_t)h * w->M + (size_t)(p + j), &q[j], &d[j], &c[j]);
         for (int r = r0; r < r1; r++)
-            dot_row(w->w + (head + r) * w->row_bytes, w->s + (head + r) * (K / BLOCK), K, w->a.bits, m, q, d, c,
+            dot_row(w->w + (head + r) * w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)), w->half, K,
+                    w->a.bits, m, q, d, c,
                     out + (size_t)p * N + r, (size_t)N, w->flip);
     }
 }
@@ -663,7 +715,8 @@ static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, 
     const size_t rows = (size_t)heads * w->M, K = (size_t)w->a.K;
     const void *weights[2] = {w->w, w->s};
     const size_t rows_of_weights = (size_t)heads * w->N;
-    const size_t weight_bytes[2] = {rows_of_weights * w->row_bytes, rows_of_weights * (K / BLOCK) * sizeof(float)};
+    const size_t weight_bytes[2] = {rows_of_weights * w->row_bytes,
+                                    rows_of_weights * (K / BLOCK) * scale_bytes(w->half)};
     advise_huge(advised, weights, weight_bytes, 2);
     if (rows == 0) return NULL;
     Scratch scratch = {malloc(aligned(rows * K) + 2 * aligned(rows * (K / BLOCK) * sizeof(float))), NULL};
@@ -700,7 +753,7 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     if (!status) status = CALL(GetTensorElementType)(info, &type);
     CALL(ReleaseTensorTypeAndShapeInfo)(info);
     if (status) return status;
-    if (b[0] != N || b[1] != K / BLOCK || b[2] != BLOCK * bits / 8 || type != TYPE_FLOAT ||
+    if (b[0] != N || b[1] != K / BLOCK || b[2] != BLOCK * bits / 8 || (type != TYPE_FLOAT && type != TYPE_FLOAT16) ||
         scales != (size_t)N * (K / BLOCK))
         return fail("BlockwiseMatMul: B and scales do not agree with the attributes K and N");
     size_t M = 1;
@@ -711,7 +764,7 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     void *ptr[4];
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
-    LinearWork w = {(int)M, N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], (const float *)ptr[2],
+    LinearWork w = {(int)M, N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], ptr[2], type == TYPE_FLOAT16,
                     (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3]};
     return run_products(ctx, &w, 1, &((LinearKernel *)kernel_data)->advised);
 }
@@ -732,7 +785,10 @@ static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, cons
 }
 
 static const char *linear_name(const OrtCustomOp *op) { (void)op; return "BlockwiseMatMul"; }
-static int linear_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? TYPE_UINT8 : TYPE_FLOAT; }
+static int linear_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 1 ? TYPE_UINT8 : i == 2 ? TYPE_UNDEFINED : TYPE_FLOAT; /* scales: float or float16 */
+}
 static size_t linear_input_count(const OrtCustomOp *op) { (void)op; return 3; }
 
 static OrtCustomOp blockwise_matmul =
@@ -763,7 +819,7 @@ static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
     void *ptr[4];
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
-    LinearWork w = {(int)a[1], N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], (const float *)ptr[2],
+    LinearWork w = {(int)a[1], N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], ptr[2], 0,
                     (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL},
                     (float *)ptr[3]};
     return run_products(ctx, &w, (int)a[0], &((LinearKernel *)kernel_data)->advised);
@@ -1117,7 +1173,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
             rope(x + dn, tables[0] + token * dr, tables[1] + token * dr, pairs[0], dr,
                  pe + (token * H + h) * dr);
         }
-    LinearWork uk_work = {(int)tokens, r, (r + TILE - 1) / TILE, (const uint8_t *)ptr[11], (const float *)ptr[12],
+    LinearWork uk_work = {(int)tokens, r, (r + TILE - 1) / TILE, (const uint8_t *)ptr[11], ptr[12], 0,
                           (size_t)dn * bits_uk / 8, bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL},
                           lat};
     OrtStatus *status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
@@ -1156,7 +1212,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_scores, (size_t)B * panels * spans, 0, &work);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_softmax, (size_t)B * panels, 0, &work);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_values, (size_t)B * panels * chunks, 0, &work);
-    LinearWork uv_work = {(int)tokens, dv, (dv + TILE - 1) / TILE, (const uint8_t *)ptr[13], (const float *)ptr[14],
+    LinearWork uv_work = {(int)tokens, dv, (dv + TILE - 1) / TILE, (const uint8_t *)ptr[13], ptr[14], 0,
                           (size_t)r * bits_uv / 8, bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov};
     if (!status) status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
     for (size_t token = 0; !status && token < tokens; token++)

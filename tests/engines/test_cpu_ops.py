@@ -42,11 +42,21 @@ def libraries(tmp_path_factory) -> dict[str, cpu_ops.Library]:
 
 
 def _weights(bits: int, seed: int = 0):
+    """fc1, its scales, fc2, its scales: random bytes, scales float32 holding float16 values (as the export's)."""
     rng = np.random.default_rng(seed)
     def stacked(rows: int, cols: int):
         return (rng.integers(0, 256, size=(E, rows, cols * bits // 8), dtype=np.uint8),
-                (rng.random((E, rows, cols // 32), dtype=np.float32) * 0.02 + 0.005))
+                _half_values(rng.random((E, rows, cols // 32), dtype=np.float32) * 0.02 + 0.005))
     return (*stacked(2 * I, D), *stacked(D, I))
+
+
+def _half_values(scales):
+    return scales.astype(np.float16).astype(np.float32)
+
+
+def _as_half(weights):
+    """``weights`` (integers, scales, ...) with every scale array float16 (the same values)."""
+    return tuple(w.astype(np.float16) if w.dtype == np.float32 else w for w in weights)
 
 
 def _session(node, weights, library: Path | None):
@@ -87,10 +97,12 @@ def _ours(bits: int, normalize: int, block: int = 32):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("tokens", [1, 6])
 @pytest.mark.parametrize("build", ["native", "portable"])
-def test_operator_equals_qmoe(libraries, bits, tokens, build):
+@pytest.mark.parametrize("scales", ["float", "float16"])
+def test_operator_equals_qmoe(libraries, bits, tokens, build, scales):
     """The same weights, tokens and routing scores through QMoE and through ours: equal to float32 rounding (both
     quantize each token to int8 per block and sum integer products; only the order of float sums differs). Six
-    tokens over 8 experts with 3 each: experts with one token, several, and none."""
+    tokens over 8 experts with 3 each: experts with one token, several, and none. Ours reads the scales as float or
+    as float16 (the CPU engine's storage), the same values."""
     library = libraries[build]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
@@ -99,11 +111,12 @@ def test_operator_equals_qmoe(libraries, bits, tokens, build):
     r = rng.standard_normal((tokens, E), dtype=np.float32)
     weights = _weights(bits)
     want = _session(_qmoe(bits, 1), weights, None).run(None, {"x": x, "r": r})[0]
-    got = _session(_ours(bits, 1), weights, library.path).run(None, {"x": x, "r": r})[0]
+    mine = _as_half(weights) if scales == "float16" else weights
+    got = _session(_ours(bits, 1), mine, library.path).run(None, {"x": x, "r": r})[0]
     scale = np.abs(want).max()
     assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
     # routing matters: other scores give other outputs (the test could not pass by ignoring r)
-    other = _session(_ours(bits, 1), weights, library.path).run(None, {"x": x, "r": -r})[0]
+    other = _session(_ours(bits, 1), mine, library.path).run(None, {"x": x, "r": -r})[0]
     assert np.abs(other - want).max() > 0.1 * scale
 
 
@@ -280,20 +293,22 @@ def _matmulnbits(bits: int, **extra):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [(1, 1), (2, 5)])
 @pytest.mark.parametrize("build", ["native", "portable"])
-def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build):
+@pytest.mark.parametrize("stored", ["float", "float16"])
+def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build, stored):
     """``A [B, T, K]`` through MatMulNBits and through ours: equal to float32 rounding, for one row (decode) and ten
-    (two groups of four and two left: the prefill path)."""
+    (two groups of four and two left: the prefill path), ours reading the scales as float or as float16."""
     library = libraries[build]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
     rng = np.random.default_rng(bits)
     b = rng.integers(0, 256, size=(2 * I, D // 32, 32 * bits // 8), dtype=np.uint8)
-    scales = rng.random(2 * I * D // 32, dtype=np.float32) * 0.02 + 0.005
+    scales = _half_values(rng.random(2 * I * D // 32, dtype=np.float32) * 0.02 + 0.005)
     a = rng.standard_normal((*rows, D), dtype=np.float32)
     want = _linear_session(_matmulnbits(bits), (b, scales), None).run(None, {"a": a})[0]
     ours = helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", "b", "s"], ["y"], domain=own_ops.DOMAIN, K=D, N=2 * I,
                             bits=bits, block_size=32)
-    got = _linear_session(ours, (b, scales), library.path).run(None, {"a": a})[0]
+    mine = scales.astype(np.float16) if stored == "float16" else scales
+    got = _linear_session(ours, (b, mine), library.path).run(None, {"a": a})[0]
     scale = np.abs(want).max()
     assert got.shape == want.shape == (*rows, 2 * I)
     assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
@@ -313,6 +328,71 @@ def test_linear_swap_only_where_it_computes_exactly_matmulnbits(change, swapped)
     model = helper.make_model(helper.make_graph([node], "g", [], [], [b, s]))
     assert own_ops.swap_linear(model) == swapped
     assert [n.op_type for n in model.graph.node] == [own_ops.LINEAR_OP_TYPE if swapped else "MatMulNBits"]
+
+
+def _experts_and_linear_model(weights, linear):
+    """One RoutedExperts node (routing given as scores) and one BlockwiseMatMul reading its output."""
+    b, s = linear
+    nodes = [_ours(4, 1), helper.make_node(own_ops.LINEAR_OP_TYPE, ["y", "b", "s"], ["z"], domain=own_ops.DOMAIN,
+                                           K=D, N=2 * I, bits=4, block_size=32)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+                     helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["T", 2 * I])],
+        [numpy_helper.from_array(w, n) for w, n in zip((*weights, b, s), ("w1", "s1", "w2", "s2", "b", "s"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(own_ops.DOMAIN, 1)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("where", ["external", "inline"])
+def test_half_scales_are_stored_where_exact_and_compute_the_same(libraries, tmp_path, where):
+    """The build's float16 scales (``store_half_scales``): every scale tensor of float16 values becomes float16 (in the
+    side file where the weights are external, in the graph otherwise), the session computes exactly what it did with
+    float32 scales; a RoutedExperts node with one scale that no float16 holds keeps both its tensors float32, and so
+    does a scale tensor something else reads too."""
+    import onnx
+
+    rng = np.random.default_rng(5)
+    weights = _weights(4)
+    b = rng.integers(0, 256, size=(2 * I, D // 32, 16), dtype=np.uint8)
+    s = _half_values(rng.random(2 * I * D // 32, dtype=np.float32) * 0.02 + 0.005)
+    feeds = {"x": rng.standard_normal((3, D), dtype=np.float32), "r": rng.standard_normal((3, E), dtype=np.float32)}
+
+    def prepared(model, name):
+        """``model`` saved with its weights external (or not), loaded without them, its scales made float16."""
+        path = tmp_path / name / "model.onnx"
+        path.parent.mkdir()
+        onnx.save_model(model, str(path), save_as_external_data=where == "external", location="model.data",
+                        size_threshold=0)
+        loaded = onnx.load(str(path), load_external_data=False)
+        side = path.parent / "side.scales16"
+        return loaded, own_ops.store_half_scales(loaded, path.parent, side), side
+
+    def run(model, folder):
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        cpu_ops.register(options, libraries["portable"].path)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    model = _experts_and_linear_model(weights, (b, s))
+    want = run(model, tmp_path)
+    half, stored, side = prepared(model, "exact")
+    assert stored == 3 and side.is_file() == (where == "external")
+    assert {t.name: t.data_type for t in half.graph.initializer if t.name.startswith("s")} == dict.fromkeys(
+        ("s1", "s2", "s"), TensorProto.FLOAT16)
+    np.testing.assert_array_equal(run(half, side.parent), want)
+
+    inexact = list(weights)
+    inexact[3] = inexact[3].copy()
+    inexact[3][0, 0, 0] = np.float32(0.01) + np.float32(1e-9)  # no float16 value
+    model = _experts_and_linear_model(tuple(inexact), (b, s))
+    model.graph.node.append(helper.make_node("Identity", ["s"], ["s_again"]))  # the linear's scales read elsewhere too
+    model.graph.output.append(helper.make_tensor_value_info("s_again", TensorProto.FLOAT, None))
+    kept, stored, side = prepared(model, "inexact")
+    assert stored == 0 and not side.exists()
+    assert {t.data_type for t in kept.graph.initializer if t.name.startswith("s")} == {TensorProto.FLOAT}
 
 
 def _moe_recipe():
@@ -347,12 +427,21 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     out = ok(cli("build", art, "--target", "cpu"))
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     linear = record["linear"]  # every quantized product, the lm_head's too
-    assert f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear} (cpu_ops.so)" in out, out
+    half = 2 * 2 + linear  # every scale tensor: the export's scales are float16 values
+    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear} (cpu_ops.so, {half} scale "
+            f"tensors as float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
+    assert record["half_scales"] == half
+    assert not list(art.glob(".cpu*")) and not list((art / "cpu").glob("*.scales16"))  # the build's side file: gone
     for graph in ("prefill", "decode"):
-        ops = [n.op_type for n in onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph.node]
+        model = onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False)
+        ops = [n.op_type for n in model.graph.node]
         assert ops.count(own_ops.OP_TYPE) == 1 and "QMoE" not in ops and "MatMulNBits" not in ops
         assert ops.count(own_ops.LINEAR_OP_TYPE) == linear // 2
+        types = {t.name: t.data_type for t in model.graph.initializer}
+        scales = [n.input[i] for n in model.graph.node for i in ((3, 5) if n.op_type == own_ops.OP_TYPE else
+                                                                 (2,) if n.op_type == own_ops.LINEAR_OP_TYPE else ())]
+        assert scales and {types.get(name) for name in scales} == {TensorProto.FLOAT16}  # read as they are: no Cast
     assert _tokens(art) == _tokens(art, "--no-engine")
     assert OrtEngine(art, threads=1).info()["operators"].startswith("mla_deploy.RoutedExperts x2")
 
