@@ -698,9 +698,9 @@ def test_engine_holds_one_attention_node_per_layer(attention_engines):
     assert f"mla_deploy.LatentAttention x{layers}" in OrtEngine(fused, threads=1).info()["operators"]
 
 
-def _first_attention_session(engine: Path):
+def _first_attention_session(engine: Path, library: Path | None = None):
     """A session on ``engine``'s CPU engine graph with layer 0's attention output (``o_proj``'s input) as an output
-    too: ``(session, that output's name)``."""
+    too, its operators from ``library`` (default: the engine's own): ``(session, that output's name)``."""
     import onnx
 
     from mla_deploy.quant.formats import EXTERNAL_FOLDER_ENTRY
@@ -713,17 +713,18 @@ def _first_attention_session(engine: Path):
     options.intra_op_num_threads = 2
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(engine / "cpu"))
-    cpu_ops.register(options, engine / "cpu" / cpu_ops.LIBRARY)
+    cpu_ops.register(options, library or engine / "cpu" / cpu_ops.LIBRARY)
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session, o_proj.input[0]
 
 
-def test_attention_operator_equals_the_nodes_it_replaces(attention_engines):
+def test_attention_operator_equals_the_nodes_it_replaces(attention_engines, libraries):
     """Two sequences prefilled over an empty cache (one right-padded where the cache is concatenated), then one
     decode step over what they wrote, through both engines: layer 0's attention output (o_proj's input: the same
     inputs reach both) and its present cache equal to float32 rounding (1e-5 of their scale; the per-head products
     are the same int8 compute in both). Later layers are compared loosely: there the inputs already differ in the
-    last bits, which can move an activation's int8 rounding."""
+    last bits, which can move an activation's int8 rounding. The engine's graph run with the operators compiled in
+    portable C (what a CPU without AVX-512 VNNI would run) equals the unswapped nodes in the same way."""
     import onnx
 
     fused_path = attention_engines[0]
@@ -732,6 +733,7 @@ def test_attention_operator_equals_the_nodes_it_replaces(attention_engines):
     recipe = _concat_per_head_recipe()
     width, layers = recipe.model.kv_lora_rank + recipe.model.qk_rope_head_dim, recipe.model.num_hidden_layers
     sessions = [_first_attention_session(path) for path in attention_engines]
+    sessions.append(_first_attention_session(fused_path, libraries["portable"].path))
     rng = np.random.default_rng(5)
     ids = rng.integers(0, recipe.model.vocab_size, size=(2, 5), dtype=np.int64)
     valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1 - static, 1 - static]], dtype=np.int64)
@@ -751,7 +753,8 @@ def test_attention_operator_equals_the_nodes_it_replaces(attention_engines):
     else:
         step["attention_mask"] = np.concatenate([valid, np.ones((2, 1), np.int64)], axis=1)
     decode = [session.run(None, step) for session, _ in sessions]
-    for fused, unfused in (prefill, decode):
+    for fused, unfused in [(runs[0], runs[1]) for runs in (prefill, decode)] + [
+            (runs[2], runs[1]) for runs in (prefill, decode)]:
         attn, want = fused[-1], unfused[-1]
         rows = valid.astype(bool) if attn.shape[1] == 5 else np.ones(attn.shape[:2], bool)  # padding rows: any
         assert np.abs(attn[rows] - want[rows]).max() <= 1e-5 * np.abs(want[rows]).max()
