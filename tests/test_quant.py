@@ -143,6 +143,8 @@ def test_float_is_a_quantization_that_changes_nothing(tmp_path):
     int4 = Quantized(WeightQuantization("int4", 32), QDQ, keys=("x",))
     assert int4.stored_nbytes("x", (2, 5, 64), 4) == 2 * QDQ.nbytes(64, 5, int4.scheme, 4)  # per expert
     assert int4.stored_nbytes("y", (5, 64), 4) == 5 * 64 * 4 and int4.variant("ours") == "ours-int4"
+    half = int4.with_scale_bytes(2)  # as the CPU engine stores the scales: 2 bytes each, the float tensors unchanged
+    assert half.stored_nbytes("x", (2, 5, 64), 4) == 2 * (5 * 32 + 5 * 2 * 2) and half.stored_nbytes("y", (5, 64), 4) == 5 * 64 * 4
 
 
 def test_the_bench_weights_list():

@@ -139,6 +139,11 @@ class CpuOperators:
     half_scales: int = 0
 
     @property
+    def scales_half(self) -> bool:
+        """Every scale tensor of the engine's ``RoutedExperts`` and ``BlockwiseMatMul`` nodes is float16."""
+        return bool(self.half_scales) and self.half_scales == 2 * self.experts + self.linear
+
+    @property
     def used(self) -> bool:
         return bool(self.experts or self.linear or self.heads or self.attention or self.float_experts)
 

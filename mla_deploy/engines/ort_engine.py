@@ -273,6 +273,7 @@ class OrtEngine(Engine):
         info = {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
         if self.built is not None:
             info["operators"] = self.built.operators.describe()
+            info["scales_half"] = self.built.operators.scales_half
         return info
 
     def _allocate(self, shape):

@@ -25,6 +25,7 @@ record.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,9 @@ class Quantized(Quantization):
     tensors: int = 0
     bytes: int = 0
     per_head: tuple[str, ...] = ()
+    #: bytes per scale of the tensors in :attr:`keys` as a runtime holds them (0: the graph's float type; 2: float16,
+    #: as the CPU engine's operators read them, :meth:`with_scale_bytes`)
+    scale_bytes: int = 0
     quantized = True
 
     def __repr__(self) -> str:
@@ -279,6 +283,11 @@ class Quantized(Quantization):
                                  "format": self.format.name, "ops": self.format.ops, "tensors": self.tensors,
                                  "bytes": self.bytes, "keys": list(self.keys), **per_head}}
 
+    def with_scale_bytes(self, scale_bytes: int) -> "Quantized":
+        """This record with the scales of :attr:`keys` counted at ``scale_bytes`` each (the per-head weights' keep
+        the graph's float type): what a CPU engine storing them as float16 reads."""
+        return dataclasses.replace(self, scale_bytes=scale_bytes)
+
     def stored_nbytes(self, key, shape, itemsize):
         if _per_head_key(key) in self.per_head:
             heads, rows, rank = shape  # w_uk [H, dn, r] multiplies as [K=dn, N=r]; w_uv [H, dv, r] as [K=r, N=dv]
@@ -287,7 +296,7 @@ class Quantized(Quantization):
         if key not in self.keys:
             return math.prod(shape) * itemsize
         *lead, n, k = shape  # [..., out, in]: quantized per output row in blocks of input features
-        return math.prod(lead) * self.format.nbytes(k, n, self.scheme, itemsize)
+        return math.prod(lead) * self.format.nbytes(k, n, self.scheme, self.scale_bytes or itemsize)
 
     def dequantize_state(self, state, config=None):
         import torch

@@ -443,7 +443,8 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
                                                                  (2,) if n.op_type == own_ops.LINEAR_OP_TYPE else ())]
         assert scales and {types.get(name) for name in scales} == {TensorProto.FLOAT16}  # read as they are: no Cast
     assert _tokens(art) == _tokens(art, "--no-engine")
-    assert OrtEngine(art, threads=1).info()["operators"].startswith("mla_deploy.RoutedExperts x2")
+    info = OrtEngine(art, threads=1).info()
+    assert info["operators"].startswith("mla_deploy.RoutedExperts x2") and info["scales_half"] is True
 
     library = art / "cpu" / cpu_ops.LIBRARY
     library.write_bytes(library.read_bytes() + b"\0")

@@ -158,9 +158,14 @@ def export_bytes(config: MLAConfig, quantization: Quantization = FLOAT, itemsize
     return weight_groups(config, itemsize, recorded).total_bytes
 
 
-def manifest_weight_groups(manifest) -> WeightGroups:
-    """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized."""
-    return weight_groups(manifest.config, precision_itemsize(manifest.precision), manifest.quantization)
+def manifest_weight_groups(manifest, scales_half: bool = False) -> WeightGroups:
+    """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized;
+    ``scales_half``: their scales counted at 2 bytes, as a CPU engine that stores them as float16 reads them
+    (:attr:`mla_deploy.artifact.cpu_engine.CpuOperators.scales_half`)."""
+    quantization = manifest.quantization
+    if scales_half and quantization.quantized:
+        quantization = quantization.with_scale_bytes(2)
+    return weight_groups(manifest.config, precision_itemsize(manifest.precision), quantization)
 
 
 def precision_itemsize(precision: str) -> int:

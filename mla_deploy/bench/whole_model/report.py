@@ -249,7 +249,8 @@ def _rows(spec: WholeModelSpec, prepared, status: dict, routing: dict, results: 
           machine: dict) -> tuple[dict, list[dict]]:
     """Each path's information and the rows of the available ones, with their bounds and comparisons."""
     config, primary = prepared.manifest.config, prepared.primary.path
-    groups = {v.path: manifest_weight_groups(v.manifest) for v in prepared.variants}
+    groups = {v.path: manifest_weight_groups(v.manifest, bool(((results.get(v.path) or {}).get("info") or {}).get(
+        "scales_half"))) for v in prepared.variants}  # the bytes the engine that ran reads
     groups[TRANSFORMERS] = weight_groups(config, 4)  # transformers runs the checkpoint in fp32
     artifacts = {v.path: str(v.artifact) for v in prepared.variants}
     records = {path: r.get("records", {}) for path, r in routed.items()}
