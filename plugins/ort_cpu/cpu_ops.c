@@ -147,6 +147,28 @@ static OrtStatus *fail(const char *message) { return CALL(CreateStatus)(ORT_INVA
  * elements at [16b, 16b + 16) and its 16 odd ones at K/2 + [16b, 16b + 16); int8 weights: in order), d[b] the
  * block's scale and corr[b] = -zero * sum(q in block b) * d[b] (the zero point's share of a block's product) */
 static void quantize_block(const float *v, int K, int b, int bits, int8_t *q, float *d, float *corr) {
+#if VNNI
+    { /* the same arithmetic on two vectors: cvtps rounds half to even as lrintf does (the default rounding mode) */
+        const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        const __m512 invs = _mm512_set1_ps(inv);
+        const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, invs)), c = _mm512_cvtps_epi32(_mm512_mul_ps(hi, invs));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
+        if (bits == 4) { /* the 16 even elements, then the 16 odd ones */
+            const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+            _mm_storeu_si128((__m128i *)(q + b * 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, even, c)));
+            _mm_storeu_si128((__m128i *)(q + K / 2 + b * 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, odd, c)));
+        } else {
+            _mm_storeu_si128((__m128i *)(q + b * BLOCK), _mm512_cvtepi32_epi8(a));
+            _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(c));
+        }
+        d[b] = scale;
+        corr[b] = -(float)(1 << (bits - 1)) * (float)sum * scale;
+        return;
+    }
+#endif
     float amax = 0.f;
     for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
     const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
@@ -443,13 +465,20 @@ static void run_fc2(void *data, size_t item) {
     }
 }
 
-/* quantize rows->x's M rows: on this thread for one row (decode), over the intra-op pool for more */
-static OrtStatus *quantize_rows(OrtKernelContext *ctx, Rows *rows, size_t M) {
-    if (M == 1) {
-        run_quantize(rows, 0);
+/* fn(data, i) for i in [0, n): on this thread where `work` (about the multiply-adds or values of the whole) is below
+ * INLINE_WORK, where handing it to the intra-op pool costs more than it saves; over the pool otherwise */
+#define INLINE_WORK (1 << 18)
+static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t n, void *data, size_t work) {
+    if (n <= 1 || work < INLINE_WORK) {
+        for (size_t i = 0; i < n; i++) fn(data, i);
         return NULL;
     }
-    return CALL(KernelContext_ParallelFor)(ctx, run_quantize, M, 0, rows);
+    return CALL(KernelContext_ParallelFor)(ctx, fn, n, 0, data);
+}
+
+/* quantize rows->x's M rows: on this thread for a few (decode), over the intra-op pool for more */
+static OrtStatus *quantize_rows(OrtKernelContext *ctx, Rows *rows, size_t M) {
+    return parallel(ctx, run_quantize, M, rows, M * (size_t)rows->K * 4);
 }
 
 /* value's element type (into *type) and, when it has `rank` dimensions, its dimensions; refused (`what`) otherwise */
@@ -680,9 +709,9 @@ typedef struct {
 _Static_assert(offsetof(Kernel, attributes) == 0 && offsetof(LinearKernel, attributes) == 0,
                "new_kernel writes the attributes at the start of each kernel");
 
-/* one call of BlockwiseMatMul (heads 1) or HeadwiseMatMul: work items over (head, tile of TILE weight rows) */
+/* one call of BlockwiseMatMul (heads 1) or HeadwiseMatMul: work items over (head, tile of weight rows) */
 typedef struct {
-    int M, N, tiles; /* per head: A's rows, the weight's rows, their tiles */
+    int M, N, tiles; /* per head: A's rows, the weight's rows, their tiles (run_products sets tiles) */
     const uint8_t *w;
     const void *s; /* float, or float16 where half */
     int half;
@@ -690,12 +719,17 @@ typedef struct {
     uint8_t flip; /* dot_rows' */
     Rows a;       /* [heads * M, K]: A's rows quantized */
     float *out;   /* [heads, M, N] */
+    int rows;     /* weight rows per tile: TILE or more, so that a tile holds ITEM_BYTES (run_products sets it) */
 } LinearWork;
+
+/* bytes of weights a work item reads at least where the rows allow: short rows (W_UK's 128 int4 values, 64 bytes)
+ * in tiles of TILE made items too small to pay for their scheduling */
+#define ITEM_BYTES 16384
 
 static void run_linear(void *data, size_t item) {
     LinearWork *w = (LinearWork *)data;
     const int K = w->a.K, N = w->N, h = (int)item / w->tiles, tile = (int)item % w->tiles;
-    const int r0 = tile * TILE, r1 = r0 + TILE < N ? r0 + TILE : N;
+    const int r0 = tile * w->rows, r1 = r0 + w->rows < N ? r0 + w->rows : N;
     const size_t head = (size_t)h * N; /* the head's first weight row */
     float *out = w->out + (size_t)h * w->M * N;
     for (int p = 0; p < w->M; p += 4) {
@@ -725,6 +759,9 @@ static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, 
     w->a.q = take(&scratch, rows * K), w->a.d = take(&scratch, rows * (K / BLOCK) * sizeof(float));
     w->a.c = take(&scratch, rows * (K / BLOCK) * sizeof(float));
     OrtStatus *status = quantize_rows(ctx, &w->a, rows);
+    w->rows = TILE;
+    while (w->rows < w->N && (size_t)w->rows * w->row_bytes < ITEM_BYTES) w->rows *= 2;
+    w->tiles = (w->N + w->rows - 1) / w->rows;
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_linear, (size_t)heads * w->tiles, 0, w);
     free(scratch.base);
     return status;
@@ -764,8 +801,8 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     void *ptr[4];
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
-    LinearWork w = {(int)M, N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], ptr[2], type == TYPE_FLOAT16,
-                    (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3]};
+    LinearWork w = {(int)M, N, 0, (const uint8_t *)ptr[1], ptr[2], type == TYPE_FLOAT16,
+                    (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3], 0};
     return run_products(ctx, &w, 1, &((LinearKernel *)kernel_data)->advised);
 }
 
@@ -819,9 +856,9 @@ static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
     void *ptr[4];
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
-    LinearWork w = {(int)a[1], N, (N + TILE - 1) / TILE, (const uint8_t *)ptr[1], ptr[2], 0,
+    LinearWork w = {(int)a[1], N, 0, (const uint8_t *)ptr[1], ptr[2], 0,
                     (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL},
-                    (float *)ptr[3]};
+                    (float *)ptr[3], 0};
     return run_products(ctx, &w, (int)a[0], &((LinearKernel *)kernel_data)->advised);
 }
 
@@ -1173,9 +1210,9 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
             rope(x + dn, tables[0] + token * dr, tables[1] + token * dr, pairs[0], dr,
                  pe + (token * H + h) * dr);
         }
-    LinearWork uk_work = {(int)tokens, r, (r + TILE - 1) / TILE, (const uint8_t *)ptr[11], ptr[12], 0,
+    LinearWork uk_work = {(int)tokens, r, 0, (const uint8_t *)ptr[11], ptr[12], 0,
                           (size_t)dn * bits_uk / 8, bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL},
-                          lat};
+                          lat, 0};
     OrtStatus *status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
 
     /* each sequence's S*H query rows in panels of LANES, transposed: [q_lat | rope(q_pe)] per row */
@@ -1209,11 +1246,12 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     AttentionWork work = {B, S, T, H, C, r, panels, present, qt, p, limit, mask, (int)md[0], hidden_when,
                           kernel->scale, kernel->fill, o};
     const size_t spans = (size_t)(T + SPAN - 1) / SPAN, chunks = (size_t)(r + CHANNELS - 1) / CHANNELS;
-    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_scores, (size_t)B * panels * spans, 0, &work);
-    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_softmax, (size_t)B * panels, 0, &work);
-    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_values, (size_t)B * panels * chunks, 0, &work);
-    LinearWork uv_work = {(int)tokens, dv, (dv + TILE - 1) / TILE, (const uint8_t *)ptr[13], ptr[14], 0,
-                          (size_t)r * bits_uv / 8, bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov};
+    const size_t seen = (size_t)B * panels * LANES * T; /* the scores: query rows x cache rows */
+    if (!status) status = parallel(ctx, run_scores, (size_t)B * panels * spans, &work, seen * C);
+    if (!status) status = parallel(ctx, run_softmax, (size_t)B * panels, &work, seen * 8);
+    if (!status) status = parallel(ctx, run_values, (size_t)B * panels * chunks, &work, seen * r);
+    LinearWork uv_work = {(int)tokens, dv, 0, (const uint8_t *)ptr[13], ptr[14], 0,
+                          (size_t)r * bits_uv / 8, bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov, 0};
     if (!status) status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
     for (size_t token = 0; !status && token < tokens; token++)
         for (int h = 0; h < H; h++)
