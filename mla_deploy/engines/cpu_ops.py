@@ -5,7 +5,7 @@ CPU engine in place of ONNX Runtime's ``QMoE`` and ``MatMulNBits``.
 32*bits/8]``, ``N*K/32`` scales) and computes what it computes at ``accuracy_level`` 4: the rows of ``A`` quantized
 to int8 per block of 32, integer dot products, one scale product per block. ``mla_deploy.RoutedExperts`` takes
 ``QMoE``'s weights as they are (int4/int8 blocks of 32, zero point
-``2^(bits-1)``, fp32 scales, gate and up rows interleaved) and computes what ``QMoE`` computes at ``accuracy_level``
+``2^(bits-1)``, float32 scales or the float16 copies the engine build stores, gate and up rows interleaved) and computes what ``QMoE`` computes at ``accuracy_level``
 4 (each token's vector quantized to int8 per block, integer dot products): the same inputs, attributes and
 routing (top ``k`` of ``router_probs``, softmax over the chosen), or, where the swap finds the export's routing
 round trip, the chosen experts and their weights as given (``normalize_routing_weights`` 0). They exist because these

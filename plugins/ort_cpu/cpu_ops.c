@@ -4,7 +4,7 @@
  *
  * mla_deploy.RoutedExperts: an ONNX Runtime CPU custom operator computing a MoE layer's routed experts from
  * blockwise-quantized weights in the layout of ONNX Runtime's own com.microsoft QMoE (int4 or int8, blocks of 32,
- * zero point 2^(bits-1), fp32 scales), as QMoE computes them at accuracy_level 4: each token's vector quantized to
+ * zero point 2^(bits-1), float scales, or float16 ones where the CPU engine stores them so), as QMoE computes them at accuracy_level 4: each token's vector quantized to
  * int8 per block of 32, integer dot products, one scale product per block.
  *
  * Why: QMoE streams a decode step's chosen experts at 20-25 GB/s on the development machine where a kernel
@@ -16,9 +16,9 @@
  *   0 input           float [T, D]
  *   1 router_probs    float [T, E]   each token runs its top k experts by this score (ties: the lower index)
  *   2 fc1 weights     uint8 [E, 2I, D*bits/8]   gate and up rows interleaved (row 2i gate i, row 2i+1 up i)
- *   3 fc1 scales      float [E, 2I, D/B]
+ *   3 fc1 scales      float or float16 [E, 2I, D/B] (fc2's of the same type)
  *   4 fc2 weights     uint8 [E, D, I*bits/8]
- *   5 fc2 scales      float [E, D, I/B]
+ *   5 fc2 scales      float or float16 [E, D, I/B]
  *   6 chosen          int64 [T, k]   (optional; only with normalize_routing_weights = 0)
  * Output 0: float [T, D] = sum over the chosen experts j of w_j * fc2_j(silu(gate_j) * up_j). With
  * normalize_routing_weights = 1 (QMoE's setting), the experts are the top k of router_probs and w their softmax over
@@ -693,7 +693,7 @@ static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, c
 
 /* ---- mla_deploy.BlockwiseMatMul: MatMulNBits's product, computed the same way ---------------------------------
  * Inputs: 0 A float [..., K]; 1 B uint8 [N, K/32, 32*bits/8] (MatMulNBits's layout: zero point 2^(bits-1), int4
- * low nibble first); 2 scales float, N * K/32 values ([N, K/32] in order). Output: float [..., N] = A . W^T, each row
+ * low nibble first); 2 scales float or float16, N * K/32 values ([N, K/32] in order). Output: float [..., N] = A . W^T, each row
  * of A quantized to int8 per block of 32 (as MatMulNBits at accuracy_level 4). Attributes: K, N, bits (4, 8),
  * block_size (32). */
 

@@ -193,7 +193,8 @@ def _weights_protocol(variants) -> str:
     if not quantized:
         return "fp32"
     return (f"ours: fp32 weights; ours-int8, ours-int4: symmetric int8/int4 MatMul weights in blocks of "
-            f"{quantized[0].block_size} input features, one fp32 scale each (export --weights/--block-size; "
+            f"{quantized[0].block_size} input features, one scale each (a float16 value, stored as fp32 in the artifact "
+            f"and as float16 by a CPU engine, whose bytes the bound then counts; export --weights/--block-size; "
             f"{quantized[0].kept_float()} stay fp32), run with int8 activations (OrtEngine's default: "
             f"ONNX Runtime's MatMulNBits, or the CPU engine's operators); x float = the ours row's median time / "
             f"this row's")
