@@ -447,7 +447,9 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     assert info["operators"].startswith("mla_deploy.RoutedExperts x2") and info["scales_half"] is True
 
     library = art / "cpu" / cpu_ops.LIBRARY
-    library.write_bytes(library.read_bytes() + b"\0")
+    changed = library.with_name("changed.so")  # a new file put in its place: this process has the old one mapped
+    changed.write_bytes(library.read_bytes() + b"\0")
+    changed.replace(library)
     with pytest.raises(ArtifactError, match=r"is stale: its operator library .* was modified"):
         OrtEngine(art, threads=1)
     library.unlink()
