@@ -32,9 +32,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TEMPORARY = (".tmp-", ".old-")
 
 
+#: a child under a file-size limit writes no bytecode: Python ignores a short write of a .pyc, and a module whose
+#: bytecode is larger than the limit would be left truncated for every later import to fail on
+NO_BYTECODE = {**ENV, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def cli(*args: str, cwd: Path, preexec_fn=None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mla_deploy", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=timeout, preexec_fn=preexec_fn)
+                          env=ENV if preexec_fn is None else NO_BYTECODE, timeout=timeout, preexec_fn=preexec_fn)
 
 
 def error_line(proc: subprocess.CompletedProcess, status: int, *words: str) -> str:

@@ -152,6 +152,10 @@ class Quantization:
         absorbed half of a per-head ``kv_b_proj`` (``...self_attn.w_uk [H, dn, r]``, ``w_uv [H, dv, r]``)."""
         return math.prod(shape) * itemsize
 
+    def with_scale_bytes(self, scale_bytes: int) -> "Quantization":
+        """This record with its quantized tensors' scales counted at ``scale_bytes`` each (float weights: itself)."""
+        return self
+
     def quantized_nbytes(self, shapes: Mapping[str, Sequence[int]], itemsize: int) -> int:
         """Bytes of the quantized tensors among ``shapes`` (``{key: shape}``, a model's state dict in any form),
         as stored."""

@@ -231,7 +231,8 @@ def test_bad_inputs_are_one_line_errors(built, tmp_path):
                            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                            "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
                            "sys.argv = ['mla-deploy', *sys.argv[1:]]; main()", "build", str(art), "--target", "cpu"],
-                          capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True,  # no .pyc: one larger than the limit would be truncated
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
     assert full.returncode == 1 and len(full.stderr.splitlines()) == 1, full.stderr
     assert "ONNX Runtime could not optimise prefill.onnx" in full.stderr, full.stderr  # writing its data file failed
     assert sorted(p.name for p in art.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx"], full.stderr

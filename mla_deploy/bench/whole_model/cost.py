@@ -162,9 +162,7 @@ def manifest_weight_groups(manifest, scales_half: bool = False) -> WeightGroups:
     """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized;
     ``scales_half``: their scales counted at 2 bytes, as a CPU engine that stores them as float16 reads them
     (:attr:`mla_deploy.artifact.cpu_engine.CpuOperators.scales_half`)."""
-    quantization = manifest.quantization
-    if scales_half and quantization.quantized:
-        quantization = quantization.with_scale_bytes(2)
+    quantization = manifest.quantization.with_scale_bytes(2) if scales_half else manifest.quantization
     return weight_groups(manifest.config, precision_itemsize(manifest.precision), quantization)
 
 
