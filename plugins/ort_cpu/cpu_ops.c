@@ -274,8 +274,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
             _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
             _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
             _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
-        __m512 acc[4], zp[4];
-        for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps(), zp[t] = _mm512_setzero_ps();
+        __m512 acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
+        for (int t = 0; t < 4; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
         for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
             const __m512 sw = scales16(s, half, b);
             __m512 scale[4];
@@ -292,7 +292,10 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                     for (int t = 0; t < n; t++) {
                         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512(q[t] + at));
                         dot = _mm512_dpbusd_epi32(dot, odd, _mm512_loadu_si512(q[t] + K / 2 + at));
-                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[t]), acc[t]);
+                        if (g & 1)
+                            acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[t]), acc2[t]);
+                        else
+                            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[t]), acc[t]);
                     }
                 }
             } else {
@@ -323,7 +326,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                 zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x000F, corr[t] + b), zp[t]);
             }
         }
-        for (int t = 0; t < n; t++) total[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], zp[t]));
+        for (int t = 0; t < n; t++) total[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t], acc2[t]), zp[t]));
     }
 #endif
     for (; b < blocks; b++) { /* the blocks left over (every block without VNNI) */
