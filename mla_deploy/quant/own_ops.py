@@ -673,17 +673,19 @@ def store_half_scales(model, folder, side) -> int:
                          and all(r in _HALF_SCALE_SLOTS for r in readers[n]) for n in names):
             groups.append(names)
     folder, side = Path(folder), Path(side)
-    stored = 0
+    location, stored = os.path.relpath(side, folder), 0
     with open(side, "wb") as out:
         for names in groups:
-            if not all(_exact_half(inits[n], folder) for n in names if inits[n].data_type == TensorProto.FLOAT):
+            pending = [n for n in dict.fromkeys(names) if inits[n].data_type == TensorProto.FLOAT]  # not yet stored
+            start = out.tell()
+            held = [_append_half(inits[n], folder, out) for n in pending] if pending else []
+            if None in held:  # a value no float16 holds: the group keeps float32, its bytes are taken back
+                out.seek(start)
+                out.truncate()
                 continue
-            for name in names:
-                tensor = inits[name]
-                if tensor.data_type != TensorProto.FLOAT:
-                    continue  # read by two nodes: already stored
-                _write_half(tensor, folder, out, os.path.relpath(side, folder))
-                stored += 1
+            for name, where in zip(pending, held):
+                _make_half(inits[name], where, location)
+            stored += len(pending)
     if not side.stat().st_size:  # nothing external was stored
         side.unlink()
     return stored
@@ -708,38 +710,43 @@ def _float_chunks(tensor, folder):
         yield np.asarray(values[lo: lo + _HALF_CHUNK])
 
 
-def _exact_half(tensor, folder) -> bool:
-    """Whether every value of the float32 TensorProto ``tensor`` is a float16 value (its sign and bits kept)."""
-    import numpy as np
-
-    for chunk in _float_chunks(tensor, folder):
-        with np.errstate(over="ignore"):
-            back = chunk.astype(np.float16).astype(np.float32)
-        if not np.array_equal(back.view(np.uint32), chunk.view(np.uint32)):
-            return False
-    return True
-
-
-def _write_half(tensor, folder, out, location: str) -> None:
-    """Make ``tensor`` float16: its bytes appended to the open file ``out`` (at a 4 KiB-aligned offset, named
-    ``location``) where it was external, else held in the tensor."""
+def _append_half(tensor, folder, out):
+    """The float32 TensorProto ``tensor``'s values as float16, checked exact chunk by chunk as they are converted:
+    appended to the open file ``out`` at a 4 KiB-aligned offset where the tensor is external (``(offset, length)``),
+    else their bytes; None where a value is no float16 (its sign and bits kept; what was appended stays for the
+    caller to take back)."""
     import numpy as np
     from onnx import TensorProto
 
     external = tensor.data_location == TensorProto.EXTERNAL
-    chunks = [chunk.astype(np.float16).tobytes() for chunk in _float_chunks(tensor, folder)] if not external else None
     offset = -(-out.tell() // 4096) * 4096
     if external:
         out.write(b"\0" * (offset - out.tell()))
-        for chunk in _float_chunks(tensor, folder):
-            out.write(chunk.astype(np.float16).tobytes())
+    parts = []
+    for chunk in _float_chunks(tensor, folder):
+        with np.errstate(over="ignore"):
+            half = chunk.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32).view(np.uint32), chunk.view(np.uint32)):
+            return None
+        if external:
+            out.write(half.tobytes())
+        else:
+            parts.append(half.tobytes())
+    return (offset, out.tell() - offset) if external else b"".join(parts)
+
+
+def _make_half(tensor, where, location: str) -> None:
+    """Make ``tensor`` float16: ``where`` is :func:`_append_half`'s ``(offset, length)`` in the file ``location``, or
+    the bytes it holds itself."""
+    from onnx import TensorProto
+
     tensor.data_type = TensorProto.FLOAT16
     del tensor.float_data[:]
     tensor.ClearField("raw_data")
     del tensor.external_data[:]
-    if external:
+    if isinstance(where, tuple):
         tensor.external_data.add(key="location", value=location)
-        tensor.external_data.add(key="offset", value=str(offset))
-        tensor.external_data.add(key="length", value=str(out.tell() - offset))
+        tensor.external_data.add(key="offset", value=str(where[0]))
+        tensor.external_data.add(key="length", value=str(where[1]))
     else:
-        tensor.raw_data = b"".join(chunks)
+        tensor.raw_data = where

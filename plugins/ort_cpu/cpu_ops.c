@@ -4,8 +4,8 @@
  *
  * mla_deploy.RoutedExperts: an ONNX Runtime CPU custom operator computing a MoE layer's routed experts from
  * blockwise-quantized weights in the layout of ONNX Runtime's own com.microsoft QMoE (int4 or int8, blocks of 32,
- * zero point 2^(bits-1), float scales, or float16 ones where the CPU engine stores them so), as QMoE computes them at accuracy_level 4: each token's vector quantized to
- * int8 per block of 32, integer dot products, one scale product per block.
+ * zero point 2^(bits-1), float scales, or float16 ones where the CPU engine stores them so), as QMoE computes them
+ * at accuracy_level 4: each token's vector quantized to int8 per block of 32, integer dot products, one scale product per block.
  *
  * Why: QMoE streams a decode step's chosen experts at 20-25 GB/s on the development machine where a kernel
  * written for the product reaches 39-42 GB/s (tools/gemv_probe); the routed experts are most of a quantized
@@ -580,8 +580,9 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     CHECK(CALL(GetTensorMutableData)(output, &ptr[6]));
     float *y = (float *)ptr[6];
     const void *weights[4] = {ptr[2], ptr[3], ptr[4], ptr[5]};
-    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * bits / 8, (size_t)E * 2 * I * (D / BLOCK) * scale_bytes(half1),
-                                    (size_t)E * D * I * bits / 8, (size_t)E * D * (I / BLOCK) * scale_bytes(half1)};
+    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * bits / 8,
+                                    (size_t)E * 2 * I * (D / BLOCK) * scale_bytes(half1), (size_t)E * D * I * bits / 8,
+                                    (size_t)E * D * (I / BLOCK) * scale_bytes(half1)};
     advise_huge(&((Kernel *)kernel_data)->advised, weights, weight_bytes, 4);
     if (T == 0) return NULL;
     const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
@@ -627,7 +628,8 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     }
     const int n_used = group_pairs(chosen, pairs, k, E, count, start, used, pair_token, pair_of);
 
-    Work w = {D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5], (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
+    Work w = {D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5],
+              (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
               {x, D, bits, NULL, NULL, NULL}, {NULL, I, bits, NULL, NULL, NULL}, NULL, (D + TILE - 1) / TILE};
     w.x.q = take(&scratch, (size_t)T * D), w.x.d = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float));
     w.x.c = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float)), w.a.q = take(&scratch, pairs * I);
@@ -696,8 +698,8 @@ static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, c
 
 /* ---- mla_deploy.BlockwiseMatMul: MatMulNBits's product, computed the same way ---------------------------------
  * Inputs: 0 A float [..., K]; 1 B uint8 [N, K/32, 32*bits/8] (MatMulNBits's layout: zero point 2^(bits-1), int4
- * low nibble first); 2 scales float or float16, N * K/32 values ([N, K/32] in order). Output: float [..., N] = A . W^T, each row
- * of A quantized to int8 per block of 32 (as MatMulNBits at accuracy_level 4). Attributes: K, N, bits (4, 8),
+ * low nibble first); 2 scales float or float16, N * K/32 values ([N, K/32] in order). Output: float [..., N] =
+ * A . W^T, each row of A quantized to int8 per block of 32 (as MatMulNBits at accuracy_level 4). Attributes: K, N, bits (4, 8),
  * block_size (32). */
 
 typedef struct {
