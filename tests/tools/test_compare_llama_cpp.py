@@ -120,8 +120,43 @@ def test_the_table_of_a_real_run_sets_each_precision_beside_its_llama_cpp_type()
         assert r["ratio"] == pytest.approx(r["ours_tokens_per_s"] / r["llama_tokens_per_s"])
         assert r["llama_gbps"] == pytest.approx(read[r["llama_type"]][r["context"]] * theirs["tokens_per_s"] / 1e9)
         assert (r["ours_prefill_tokens_per_s"] is not None) == (r["context"] == 0)
-    text = table.text(rows, table.bound(report, [], rows), "title")
+    text = table.text(rows, table.bound([report], [], rows), "title")
     assert "ours / llama.cpp" in text and "int4 / Q4_0" in text and "bandwidth bound:" in text
+
+
+def test_rounds_give_the_median_of_each_figure_and_of_the_ratios_taken_within_each_round():
+    """Three rounds of the real run, the machine's bandwidth halved for llama.cpp in one and for ours in another:
+    each figure is the median over the rounds, the ratio the median of the rounds' own ratios (not the ratio of
+    the medians), with its range; the bound is checked against every round's rows."""
+    report, llama, read = _real_run()
+
+    def scaled(factor_ours: float, factor_llama: float) -> list[dict]:
+        def row(r: dict) -> dict:
+            r = dict(r, **{k: r[k] * factor_ours for k in ("tokens_per_s_per_sequence", "tokens_per_s")
+                           if r.get(k) is not None})
+            if r.get("bound"):
+                r["bound"] = dict(r["bound"], achieved_gbps=r["bound"]["achieved_gbps"] * factor_ours)
+            return r
+
+        ours = dict(report, rows=[row(r) for r in report["rows"]])
+        theirs = {k: [dict(e, tokens_per_s=e["tokens_per_s"] * factor_llama) for e in v] for k, v in llama.items()}
+        return table.rows(ours, theirs, read)
+
+    rounds = [scaled(1.0, 1.0), scaled(1.0, 0.5), scaled(0.5, 1.0)]
+    combined = table.combine(rounds)
+    base = rounds[0]
+    for row, one in zip(combined, base):
+        assert row["ours_tokens_per_s"] == pytest.approx(one["ours_tokens_per_s"])  # median of 1, 1, 0.5
+        assert row["llama_tokens_per_s"] == pytest.approx(one["llama_tokens_per_s"])
+        assert row["ratios"] == pytest.approx([one["ratio"], 2 * one["ratio"], one["ratio"] / 2])
+        assert row["ratio"] == pytest.approx(one["ratio"])
+        if row["context"] == 0:
+            assert row["prefill_ratio"] == pytest.approx(one["ours_prefill_tokens_per_s"]
+                                                         / one["llama_prefill_tokens_per_s"])
+    text = table.text(combined, table.bound([report], [], [r for each in rounds for r in each]), "title")
+    first = combined[0]
+    assert f"{first['ratio'] / 2:.2f}-{2 * first['ratio']:.2f}x" in text
+    assert "rounds' ratios" in text and "prefill ratio" in text
 
 
 def test_an_engine_faster_than_the_measured_bandwidth_is_said_plainly():
@@ -130,10 +165,10 @@ def test_an_engine_faster_than_the_measured_bandwidth_is_said_plainly():
     report, llama, read = _real_run()
     rows = table.rows(report, llama, read)
     best = max(max(r["ours_gbps"], r["llama_gbps"]) for r in rows)
-    held = table.bound(report, [{"read_gbps": best * 1.01, "read_kernel": "torch.mv"}], rows)
+    held = table.bound([report], [{"read_gbps": best * 1.01, "read_kernel": "torch.mv"}], rows)
     assert held["check"]["holds"] and "bound check:" in "\n".join(table.bound_lines(held))
     low = dict(report, machine=dict(report["machine"], read_gbps=dict(report["machine"]["read_gbps"], max=best / 2)))
-    broken = table.bound(low, [{"read_gbps": best / 2, "read_kernel": "torch.sum"}], rows)
+    broken = table.bound([low], [{"read_gbps": best / 2, "read_kernel": "torch.sum"}], rows)
     assert not broken["check"]["holds"] and broken["check"]["beaten_by"]
     assert "THE BOUND DID NOT HOLD" in table.text(rows, broken, "title")
 
@@ -144,7 +179,7 @@ def test_an_engine_faster_than_the_measured_bandwidth_is_said_plainly():
 def test_dry_run_prints_every_command_and_makes_nothing(checkpoint, tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "out"
     proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--out", str(out), "--context", "0,1024",
-                   "-r", "2", "-n", "32")
+                   "-r", "2", "-n", "32", "--rounds", "2")
     assert proc.returncode == 0, proc.stderr
     lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if ":" in line}
     assert "--no-binary llama-cpp-python --no-deps llama-cpp-python==0.3.36" in lines["download"]
@@ -156,9 +191,18 @@ def test_dry_run_prints_every_command_and_makes_nothing(checkpoint, tmp_path):
     assert "/model-F32.gguf " in lines["quantize-Q4_0"]
     assert lines["quantize-Q4_0"].endswith("/model-Q4_0.gguf.partial Q4_0 2")
     for kind in ("F32", "Q8_0", "Q4_0"):
-        assert f"model-{kind}.gguf -t 2 -r 2 -p 512 -n 32 -d 0,1024 -lm none -o json" in lines[f"llama-bench-{kind}"]
-    assert ("bench model --hf " + str(checkpoint) + " --weights float,int8,int4 --block-size 32 --context 0,1024 "
-            "--batch 1 --threads 2") in lines["mla-deploy-bench"]
+        for round_ in (1, 2):
+            assert (f"model-{kind}.gguf -t 2 -r 2 -p 512 -n 32 -d 0,1024 -lm none -o json > "
+                    f"{out}/rounds/llama-bench-{kind}-{round_}.json") in lines[f"llama-bench-{kind}-{round_}"]
+    for weights, blocks in (("float", ""), ("int8", " --block-size 32"), ("int4", " --block-size 32")):
+        for round_ in (1, 2):
+            assert (f"bench model --hf {checkpoint} --weights {weights}{blocks} --context 0,1024 --batch 1 "
+                    f"--threads 2") in lines[f"mla-deploy-bench-{weights}-{round_}"]
+    # rounds alternate which engine goes first, per precision
+    measured = [line.split(":", 1)[0] for line in proc.stdout.splitlines() if "bench-" in line.split(":", 1)[0]]
+    assert measured == ["mla-deploy-bench-float-1", "llama-bench-F32-1", "mla-deploy-bench-int8-1", "llama-bench-Q8_0-1",
+                        "mla-deploy-bench-int4-1", "llama-bench-Q4_0-1", "llama-bench-F32-2", "mla-deploy-bench-float-2",
+                        "llama-bench-Q8_0-2", "mla-deploy-bench-int8-2", "llama-bench-Q4_0-2", "mla-deploy-bench-int4-2"]
     assert not cache.exists() and not out.exists()
 
 
@@ -178,7 +222,8 @@ def test_dry_run_of_one_precision_with_llama_cpp_built(checkpoint, tmp_path):
     for cached in ("[cached] download", "[cached] extract", "[cached] configure", "[cached] build"):
         assert cached in names
     assert [n for n in names if not n.startswith("[cached]") and n != "converter-deps"] == [
-        "convert-F32", "quantize-Q4_0", "mla-deploy-bench", "llama-bench-Q4_0"]
+        "convert-F32", "quantize-Q4_0", "mla-deploy-bench-int4-1", "llama-bench-Q4_0-1", "llama-bench-Q4_0-2",
+        "mla-deploy-bench-int4-2", "mla-deploy-bench-int4-3", "llama-bench-Q4_0-3"]
 
 
 @pytest.mark.parametrize("weights, blocks", [("float", False), ("float,int4", True), ("int8", True)])
@@ -187,8 +232,12 @@ def test_blocks_of_32_are_asked_for_only_where_weights_are_quantized(checkpoint,
     failed that way on 2026-11-26), a quantized one passes 32 (Q8_0's and Q4_0's blocks)."""
     proc = compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache"), "--weights", weights)
     assert proc.returncode == 0, proc.stderr
-    bench = next(line for line in proc.stdout.splitlines() if line.startswith("mla-deploy-bench:"))
-    assert ("--block-size 32" in bench) == blocks, bench
+    benches = [line for line in proc.stdout.splitlines() if line.startswith("mla-deploy-bench-")]
+    assert len(benches) == 3 * len(weights.split(","))
+    for bench in benches:
+        quantized = not bench.startswith("mla-deploy-bench-float-")
+        assert ("--block-size 32" in bench) == quantized, bench
+    assert any(not b.startswith("mla-deploy-bench-float-") for b in benches) == blocks
 
 
 @pytest.mark.parametrize("weights, dropped", [("int4", True), ("int8,int4", False)])

@@ -1,7 +1,11 @@
 """tools/compare_llama_cpp.sh CHECKPOINT [options]: this project's whole-model bench beside llama.cpp's
 llama-bench on the same Hugging Face DeepSeek checkpoint, at equal weight precision (float/F32, int8/Q8_0,
 int4/Q4_0, blocks of 32), batch 1, in one run; prints one table and writes compare.json and compare.md (and
-llama-bench's JSON, bench.json, the logs) into --out.
+each round's llama-bench JSON and bench.json under rounds/, the logs) into --out.
+
+Both engines are measured --rounds times, alternating per precision (ours first in odd rounds, llama.cpp first in
+even ones): this machine's read bandwidth moves between states minutes apart, so each ratio is taken within one
+round and the table gives the median of the rounds' ratios with their range.
 
 llama.cpp comes from the llama-cpp-python source distribution on the package index (its vendored llama.cpp,
 built natively with cmake: llama-bench, llama-quantize and llama-server, Release), kept under the cache with the GGUF files
@@ -56,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", type=_ints(1), default=(512,), help="prefill tokens (default 512)")
     p.add_argument("-n", "--generate", type=_ints(1), default=(128,), help="llama-bench -n (default 128)")
     p.add_argument("--our-repeat", type=_ints(1), default=(10,), help="mla-deploy bench --repeat (default 10)")
+    p.add_argument("--rounds", type=_ints(1), default=(3,), help="times both engines are measured, alternating "
+                   "(default 3)")
     p.add_argument("--quantize-from", type=str.upper, choices=QUANTIZE_SOURCES, default="F32",
                    help="the GGUF llama-quantize makes Q4_0 from, removed afterwards unless requested (default F32; "
                    "BF16: the same Q4_0 from a bf16 checkpoint at half the disk; Q8_0: requantized, a different Q4_0, "
@@ -69,7 +75,7 @@ def settings(args) -> Settings:
                     cache=(args.cache or default_cache()).resolve(), version=args.version, precisions=args.weights,
                     contexts=args.context, threads=args.threads[0], repetitions=args.repetitions[0],
                     prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0],
-                    quantize_from=args.quantize_from)
+                    quantize_from=args.quantize_from, rounds=args.rounds[0])
 
 
 def dry_run(s: Settings, planned: list[steps.Step]) -> int:
@@ -111,22 +117,31 @@ def record_build(s: Settings) -> None:
 
 
 def collect(s: Settings, key: str, probes: list[dict], commands: list[str]) -> tuple[dict, str, str]:
-    """The table from bench.json, llama-bench's JSON files and the GGUF files: (data, text, markdown)."""
-    report = json.loads((s.bench_out / "bench.json").read_text())
+    """The table from each round's bench.json and llama-bench JSON files and the GGUF files: (data, text,
+    markdown)."""
     kinds = [PRECISIONS[w] for w in s.precisions]
-    llama = {k: table.parse_llama_bench(s.llama_json(k).read_text(), str(s.llama_json(k))) for k in kinds}
     models = {k: gguf.read_gguf(s.gguf(key, k)) for k in kinds}
     read = {k: {c: gguf.decode_bytes(models[k], c + s.generate / 2)["bytes"] for c in s.contexts} for k in kinds}
-    rows = table.rows(report, llama, read)
-    bound = table.bound(report, probes, rows)
-    model = report["model"]
-    commit = next(iter(llama.values()))[0]["build_commit"]
+    reports, rounds, llama_runs = [], [], []
+    for round_ in range(1, s.rounds + 1):
+        parts = [json.loads(s.ours_json(w, round_).read_text()) for w in s.precisions]
+        report = dict(parts[0], rows=[row for part in parts for row in part["rows"]])
+        llama = {k: table.parse_llama_bench(s.llama_json(k, round_).read_text(), str(s.llama_json(k, round_)))
+                 for k in kinds}
+        reports += parts
+        llama_runs.append(llama)
+        rounds.append(table.rows(report, llama, read))
+    rows = table.combine(rounds)
+    bound = table.bound(reports, probes, [r for each in rounds for r in each])
+    model = reports[0]["model"]
+    commit = next(iter(llama_runs[0].values()))[0]["build_commit"]
     title = (f"{model['name']} ({model['num_hidden_layers']} layers), batch 1, {s.threads} threads: mla-deploy "
-             f"{report['versions'].get('mla_deploy')} (ONNX Runtime {report['versions'].get('onnxruntime')}) beside "
-             f"llama.cpp {commit} (llama-cpp-python {s.version}); decode tokens/s after each context")
+             f"{reports[0]['versions'].get('mla_deploy')} (ONNX Runtime {reports[0]['versions'].get('onnxruntime')}) "
+             f"beside llama.cpp {commit} (llama-cpp-python {s.version}); decode tokens/s after each context; "
+             f"{s.rounds} round{'s' if s.rounds > 1 else ''}")
     data = {"title": title, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(s).items()},
-            "rows": rows, "bound": bound, "gguf": {k: gguf.summary(m) for k, m in models.items()},
-            "llama_bench": llama, "machine": report.get("machine"), "probes_beside_llama_bench": probes,
+            "rows": rows, "rounds": rounds, "bound": bound, "gguf": {k: gguf.summary(m) for k, m in models.items()},
+            "llama_bench": llama_runs, "machine": reports[0].get("machine"), "probes_beside_llama_bench": probes,
             "commands": commands}
     return data, table.text(rows, bound, title), table.markdown(rows, bound, title, commands)
 

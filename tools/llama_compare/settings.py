@@ -50,6 +50,9 @@ class Settings:
         prompt: prompt tokens of the prefill (llama-bench ``-p``, ours ``--prompt-length``).
         generate: tokens llama-bench generates per repetition (``-n``).
         our_repeat: our timed decode steps per point and timed prefills (``--repeat``).
+        rounds: how many times both engines are measured, alternating per precision (ours then llama.cpp in odd
+            rounds, llama.cpp then ours in even ones): this machine's read bandwidth moves between states for
+            minutes at a time (README), so a ratio is taken within one round and the table gives their median.
         quantize_from: the GGUF type (:data:`QUANTIZE_SOURCES`) llama-quantize makes Q4_0 from; removed once used
             when no requested precision is that type (a 27-layer V2-Lite F32 file is 63 GB).
     """
@@ -66,6 +69,7 @@ class Settings:
     generate: int = 128
     our_repeat: int = 10
     quantize_from: str = "F32"
+    rounds: int = 3
 
     @property
     def llama_dir(self) -> Path:
@@ -121,8 +125,12 @@ class Settings:
 
     @property
     def bench_out(self) -> Path:
-        """``mla-deploy bench model --out``."""
+        """``mla-deploy bench model --out`` of every round (the exported artifacts there are reused)."""
         return self.out / "mla-deploy"
 
-    def llama_json(self, kind: str) -> Path:
-        return self.out / f"llama-bench-{kind}.json"
+    def ours_json(self, weights: str, round_: int) -> Path:
+        """The bench.json of one precision in one round (1-based), moved here once that bench succeeded."""
+        return self.out / "rounds" / f"mla-deploy-{weights}-{round_}.json"
+
+    def llama_json(self, kind: str, round_: int) -> Path:
+        return self.out / "rounds" / f"llama-bench-{kind}-{round_}.json"

@@ -1,7 +1,7 @@
 """The command lines of a comparison, in the order they run, each skipped when the cache already holds what it
 makes: download the ``llama-cpp-python`` sdist, build its vendored llama.cpp (``llama-bench``, ``llama-quantize``
 and ``llama-server`` only, without the server's web UI, Release, native CPU), convert the checkpoint to F32 and Q8_0 with llama.cpp's converter
-and quantize Q4_0, then ``mla-deploy bench model`` and ``llama-bench`` per type."""
+and quantize Q4_0, then ``mla-deploy bench model`` and ``llama-bench`` per type, in rounds (:func:`measurements`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ class Step:
     skipped); stdout: the file its standard output goes to (None: the log); env: variables added; makes: the file
     it writes under a temporary name (:func:`partial`), renamed to this one once the command succeeded, so an
     interrupted step leaves nothing a later run would take as cached; drops: a file removed once it succeeded (an
-    intermediate GGUF no requested type is)."""
+    intermediate GGUF no requested type is); moves: ``(written, kept)``, the file the command writes under a fixed
+    name (the bench's bench.json) renamed to ``kept`` once it succeeded, so the next round's does not replace it."""
 
     name: str
     argv: tuple[str, ...]
@@ -39,6 +40,7 @@ class Step:
     env: dict = field(default_factory=dict)
     makes: Path | None = None
     drops: Path | None = None
+    moves: tuple[Path, Path] | None = None
 
     def line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -119,24 +121,37 @@ def quantize(s: Settings, key: str, kind: str, drop: bool = False) -> Step:
     return Step(f"quantize-{kind}", argv, done=out.is_file(), makes=out, drops=source if drop else None)
 
 
-def mla_bench(s: Settings) -> Step:
-    """``mla-deploy bench model`` at batch 1 on the same checkpoint, every precision (its own exports)."""
-    # blocks of 32 as Q8_0/Q4_0's; the bench refuses --block-size where no weights are quantized (float alone)
-    blocks = ("--block-size", "32") if set(s.precisions) - {"float"} else ()
-    argv = (sys.executable, "-m", "mla_deploy", "bench", "model", "--hf", str(s.checkpoint), "--weights",
-            ",".join(s.precisions), *blocks, "--context", ",".join(map(str, s.contexts)), "--batch", "1",
-            "--threads", str(s.threads), "--prompt-length", str(s.prompt), "--repeat", str(s.our_repeat),
-            "--no-transformers", "--out", str(s.bench_out))
-    return Step("mla-deploy-bench", argv)
+def mla_bench(s: Settings, weights: str, round_: int) -> Step:
+    """``mla-deploy bench model`` at batch 1 on the same checkpoint, one precision (its own export, made by the
+    first round and reused by the others), its bench.json kept per round (:meth:`Settings.ours_json`)."""
+    # blocks of 32 as Q8_0/Q4_0's; the bench refuses --block-size where no weights are quantized (float)
+    blocks = ("--block-size", "32") if weights != "float" else ()
+    argv = (sys.executable, "-m", "mla_deploy", "bench", "model", "--hf", str(s.checkpoint), "--weights", weights,
+            *blocks, "--context", ",".join(map(str, s.contexts)), "--batch", "1", "--threads", str(s.threads),
+            "--prompt-length", str(s.prompt), "--repeat", str(s.our_repeat), "--no-transformers", "--out",
+            str(s.bench_out))
+    return Step(f"mla-deploy-bench-{weights}-{round_}", argv,
+                moves=(s.bench_out / "bench.json", s.ours_json(weights, round_)))
 
 
-def llama_bench(s: Settings, key: str, kind: str) -> Step:
+def llama_bench(s: Settings, key: str, kind: str, round_: int) -> Step:
     """``llama-bench`` on one GGUF file: the prompt at depth 0 and ``generate`` tokens after each context; the
     weights read into memory (``-lm none``, as ours are), JSON on standard output."""
     argv = (str(s.tool("llama-bench")), "-m", str(s.gguf(key, kind)), "-t", str(s.threads), "-r", str(s.repetitions),
             "-p", str(s.prompt), "-n", str(s.generate), "-d", ",".join(map(str, s.contexts)), "-lm", "none",
             "-o", "json")
-    return Step(f"llama-bench-{kind}", argv, stdout=s.llama_json(kind))
+    return Step(f"llama-bench-{kind}-{round_}", argv, stdout=s.llama_json(kind, round_))
+
+
+def measurements(s: Settings, key: str) -> list[Step]:
+    """Both engines, ``s.rounds`` times: per precision ours then llama.cpp's in odd rounds, the other way round in
+    even ones, so neither always runs first after an export or another engine."""
+    out = []
+    for round_ in range(1, s.rounds + 1):
+        for weights in s.precisions:
+            pair = [mla_bench(s, weights, round_), llama_bench(s, key, PRECISIONS[weights], round_)]
+            out += pair if round_ % 2 else pair[::-1]
+    return out
 
 
 def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
@@ -149,7 +164,7 @@ def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
     if transient:
         steps.append(convert(s, key, s.quantize_from, done=all(s.gguf(key, k).is_file() for k in quantized)))
     steps += [quantize(s, key, k, drop=transient and k == quantized[-1]) for k in quantized]
-    steps += [mla_bench(s)] + [llama_bench(s, key, k) for k in kinds]
+    steps += measurements(s, key)
     return [step for step in steps if step is not None]
 
 
@@ -157,6 +172,9 @@ def run(step: Step, logs: Path, echo) -> None:
     """Run ``step`` with its output in ``logs/NAME.log`` (standard output to ``step.stdout`` when set);
     :class:`CompareError` naming the log when it fails."""
     logs.mkdir(parents=True, exist_ok=True)
+    for made in (step.stdout, step.moves[1] if step.moves else None):
+        if made is not None:
+            made.parent.mkdir(parents=True, exist_ok=True)
     log = logs / f"{step.name}.log"
     echo(f"[compare] {step.name}: {shlex.join(step.argv)}")
     env = {**os.environ, **step.env}
@@ -175,6 +193,11 @@ def run(step: Step, logs: Path, echo) -> None:
         partial(step.makes).replace(step.makes)
     if step.drops is not None:
         step.drops.unlink(missing_ok=True)
+    if step.moves is not None:
+        written, kept = step.moves
+        if not written.is_file():
+            raise CompareError(f"{step.name} succeeded but wrote no {written}; log: {log}")
+        written.replace(kept)
 
 
 def failure(step: Step, code: int, log: str) -> str:

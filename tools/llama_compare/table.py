@@ -1,6 +1,8 @@
 """The comparison's one table: per precision and context, decode tokens/s of ours and of llama.cpp and their
 ratio, the bytes per second each streamed, prefill tokens/s of both, and the machine's bandwidth bound, checked
-against what both engines achieved (:func:`mla_deploy.bench.bound.check_bound`)."""
+against what both engines achieved (:func:`mla_deploy.bench.bound.check_bound`). Over several rounds
+(:func:`combine`): each figure is the median of the rounds', the ratio the median of the rounds' ratios (each
+taken within one round), with its lowest and highest."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ from mla_deploy.bench.bound import bound_check_line, check_bound
 
 from .settings import PRECISIONS, CompareError
 
-HEAD = ("weights", "context", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp", "ours GB/s", "llama.cpp GB/s",
-        "ours prefill tok/s", "llama.cpp prefill tok/s")
+HEAD = ("weights", "context", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp", "rounds' ratios", "ours GB/s",
+        "llama.cpp GB/s", "ours prefill tok/s", "llama.cpp prefill tok/s", "prefill ratio")
+#: the figures of a row that :func:`combine` takes the median of over the rounds
+MEDIAN_KEYS = ("ours_tokens_per_s", "llama_tokens_per_s", "ours_gbps", "llama_gbps", "ours_prefill_tokens_per_s",
+               "llama_prefill_tokens_per_s")
 
 
 def parse_llama_bench(text: str, source: str = "llama-bench") -> list[dict]:
@@ -76,21 +81,52 @@ def rows(report: dict, llama: dict[str, list[dict]], llama_bytes: dict[str, dict
     return out
 
 
-def bound(report: dict, probes: list[dict], table: list[dict]) -> dict:
-    """The bandwidth bound: the best read bandwidth of bench.json's probes and of ``probes`` (taken beside
-    llama-bench), checked against the bytes per second of every row of both engines."""
-    machine = report.get("machine", {})
-    best = [p["read_gbps"] for p in probes] + ([machine["read_gbps"]["max"]] if machine.get("read_gbps") else [])
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _ratio(ours, theirs) -> float | None:
+    return ours / theirs if ours and theirs else None
+
+
+def combine(rounds: list[list[dict]]) -> list[dict]:
+    """One row per precision and context from each round's :func:`rows` (the same rows in the same order): the
+    median of each figure over the rounds, ``ratio`` (and ``prefill_ratio``) the median of the rounds' own ratios,
+    ``ratios`` (and ``prefill_ratios``) those ratios in round order (None where a round lacks one side)."""
+    out = []
+    for same in zip(*rounds):
+        first = same[0]
+        assert all((r["weights"], r["context"]) == (first["weights"], first["context"]) for r in same)
+        row = dict(first, **{key: _median([r[key] for r in same]) for key in MEDIAN_KEYS})
+        row["ratios"] = [r["ratio"] for r in same]
+        row["ratio"] = _median(row["ratios"])
+        row["prefill_ratios"] = [_ratio(r["ours_prefill_tokens_per_s"], r["llama_prefill_tokens_per_s"]) for r in same]
+        row["prefill_ratio"] = _median(row["prefill_ratios"])
+        out.append(row)
+    return out
+
+
+def bound(reports: list[dict], probes: list[dict], table: list[dict]) -> dict:
+    """The bandwidth bound: the best read bandwidth of the probes in every bench.json of ``reports`` and of
+    ``probes`` (taken beside llama-bench), checked against the bytes per second of every row of both engines in
+    ``table`` (every round's rows, so no single round beats it unseen)."""
+    machines = [r.get("machine") or {} for r in reports]
+    best = [p["read_gbps"] for p in probes] + [m["read_gbps"]["max"] for m in machines if m.get("read_gbps")]
     if not best:
         return {"read_gbps": None, "check": None}
     kernel = max(probes, key=lambda p: p["read_gbps"])["read_kernel"] if probes else None
     achieved = {}
     for r in table:
         for engine, key in (("ours", "ours_gbps"), ("llama.cpp", "llama_gbps")):
-            if r[key]:
-                achieved[f"{engine} {r['llama_type']} decode @ {r['context']}"] = (r[key], 0.0)
+            name = f"{engine} {r['llama_type']} decode @ {r['context']}"
+            if r[key] and r[key] > achieved.get(name, (0.0, 0.0))[0]:
+                achieved[name] = (r[key], 0.0)
     check = check_bound(achieved, max(best), None)
-    ours = machine["read_gbps"]["n"] if machine.get("read_gbps") else 0
+    ours = sum(m["read_gbps"]["n"] for m in machines if m.get("read_gbps"))
     return {"read_gbps": max(best), "probes_ours": ours, "probes_beside_llama_bench": len(probes),
             "kernel_beside_llama_bench": kernel, "check": check}
 
@@ -99,12 +135,20 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _ratios(values: list | None) -> str:
+    if not values or len(values) < 2 or None in values:
+        return "-" if not values or None in values else ""
+    return f"{min(values):.2f}-{max(values):.2f}x"
+
+
 def cells(table: list[dict]) -> list[tuple[str, ...]]:
     return [(f"{r['weights']} / {r['llama_type']}", str(r["context"]), _cell(r["ours_tokens_per_s"], ".1f"),
              _cell(r["llama_tokens_per_s"], ".1f"), _cell(r["ratio"], ".2f") + ("x" if r["ratio"] else ""),
-             _cell(r["ours_gbps"], ".1f"), _cell(r["llama_gbps"], ".1f"),
+             _ratios(r.get("ratios")), _cell(r["ours_gbps"], ".1f"), _cell(r["llama_gbps"], ".1f"),
              _cell(r["ours_prefill_tokens_per_s"], ".1f") if r["context"] == 0 else "",
-             _cell(r["llama_prefill_tokens_per_s"], ".1f") if r["context"] == 0 else "") for r in table]
+             _cell(r["llama_prefill_tokens_per_s"], ".1f") if r["context"] == 0 else "",
+             (_cell(r.get("prefill_ratio"), ".2f") + ("x" if r.get("prefill_ratio") else ""))
+             if r["context"] == 0 else "") for r in table]
 
 
 def bound_lines(b: dict) -> list[str]:
@@ -134,7 +178,9 @@ def markdown(table: list[dict], b: dict, title: str, commands: list[str]) -> str
     lines = [f"# {title}", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(c or " " for c in r) + " |" for r in cells(table)]
     lines += [""] + [f"* {line}" for line in bound_lines(b)]
-    lines += ["", "GB/s: the bytes a decode step reads (ours: bench.json's bound bytes; llama.cpp: the GGUF "
+    lines += ["", "Each figure is the median over the rounds; a ratio is taken within each round (both engines "
+              "measured minutes apart), the table's the median of those, the range their lowest and highest.",
+              "", "GB/s: the bytes a decode step reads (ours: bench.json's bound bytes; llama.cpp: the GGUF "
               "file's tensors, k of E routed experts and one embedding row, plus the F16 latent cache) x tokens/s.",
               "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
     return "\n".join(lines)
