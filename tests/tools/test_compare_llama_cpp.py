@@ -200,9 +200,10 @@ def test_dry_run_prints_every_command_and_makes_nothing(checkpoint, tmp_path):
                     f"--threads 2") in lines[f"mla-deploy-bench-{weights}-{round_}"]
     # rounds alternate which engine goes first, per precision
     measured = [line.split(":", 1)[0] for line in proc.stdout.splitlines() if "bench-" in line.split(":", 1)[0]]
-    assert measured == ["mla-deploy-bench-float-1", "llama-bench-F32-1", "mla-deploy-bench-int8-1", "llama-bench-Q8_0-1",
-                        "mla-deploy-bench-int4-1", "llama-bench-Q4_0-1", "llama-bench-F32-2", "mla-deploy-bench-float-2",
-                        "llama-bench-Q8_0-2", "mla-deploy-bench-int8-2", "llama-bench-Q4_0-2", "mla-deploy-bench-int4-2"]
+    assert measured == ["mla-deploy-bench-float-1", "llama-bench-F32-1", "mla-deploy-bench-int8-1",
+                        "llama-bench-Q8_0-1", "mla-deploy-bench-int4-1", "llama-bench-Q4_0-1",
+                        "llama-bench-F32-2", "mla-deploy-bench-float-2", "llama-bench-Q8_0-2",
+                        "mla-deploy-bench-int8-2", "llama-bench-Q4_0-2", "mla-deploy-bench-int4-2"]
     assert not cache.exists() and not out.exists()
 
 
@@ -313,3 +314,21 @@ def test_no_network_is_one_line(checkpoint, tmp_path):
     _one_line_error(proc, "could not download llama-cpp-python==0.3.36 from the package index (the package index "
                           "cannot be reached")
     assert "; log: " in proc.stderr
+
+
+def test_the_bandwidth_series_prints_each_probe_and_a_summary(tmp_path):
+    """tools/bandwidth_states.py on a small buffer: one line per probe, the summary, the JSON series; a bad
+    setting is argparse's one-line usage error."""
+    script = ROOT / "tools" / "bandwidth_states.py"
+    out = tmp_path / "series.json"
+    proc = subprocess.run([sys.executable, str(script), "--probes", "2", "--every", "0", "--mib", "16", "--threads",
+                           "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("probe   1:") and lines[1].startswith("probe   2:") and "GB/s" in lines[0]
+    assert lines[2].startswith("2 probes, 1 threads, 16 MiB: median ") and "nearer the highest" in lines[2]
+    series = json.loads(out.read_text())["series"]
+    assert len(series) == 2 and all(s["read_gbps"] > 0 for s in series)
+    bad = subprocess.run([sys.executable, str(script), "--probes", "0"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
+    assert bad.returncode == 2 and "expected a number >= 1" in bad.stderr and "Traceback" not in bad.stderr
