@@ -125,6 +125,8 @@ class CpuOperators:
             field: none).
         half_scales: how many of the swapped nodes' scale tensors it stores as float16, exactly
             (:func:`~mla_deploy.quant.own_ops.store_half_scales`; a record without the field: none).
+        float_linear: how many ``MatMul`` nodes of a float32 weight it swapped for ``mla_deploy.FloatMatMul``
+            (:func:`~mla_deploy.quant.own_ops.swap_float_linear`; a record without the field: none).
     """
 
     experts: int = 0
@@ -137,6 +139,7 @@ class CpuOperators:
     attention: int = 0
     float_experts: int = 0
     half_scales: int = 0
+    float_linear: int = 0
 
     @property
     def scales_half(self) -> bool:
@@ -145,25 +148,29 @@ class CpuOperators:
 
     @property
     def used(self) -> bool:
-        return bool(self.experts or self.linear or self.heads or self.attention or self.float_experts)
+        return bool(self.experts or self.linear or self.heads or self.attention or self.float_experts
+                    or self.float_linear)
 
     def to_dict(self) -> dict[str, Any]:
         return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "attention": self.attention,
-                "float_experts": self.float_experts, "half_scales": self.half_scales, "library": self.library,
+                "float_experts": self.float_experts, "half_scales": self.half_scales,
+                "float_linear": self.float_linear, "library": self.library,
                 "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
                    data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)),
-                   int(data.get("attention", 0)), int(data.get("float_experts", 0)), int(data.get("half_scales", 0)))
+                   int(data.get("attention", 0)), int(data.get("float_experts", 0)), int(data.get("half_scales", 0)),
+                   int(data.get("float_linear", 0)))
 
     def describe(self) -> str:
         """One phrase: which of our operators the engine holds, how many of each, and their library."""
         if not self.used:
             return f"ONNX Runtime's only ({self.why_not})" if self.why_not else "ONNX Runtime's only"
         counts = (("RoutedExperts", self.experts), ("BlockwiseMatMul", self.linear), ("HeadwiseMatMul", self.heads),
-                  ("LatentAttention", self.attention), ("FloatExperts", self.float_experts))
+                  ("LatentAttention", self.attention), ("FloatExperts", self.float_experts),
+                  ("FloatMatMul", self.float_linear))
         half = f", {self.half_scales} scale tensors as float16" if self.half_scales else ""
         return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library}{half})"
 

@@ -18,10 +18,13 @@ own session options (``onnxruntime_session_options_config_keys.h``, checked agai
   it on x86-64, and a session reading it back computes NaN (measured on the tiny preset): an artifact with quantized
   weights (either format: ``qdq`` is fused into ``MatMulNBits`` by the optimisation) saves none, its kernels pack
   at open as before. Of a float artifact's, :func:`keep_prepacked` keeps only the kernels in :data:`PREPACKED_KEPT`
-  (checked bit for bit); any other kernel (a fused expert operator, say) packs at open.
+  (checked bit for bit); any other kernel (a fused expert operator, say) packs at open. Where the operators below
+  compile, a float weight's ``MatMul`` is ``mla_deploy.FloatMatMul``, which packs nothing: what is left to keep is
+  that of the ``MatMul`` nodes of other weights (the attention's per-head products, folded by the optimisation).
 
-Quantized routed experts (``QMoE``), a layer's quantized products (``MatMulNBits``) and the absorbed attention's
-per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blocks of 32, are swapped for
+Float routed experts (``MoE``) and the products of float weights (``MatMul``) are swapped for
+``mla_deploy.FloatExperts`` and ``mla_deploy.FloatMatMul``. Quantized routed experts (``QMoE``), a layer's quantized
+products (``MatMulNBits``) and the absorbed attention's per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blocks of 32, are swapped for
 mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
 ``mla_deploy.HeadwiseMatMul``
 (:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
@@ -126,7 +129,7 @@ class _Operators:
 
     def __init__(self, tmp: Path):
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
-        self.attention = self.float_experts = self.half_scales = 0
+        self.attention = self.float_experts = self.half_scales = self.float_linear = 0
 
     def swap(self, model: str | bytes, folder: Path, side: Path):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s; its weights under ``folder``)
@@ -147,23 +150,26 @@ class _Operators:
         float_experts = own_ops.swap_float_experts(proto)
         attention = own_ops.swap_attention(proto) if heads else 0
         heads -= 2 * attention  # each core takes its layer's two per-head products inside
-        if not experts + linear + heads + attention + float_experts:
+        float_linear = own_ops.swap_float_linear(proto)
+        if not experts + linear + heads + attention + float_experts + float_linear:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
         self.attention, self.float_experts = self.attention + attention, self.float_experts + float_experts
+        self.float_linear += float_linear
         self.half_scales += own_ops.store_half_scales(proto, folder, side)
         return proto.SerializeToString(), self.library.path
 
     def record(self) -> CpuOperators:
-        if self.experts + self.linear + self.heads + self.attention + self.float_experts:
+        if self.experts + self.linear + self.heads + self.attention + self.float_experts + self.float_linear:
             path = self.library.path
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
                                 sha256_file(cpu_ops.source_path()), heads=self.heads, attention=self.attention,
-                                float_experts=self.float_experts, half_scales=self.half_scales)
+                                float_experts=self.float_experts, half_scales=self.half_scales,
+                                float_linear=self.float_linear)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
-            return CpuOperators(why_not="no QMoE, MoE, MatMulNBits or per-head product they compute exactly "
-                                        "(mla_deploy.engines.cpu_ops)")
+            return CpuOperators(why_not="no QMoE, MoE, MatMulNBits, per-head product or float MatMul they compute "
+                                        "exactly (mla_deploy.engines.cpu_ops)")
         return CpuOperators(why_not=None if self.library is None else self.library.why_not)
 
 

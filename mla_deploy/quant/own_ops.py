@@ -115,6 +115,25 @@ def _give_routing(model) -> int:
 
 
 FLOAT_EXPERTS_OP_TYPE = "FloatExperts"
+FLOAT_LINEAR_OP_TYPE = "FloatMatMul"
+
+
+def _float_weights(model) -> set[str]:
+    """The names of ``model``'s float32 initializers of two dimensions (a projection's weight ``[K, N]``)."""
+    from onnx import TensorProto
+
+    return {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2}
+
+
+def swap_float_linear(model) -> int:
+    """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every ONNX ``MatMul`` whose second input is a
+    float32 initializer ``[K, N]`` (a float artifact's projections, MLPs and ``lm_head``) by
+    ``mla_deploy.FloatMatMul`` over the same inputs; returns how many. The operator computes a decode step's few rows
+    itself, streaming the weight where ONNX Runtime maps it, and hands more rows (a prefill) to ONNX Runtime's own
+    ``MatMul`` kernel (``plugins/ort_cpu/cpu_ops.c``)."""
+    weights = _float_weights(model)
+    return _swap(model, "MatMul", FLOAT_LINEAR_OP_TYPE,
+                 lambda node: {} if len(node.input) == 2 and node.input[1] in weights else None, (0, 1), domain="")
 
 
 def swap_float_experts(model) -> int:
@@ -275,15 +294,15 @@ def _drop_unused(graph, names: list[str]) -> None:
         graph.initializer.remove(tensor)
 
 
-def _swap(model, old: str, new: str, eligible, inputs: tuple[int, ...]) -> int:
-    """Replace each ``com.microsoft`` ``old`` node of ``model`` for which ``eligible(node)`` gives attributes by an
+def _swap(model, old: str, new: str, eligible, inputs: tuple[int, ...], domain: str = "com.microsoft") -> int:
+    """Replace each ``domain`` ``old`` node of ``model`` for which ``eligible(node)`` gives attributes by an
     ``mla_deploy`` ``new`` node with those attributes, the old node's ``inputs`` (by position) and its outputs, at the
     same place in the graph; returns how many."""
     from onnx import helper
 
     swapped = 0
     for at, node in enumerate(list(model.graph.node)):
-        attrs = eligible(node) if (node.domain, node.op_type) == ("com.microsoft", old) else None
+        attrs = eligible(node) if (node.domain, node.op_type) == (domain, old) else None
         if attrs is None:
             continue
         replacement = helper.make_node(new, [node.input[i] for i in inputs], list(node.output), name=node.name,
@@ -370,10 +389,12 @@ def _as_bytes(tensor, bits: int):
 
 def swappable(model) -> bool:
     """Whether the ``onnx.ModelProto`` ``model`` holds a node these operators could replace (``QMoE``, ``MoE``,
-    ``MatMulNBits``, a ``DequantizeLinear`` along axis 2; eligible or not)."""
+    ``MatMulNBits``, a ``DequantizeLinear`` along axis 2, a ``MatMul`` of a float32 weight; eligible or not)."""
+    weights = _float_weights(model)
     return any((n.domain, n.op_type) in (("com.microsoft", "QMoE"), ("com.microsoft", "MatMulNBits"),
                                          ("com.microsoft", "MoE"))
                or (n.op_type == "DequantizeLinear" and any(a.name == "axis" and a.i == 2 for a in n.attribute))
+               or (n.domain == "" and n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in weights)
                for n in model.graph.node)
 
 

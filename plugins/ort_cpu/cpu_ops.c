@@ -85,6 +85,9 @@ enum {
     API_ReleaseTensorTypeAndShapeInfo = 99,
     API_KernelContext_ParallelFor = 274,
     API_GetTensorShapeElementCount = 64,
+    API_CreateOp = 213,
+    API_InvokeOp = 214,
+    API_ReleaseOp = 215,
 };
 
 typedef OrtStatus *(*CreateStatus_t)(int code, const char *msg);
@@ -106,6 +109,14 @@ typedef void (*ReleaseTensorTypeAndShapeInfo_t)(OrtShapeInfo *);
 typedef OrtStatus *(*GetTensorShapeElementCount_t)(const OrtShapeInfo *info, size_t *out);
 typedef OrtStatus *(*KernelContext_ParallelFor_t)(const OrtKernelContext *ctx, void (*fn)(void *, size_t),
                                                   size_t total, size_t num_batch, void *data);
+typedef struct OrtOp OrtOp;
+typedef OrtStatus *(*CreateOp_t)(const OrtKernelInfo *info, const char *op_name, const char *domain, int version,
+                                 const char **type_constraint_names, const int *type_constraint_values,
+                                 int type_constraint_count, const void *const *attr_values, int attr_count,
+                                 int input_count, int output_count, OrtOp **out);
+typedef OrtStatus *(*InvokeOp_t)(const OrtKernelContext *ctx, const OrtOp *op, const OrtValue *const *inputs,
+                                 int input_count, OrtValue *const *outputs, int output_count);
+typedef void (*ReleaseOp_t)(OrtOp *op);
 
 /* struct OrtCustomOp, up to the fields read at version 16 (the rest zero) */
 struct OrtCustomOp {
@@ -1492,6 +1503,188 @@ static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; retur
 static OrtCustomOp float_experts = OP_TABLE(float_experts_name, float_experts_input_type, float_experts_input_count,
                                             float_experts_create, float_experts_compute, required);
 
+/* ---- mla_deploy.FloatMatMul: ONNX MatMul for float32 A [..., K] and a weight W [K, N] -------------------------
+ * Inputs: 0 A float [..., K]; 1 W float [K, N] (the graph's initializer as the export wrote it: nothing re-laid
+ * out). Output: float [..., N] = A . W. Up to FLOAT_ROWS rows of A (a decode step): computed here, W streamed once
+ * from where ONNX Runtime maps it (on 2 MiB pages, advise_huge), each work item a range of W's rows, four at a time,
+ * whole where the sums of its rows stay in L2 (one contiguous run: blocks of 8 KiB of columns streamed at 18 GB/s
+ * where whole rows of the lm_head streamed at 26, one thread); items over different rows of the same columns sum
+ * their partial products afterwards. More rows (a prefill): ONNX Runtime's own MatMul
+ * kernel, created with the kernel (CreateOp, opset 13) and run on the same inputs and output (InvokeOp; it packs W
+ * per call, as it does for a weight it was not given at load). The sums are float32 in another order than MLAS's.
+ * Why: ONNX Runtime's MatMul reads the packed copy of W it keeps (saved into the engine beside W itself), and
+ * streamed it slower than this in a decode step (README, the CPU engine). */
+
+#define FLOAT_ROWS 8          /* rows of A computed here; more go to ONNX Runtime's MatMul */
+#define FLOAT_SUMS (512 << 10) /* bytes of an item's sums (M rows of its columns) at most: they stay in L2 */
+#define FLOAT_ITEMS 8          /* work items wanted at least: W's rows split where its columns give fewer blocks */
+#define FLOAT_SPLIT_ROWS 64    /* W's rows per split at least */
+#define FLOAT_REDUCE 4096      /* columns per item of the sum over the splits */
+
+typedef struct {
+    OrtOp *matmul; /* ONNX Runtime's MatMul for more than FLOAT_ROWS rows */
+    int advised;
+} FloatLinearKernel;
+
+typedef struct {
+    int M, K, N;
+    const float *a, *w;
+    float *out;     /* [M, N] */
+    float *partial; /* [splits, M, N] where splits > 1, else NULL */
+    int cols, blocks, splits, krows;
+} FloatLinearWork;
+
+/* y[j, c0:c1] = sum over k in [k0, k1) of a[j, k] * w[k, c0:c1], j < M (overwritten) */
+static void float_block(const float *a, int M, int K, const float *w, size_t N, int k0, int k1, int c0, int c1,
+                        float *y, size_t y_stride) {
+    for (int j = 0; j < M; j++) memset(y + (size_t)j * y_stride + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    int k = k0;
+    for (; k + 4 <= k1; k += 4) {
+        const float *r0 = w + (size_t)k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+        int c = c0;
+#if defined(__AVX512F__)
+        for (; c + 16 <= c1; c += 16) {
+            const __m512 w0 = _mm512_loadu_ps(r0 + c), w1 = _mm512_loadu_ps(r1 + c);
+            const __m512 w2 = _mm512_loadu_ps(r2 + c), w3 = _mm512_loadu_ps(r3 + c);
+            for (int j = 0; j < M; j++) {
+                const float *x = a + (size_t)j * K + k;
+                float *out = y + (size_t)j * y_stride + c;
+                __m512 acc = _mm512_loadu_ps(out);
+                acc = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[0]), acc);
+                acc = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[1]), acc);
+                acc = _mm512_fmadd_ps(w2, _mm512_set1_ps(x[2]), acc);
+                acc = _mm512_fmadd_ps(w3, _mm512_set1_ps(x[3]), acc);
+                _mm512_storeu_ps(out, acc);
+            }
+        }
+#endif
+        for (; c < c1; c++)
+            for (int j = 0; j < M; j++) {
+                const float *x = a + (size_t)j * K + k;
+                y[(size_t)j * y_stride + c] += r0[c] * x[0] + r1[c] * x[1] + r2[c] * x[2] + r3[c] * x[3];
+            }
+    }
+    for (; k < k1; k++) {
+        const float *r = w + (size_t)k * N;
+        for (int j = 0; j < M; j++) {
+            const float x = a[(size_t)j * K + k];
+            float *out = y + (size_t)j * y_stride;
+            for (int c = c0; c < c1; c++) out[c] += r[c] * x;
+        }
+    }
+}
+
+static void run_float_linear(void *data, size_t item) {
+    const FloatLinearWork *w = (const FloatLinearWork *)data;
+    const int split = (int)item / w->blocks, block = (int)item % w->blocks;
+    const int k0 = split * w->krows, k1 = k0 + w->krows < w->K ? k0 + w->krows : w->K;
+    const int c0 = block * w->cols, c1 = c0 + w->cols < w->N ? c0 + w->cols : w->N;
+    float *y = w->splits > 1 ? w->partial + (size_t)split * w->M * w->N : w->out;
+    float_block(w->a, w->M, w->K, w->w, (size_t)w->N, k0, k1, c0, c1, y, (size_t)w->N);
+}
+
+/* out = the sum of the splits' partial sums, over FLOAT_REDUCE of the M * N values per item */
+static void run_float_reduce(void *data, size_t item) {
+    const FloatLinearWork *w = (const FloatLinearWork *)data;
+    const size_t n = (size_t)w->M * w->N, i0 = item * FLOAT_REDUCE, i1 = i0 + FLOAT_REDUCE < n ? i0 + FLOAT_REDUCE : n;
+    memcpy(w->out + i0, w->partial + i0, (i1 - i0) * sizeof(float));
+    for (int s = 1; s < w->splits; s++) {
+        const float *p = w->partial + (size_t)s * n;
+        for (size_t i = i0; i < i1; i++) w->out[i] += p[i];
+    }
+}
+
+static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx) {
+    FloatLinearKernel *kernel = (FloatLinearKernel *)kernel_data;
+    const OrtValue *in[2];
+    for (size_t i = 0; i < 2; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    OrtShapeInfo *info;
+    int64_t dims[8], wd[2];
+    size_t rank = 0;
+    int type = 0;
+    CHECK(CALL(GetTensorTypeAndShape)(in[0], &info));
+    OrtStatus *status = CALL(GetDimensionsCount)(info, &rank);
+    if (!status) status = CALL(GetTensorElementType)(info, &type);
+    if (!status && rank >= 1 && rank <= 8) status = CALL(GetDimensions)(info, dims, rank);
+    CALL(ReleaseTensorTypeAndShapeInfo)(info);
+    if (status) return status;
+    CHECK(shape_of(in[1], TYPE_FLOAT, 2, wd, "FloatMatMul: W must be float [K, N]"));
+    if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != wd[0])
+        return fail("FloatMatMul: A must be float [..., K], K W's rows");
+    const int K = (int)wd[0], N = (int)wd[1];
+    size_t M = 1;
+    for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
+    dims[rank - 1] = N;
+    OrtValue *output;
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, dims, rank, &output));
+    if (M > FLOAT_ROWS) return CALL(InvokeOp)(ctx, kernel->matmul, in, 2, &output, 1);
+    void *ptr[3];
+    for (int i = 0; i < 2; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    CHECK(CALL(GetTensorMutableData)(output, &ptr[2]));
+    const void *weights[1] = {ptr[1]};
+    const size_t weight_bytes[1] = {(size_t)K * N * sizeof(float)};
+    advise_huge(&kernel->advised, weights, weight_bytes, 1);
+    if (M == 0 || N == 0) return NULL;
+    /* each item: whole rows of W (one contiguous run, streamed best) or, where M rows of sums would not stay in L2,
+     * blocks of its columns that keep them there; W's rows split among items where that gives too few */
+    FloatLinearWork w = {(int)M, K, N, (const float *)ptr[0], (const float *)ptr[1], (float *)ptr[2], NULL, N, 1, 1,
+                         K};
+    const size_t sums = M * (size_t)N * sizeof(float);
+    if (sums > FLOAT_SUMS) {
+        const int want = (int)((sums + FLOAT_SUMS - 1) / FLOAT_SUMS);
+        w.cols = ((N + want - 1) / want + 15) / 16 * 16;
+        w.blocks = (N + w.cols - 1) / w.cols;
+    }
+    while (w.blocks * w.splits < FLOAT_ITEMS && K / (w.splits * 2) >= FLOAT_SPLIT_ROWS) w.splits *= 2;
+    w.krows = ((K + w.splits - 1) / w.splits + 3) / 4 * 4;
+    w.splits = (K + w.krows - 1) / w.krows;
+    if (w.splits > 1 && !(w.partial = malloc((size_t)w.splits * sums)))
+        return CALL(CreateStatus)(ORT_FAIL, "FloatMatMul: out of memory");
+    status = parallel(ctx, run_float_linear, (size_t)w.blocks * w.splits, &w, M * (size_t)K * N);
+    if (!status && w.splits > 1) {
+        const size_t n = M * (size_t)N;
+        status = parallel(ctx, run_float_reduce, (n + FLOAT_REDUCE - 1) / FLOAT_REDUCE, &w, n * w.splits);
+    }
+    free(w.partial);
+    return status;
+}
+
+static OrtStatus *float_linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info,
+                                      void **out) {
+    (void)op, (void)ort_api;
+    FloatLinearKernel *kernel = calloc(1, sizeof(FloatLinearKernel));
+    if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
+    const char *names[1] = {"T"};
+    const int types[1] = {TYPE_FLOAT};
+    OrtStatus *status = CALL(CreateOp)(info, "MatMul", "", 13, names, types, 1, NULL, 0, 2, 1, &kernel->matmul);
+    if (status) {
+        free(kernel);
+        return status;
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static void float_linear_destroy(void *data) {
+    FloatLinearKernel *kernel = (FloatLinearKernel *)data;
+    if (kernel->matmul) CALL(ReleaseOp)(kernel->matmul);
+    free(kernel);
+}
+
+static const char *float_linear_name(const OrtCustomOp *op) { (void)op; return "FloatMatMul"; }
+static int float_linear_input_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return TYPE_FLOAT; }
+static size_t float_linear_input_count(const OrtCustomOp *op) { (void)op; return 2; }
+
+static OrtCustomOp float_matmul = {
+    .version = 16, .GetName = float_linear_name, .GetExecutionProviderType = op_provider,
+    .GetInputType = float_linear_input_type, .GetInputTypeCount = float_linear_input_count,
+    .GetOutputType = output_type, .GetOutputTypeCount = output_count, .KernelDestroy = float_linear_destroy,
+    .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = float_linear_create,
+    .KernelComputeV2 = float_linear_compute,
+};
+
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
@@ -1512,6 +1705,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         CHECK(CALL(CustomOpDomain_Add)(created, &headwise_matmul));
         CHECK(CALL(CustomOpDomain_Add)(created, &latent_attention));
         CHECK(CALL(CustomOpDomain_Add)(created, &float_experts));
+        CHECK(CALL(CustomOpDomain_Add)(created, &float_matmul));
         domain = created;
     }
     return CALL(AddCustomOpDomain)(options, domain);

@@ -276,6 +276,53 @@ def test_float_experts_equal_moe(libraries, tokens, build):
     assert np.abs(other - want).max() > 0.1 * scale
 
 
+def _float_linear_model(K: int, N: int, seed: int = 0):
+    """``y = MatMul(a [B, T, K], w)`` with ``w`` a float32 initializer ``[K, N]``, beside ``MatMul(a, a2)`` of a
+    second input (no weight: never swapped)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((K, N), dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["y"]), helper.make_node("MatMul", ["a", "b"], ["z"])], "float",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["B", "T", K]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [K, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", N]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["B", "T", 3])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    return model, w
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (2, 3), (1, 8), (1, 9), (4, 16)])
+@pytest.mark.parametrize("shape", [(640, 320), (2048, 576), (130, 50)])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_float_matmul_equals_matmul(libraries, rows, shape, build):
+    """A float32 weight's ``MatMul`` becomes ``FloatMatMul`` (the one of a second input stays): equal to ONNX
+    Runtime's ``MatMul`` to float32 rounding for a decode step's rows (up to 8: ours, W's rows split and summed
+    where its columns are few) and for more (9, 64: handed to ONNX Runtime's own kernel), K and N not multiples of
+    the vector (130 x 50)."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    K, N = shape
+    model, w = _float_linear_model(K, N)
+    rng = np.random.default_rng(K + sum(rows))
+    feeds = {"a": rng.standard_normal((*rows, K), dtype=np.float32), "b": rng.standard_normal((K, 3),
+                                                                                          dtype=np.float32)}
+    want = _run(model, feeds, None)
+    assert own_ops.swap_float_linear(model) == 1
+    assert [(n.domain, n.op_type) for n in model.graph.node] == [(own_ops.DOMAIN, own_ops.FLOAT_LINEAR_OP_TYPE),
+                                                                 ("", "MatMul")]
+    got = _run(model, feeds, library.path)
+    exact = feeds["a"].astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(exact).max()
+    assert got[0].shape == want[0].shape == (*rows, N)
+    assert np.abs(got[0] - exact).max() <= 1e-6 * scale and np.abs(got[0] - want[0]).max() <= 1e-6 * scale
+    assert np.array_equal(got[1], want[1])
+    empty = _run(model, {"a": np.zeros((0, 1, K), np.float32), "b": feeds["b"]}, library.path)[0]
+    assert empty.shape == (0, 1, N)
+
+
 def _linear_session(node, weights, library: Path | None):
     b, scales = weights
     graph = helper.make_graph(
@@ -778,8 +825,9 @@ def test_engine_with_the_attention_operator_gives_the_same_tokens(attention_engi
 
 
 def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path):
-    """A float export with MoE layers (V3 routing): the CPU engine swaps each float MoE for FloatExperts, says so,
-    and decodes the source graphs' tokens (float32 throughout: no int8 rounding to move)."""
+    """A float export with MoE layers (V3 routing): the CPU engine swaps each float MoE for FloatExperts and each
+    MatMul of a float weight for FloatMatMul, says so, and decodes the source graphs' tokens (float32 throughout: no
+    int8 rounding to move; the prompt's prefill through ONNX Runtime's MatMul, the steps through ours)."""
     if libraries["native"].path is None:
         pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
     import onnx
@@ -793,7 +841,12 @@ def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path
     out = ok(cli("build", art, "--target", "cpu"))
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     assert record["float_experts"] == 2 and "mla_deploy.FloatExperts x2" in out, out  # prefill and decode graphs
+    assert record["float_linear"] > 0 and f"mla_deploy.FloatMatMul x{record['float_linear']}" in out, out
     for graph in ("prefill", "decode"):
-        ops = [n.op_type for n in onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph.node]
+        model = onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph
+        ops = [n.op_type for n in model.node]
         assert ops.count(own_ops.FLOAT_EXPERTS_OP_TYPE) == 1 and "MoE" not in ops and "Log" not in ops
+        weights = {t.name for t in model.initializer if len(t.dims) == 2}
+        assert ops.count(own_ops.FLOAT_LINEAR_OP_TYPE) >= 4  # the projections, the MLPs, lm_head
+        assert not [n.name for n in model.node if n.op_type == "MatMul" and n.input[1] in weights]
     assert _tokens(art) == _tokens(art, "--no-engine")
