@@ -34,8 +34,9 @@ scores, the softmax, the weighted sum and ``W_UV``: about 40 nodes) then becomes
 (:func:`~mla_deploy.quant.own_ops.swap_attention`). Without a C
 compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.
 
-The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; the same kernels, so the same numbers:
-checked token for token in the tests). Quantized products are baked in the fast compute (``int8``); the exact compute
+The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; ONNX Runtime's kernels where it kept them,
+so the same numbers there, our operators' float sums in another order elsewhere: checked token for token in the
+tests). Quantized products are baked in the fast compute (``int8``); the exact compute
 that validation compares with PyTorch always opens the source graph. What the engine is tied to is its record's
 (:mod:`mla_deploy.artifact.cpu_engine`).
 """

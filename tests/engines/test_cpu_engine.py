@@ -54,11 +54,11 @@ def tokens(*args) -> tuple[list[int], str]:
 
 @pytest.mark.parametrize("kind", ["int4", "fp32"])
 def test_engine_gives_the_source_graphs_tokens_and_logits(built, kind):
-    """run with the engine and with --no-engine: the same 12 tokens. fp32: the engine's prefill and decode logits equal
-    the source graphs' bit for bit (the same kernels: the engine is the graph ORT would have optimised itself). int4:
-    the engine's quantized products are mla-deploy's own operators where a C compiler and AVX-512 VNNI are there
-    (the same arithmetic, float sums in another order), so its logits equal the source graphs' to float32 rounding,
-    and bit for bit where it kept ONNX Runtime's."""
+    """run with the engine and with --no-engine: the same 12 tokens. The engine's products are mla-deploy's own
+    operators where a C compiler and AVX-512 VNNI are there (int4: the quantized products; fp32: the float weights'
+    MatMul nodes, FloatMatMul; the same arithmetic, float sums in another order), so its prefill and decode logits
+    equal the source graphs' to float32 rounding, and bit for bit where it kept ONNX Runtime's kernels (the engine
+    is then the graph ONNX Runtime would have optimised itself)."""
     art = built[kind]
     (with_engine, graphs), (without, source) = tokens(art), tokens(art, "--no-engine")
     assert with_engine == without and graphs == f"engine {art / 'cpu'}" and source == "source graphs"
@@ -69,8 +69,10 @@ def test_engine_gives_the_source_graphs_tokens_and_logits(built, kind):
     outs += [np.array(e.step("decode", ids[:, :1], np.array([[5]]), s)) for e, s in zip(engines, states)]
     own = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     assert (own["linear"] > 0) == (kind == "int4" and own["why_not"] is None)
+    if kind == "fp32":  # an int4 engine's float MatMuls are the routers' few
+        assert (own.get("float_linear", 0) > 0) == (own["why_not"] is None)
     for engine_out, source_out in ((outs[0], outs[1]), (outs[2], outs[3])):
-        if own["linear"]:
+        if own["linear"] or own.get("float_linear"):
             assert np.abs(engine_out - source_out).max() <= 1e-5 * np.abs(source_out).max()
             assert not np.array_equal(engine_out, source_out)  # the own operators did run
         else:
@@ -96,8 +98,10 @@ def test_engine_opens_without_graph_optimisation(built):
 
 
 def test_prepacked_weights_kept_for_float_kernels_only(built):
-    """The fp32 engine stores MatMul's pre-packed weights (the token test above then reads them back); the int4
-    engine stores none (ONNX Runtime 1.31.1 reads MatMulNBits's back as NaN), and says so in its record."""
+    """The fp32 engine may store MatMul's pre-packed weights (the token test above then reads them back), but where
+    our operators compile its float weights' MatMul nodes are FloatMatMul, which packs nothing: none of its graph's
+    float weights then has a packed copy; the int4 engine stores none (ONNX Runtime 1.31.1 reads MatMulNBits's back
+    as NaN), and says so in its record."""
     import onnx
 
     def kernels(art: Path) -> set[str]:
@@ -106,7 +110,8 @@ def test_prepacked_weights_kept_for_float_kernels_only(built):
                 if e.key.startswith("prepacked")}
 
     records = {kind: json.loads((built[kind] / "cpu" / "engine.json").read_text()) for kind in built}
-    assert records["fp32"]["prepacked"] == ["MatMul", "Gemm"] and "MatMul" in kernels(built["fp32"])
+    assert records["fp32"]["prepacked"] == ["MatMul", "Gemm"]
+    assert ("MatMul" in kernels(built["fp32"])) == (records["fp32"]["operators"].get("float_linear", 0) == 0)
     assert records["int4"]["prepacked"] == [] and kernels(built["int4"]) == set()
 
 

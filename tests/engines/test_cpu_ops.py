@@ -475,8 +475,10 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     linear = record["linear"]  # every quantized product, the lm_head's too
     half = 2 * 2 + linear  # every scale tensor: the export's scales are float16 values
-    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear} (cpu_ops.so, {half} scale "
-            f"tensors as float16)") in out, out
+    routers = record["float_linear"]  # the routers' float weights [D, E], one per MoE node
+    assert routers == record["experts"]
+    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
+            f"x{routers} (cpu_ops.so, {half} scale tensors as float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
     assert not list(art.glob(".cpu*")) and not list((art / "cpu").glob("*.scales16"))  # the build's side file: gone
