@@ -783,6 +783,18 @@ static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, 
     return status;
 }
 
+/* A [..., K] of a product: its element type (into *type), rank and dimensions (up to 8; a higher rank is left for
+ * the caller to refuse, *rank set) */
+static OrtStatus *operand_shape(const OrtValue *value, int64_t dims[8], size_t *rank, int *type) {
+    OrtShapeInfo *info;
+    CHECK(CALL(GetTensorTypeAndShape)(value, &info));
+    OrtStatus *status = CALL(GetDimensionsCount)(info, rank);
+    if (!status) status = CALL(GetTensorElementType)(info, type);
+    if (!status && *rank >= 1 && *rank <= 8) status = CALL(GetDimensions)(info, dims, *rank);
+    CALL(ReleaseTensorTypeAndShapeInfo)(info);
+    return status;
+}
+
 static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     const LinearKernel *kernel = (const LinearKernel *)kernel_data;
     const int K = (int)kernel->K, N = (int)kernel->N, bits = (int)kernel->bits;
@@ -792,17 +804,12 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     int64_t dims[8], b[3];
     size_t rank = 0, scales = 0;
     int type = 0;
-    CHECK(CALL(GetTensorTypeAndShape)(in[0], &info));
-    OrtStatus *status = CALL(GetDimensionsCount)(info, &rank);
-    if (!status) status = CALL(GetTensorElementType)(info, &type);
-    if (!status && rank >= 1 && rank <= 8) status = CALL(GetDimensions)(info, dims, rank);
-    CALL(ReleaseTensorTypeAndShapeInfo)(info);
-    if (status) return status;
+    CHECK(operand_shape(in[0], dims, &rank, &type));
     if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != K)
         return fail("BlockwiseMatMul: A must be float [..., K]");
     CHECK(shape_of(in[1], TYPE_UINT8, 3, b, "BlockwiseMatMul: B must be uint8 [N, K/32, 32*bits/8]"));
     CHECK(CALL(GetTensorTypeAndShape)(in[2], &info));
-    status = CALL(GetTensorShapeElementCount)(info, &scales);
+    OrtStatus *status = CALL(GetTensorShapeElementCount)(info, &scales);
     if (!status) status = CALL(GetTensorElementType)(info, &type);
     CALL(ReleaseTensorTypeAndShapeInfo)(info);
     if (status) return status;
@@ -1598,16 +1605,10 @@ static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx)
     FloatLinearKernel *kernel = (FloatLinearKernel *)kernel_data;
     const OrtValue *in[2];
     for (size_t i = 0; i < 2; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
-    OrtShapeInfo *info;
     int64_t dims[8], wd[2];
     size_t rank = 0;
     int type = 0;
-    CHECK(CALL(GetTensorTypeAndShape)(in[0], &info));
-    OrtStatus *status = CALL(GetDimensionsCount)(info, &rank);
-    if (!status) status = CALL(GetTensorElementType)(info, &type);
-    if (!status && rank >= 1 && rank <= 8) status = CALL(GetDimensions)(info, dims, rank);
-    CALL(ReleaseTensorTypeAndShapeInfo)(info);
-    if (status) return status;
+    CHECK(operand_shape(in[0], dims, &rank, &type));
     CHECK(shape_of(in[1], TYPE_FLOAT, 2, wd, "FloatMatMul: W must be float [K, N]"));
     if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != wd[0])
         return fail("FloatMatMul: A must be float [..., K], K W's rows");
@@ -1640,7 +1641,7 @@ static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx)
     w.splits = (K + w.krows - 1) / w.krows;
     if (w.splits > 1 && !(w.partial = malloc((size_t)w.splits * sums)))
         return CALL(CreateStatus)(ORT_FAIL, "FloatMatMul: out of memory");
-    status = parallel(ctx, run_float_linear, (size_t)w.blocks * w.splits, &w, M * (size_t)K * N);
+    OrtStatus *status = parallel(ctx, run_float_linear, (size_t)w.blocks * w.splits, &w, M * (size_t)K * N);
     if (!status && w.splits > 1) {
         const size_t n = M * (size_t)N;
         status = parallel(ctx, run_float_reduce, (n + FLOAT_REDUCE - 1) / FLOAT_REDUCE, &w, n * w.splits);
