@@ -694,16 +694,19 @@ static int required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return
 static int default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; }
 static int one(const OrtCustomOp *op) { (void)op; return 1; }
 
-/* an operator's table at version 16 (CreateKernelV2, KernelComputeV2: errors come back as statuses) */
-#define OP_TABLE(name, input_type, input_count, create, compute, inputs)                                               \
+/* an operator's table at version 16 (CreateKernelV2, KernelComputeV2: errors come back as statuses); OP_TABLE's
+ * kernels are freed with free(), OP_TABLE_FREED's with `destroy` */
+#define OP_TABLE_FREED(name, input_type, input_count, create, compute, inputs, destroy)                               \
     {                                                                                                              \
         .version = 16, .GetName = name, .GetExecutionProviderType = op_provider, .GetInputType = input_type,      \
         .GetInputTypeCount = input_count, .GetOutputType = output_type, .GetOutputTypeCount = output_count,       \
-        .KernelDestroy = destroy_kernel, .GetInputCharacteristic = inputs, .GetOutputCharacteristic = required,        \
+        .KernelDestroy = destroy, .GetInputCharacteristic = inputs, .GetOutputCharacteristic = required,           \
         .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, \
         .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = create,          \
         .KernelComputeV2 = compute,                                                                                \
     }
+#define OP_TABLE(name, input_type, input_count, create, compute, inputs)                                               \
+    OP_TABLE_FREED(name, input_type, input_count, create, compute, inputs, destroy_kernel)
 
 static OrtCustomOp routed_experts = OP_TABLE(op_name, input_type, input_count, create_kernel, compute, optional_last);
 
@@ -1676,15 +1679,9 @@ static const char *float_linear_name(const OrtCustomOp *op) { (void)op; return "
 static int float_linear_input_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return TYPE_FLOAT; }
 static size_t float_linear_input_count(const OrtCustomOp *op) { (void)op; return 2; }
 
-static OrtCustomOp float_matmul = {
-    .version = 16, .GetName = float_linear_name, .GetExecutionProviderType = op_provider,
-    .GetInputType = float_linear_input_type, .GetInputTypeCount = float_linear_input_count,
-    .GetOutputType = output_type, .GetOutputTypeCount = output_count, .KernelDestroy = float_linear_destroy,
-    .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory,
-    .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = float_linear_create,
-    .KernelComputeV2 = float_linear_compute,
-};
+static OrtCustomOp float_matmul = OP_TABLE_FREED(float_linear_name, float_linear_input_type, float_linear_input_count,
+                                                 float_linear_create, float_linear_compute, required,
+                                                 float_linear_destroy);
 
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }

@@ -7,6 +7,7 @@ taken within one round), with its lowest and highest."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from mla_deploy.bench.bound import bound_check_line, check_bound
@@ -82,11 +83,9 @@ def rows(report: dict, llama: dict[str, list[dict]], llama_bytes: dict[str, dict
 
 
 def _median(values: list) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    """The median of ``values`` that are not None (None when none is)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _ratio(ours, theirs) -> float | None:
@@ -136,9 +135,10 @@ def _cell(value, fmt: str) -> str:
 
 
 def _ratios(values: list | None) -> str:
-    if not values or len(values) < 2 or None in values:
-        return "-" if not values or None in values else ""
-    return f"{min(values):.2f}-{max(values):.2f}x"
+    """The range of the rounds' ratios; "" for a single round, "-" where a round lacks one."""
+    if not values or None in values:
+        return "-"
+    return f"{min(values):.2f}-{max(values):.2f}x" if len(values) > 1 else ""
 
 
 def cells(table: list[dict]) -> list[tuple[str, ...]]:
