@@ -430,7 +430,10 @@ class _Headwise(WeightFormat):
     here. Each head's ``[K, N]`` is quantized like any weight (blocks of ``K``, its product's input features) and
     stored transposed, each output row's ``K`` values contiguous: ``W.q [H, N, K]`` ``INT4``/``INT8`` (signed, no zero
     point; int4 two per byte, low nibble first) and ``W.scale [H, N, ceil(K/B)]``, read by standard ONNX:
-    ``MatMul(A, Transpose(DequantizeLinear(W.q, W.scale, axis=2, block_size=B), perm=[0, 2, 1]))``.
+    ``MatMul(A, Transpose(DequantizeLinear(W.q, W.scale, axis=2, block_size=B), perm=[0, 2, 1]))``. A bf16 graph
+    stores float32 scales and casts the transposed weight to bf16 (``Cast(Transpose(...), to=BFLOAT16)``): ONNX
+    Runtime has no ``DequantizeLinear`` that produces bf16, on any provider (a CUDA session refused to load the
+    graph: docs/gpu-verification.md).
 
     ONNX Runtime: the session option ``session.disable_quant_qdq`` = 1 (:meth:`entries`, which ``matmulnbits``
     passes on: its graphs hold no other ``DequantizeLinear``) makes the CPU provider fold the dequantization into a
@@ -450,19 +453,28 @@ class _Headwise(WeightFormat):
         import onnx_ir as ir
 
         h, k, n = (int(d) for d in value.shape)
+        # ONNX Runtime has no DequantizeLinear producing bfloat16 (on no provider: a session will not load a graph
+        # holding one): a bf16 graph dequantizes in float32 and casts the constant
+        dequantized = (ir.TensorType(ir.DataType.FLOAT) if value.type.dtype == ir.DataType.BFLOAT16 else value.type)
         q = ir.Value(name=value.name + self.parts[0], shape=ir.Shape([h, n, k]),
                      type=ir.TensorType(ir.DataType.INT4 if scheme.bits == 4 else ir.DataType.INT8))
-        scale = ir.Value(name=value.name + self.parts[1], shape=ir.Shape([h, n, scheme.blocks(k)]), type=value.type)
+        scale = ir.Value(name=value.name + self.parts[1], shape=ir.Shape([h, n, scheme.blocks(k)]), type=dequantized)
         dq = ir.Node("", "DequantizeLinear", inputs=[q, scale], num_outputs=1,
                      attributes=[ir.AttrInt64("axis", 2), ir.AttrInt64("block_size", scheme.block_size)])
         rows = dq.outputs[0]
-        rows.name, rows.shape, rows.type = f"{value.name}.dequantized", ir.Shape([h, n, k]), value.type
+        rows.name, rows.shape, rows.type = f"{value.name}.dequantized", ir.Shape([h, n, k]), dequantized
         transpose = ir.Node("", "Transpose", inputs=[rows], num_outputs=1,
                             attributes=[ir.AttrInt64s("perm", [0, 2, 1])])
-        out = transpose.outputs[0]
+        nodes = [dq, transpose]
+        if dequantized != value.type:
+            nodes.append(ir.Node("", "Cast", inputs=[transpose.outputs[0]], num_outputs=1,
+                                 attributes=[ir.AttrInt64("to", value.type.dtype)]))
+            transpose.outputs[0].name = f"{value.name}.transposed"
+            transpose.outputs[0].shape, transpose.outputs[0].type = ir.Shape([h, k, n]), dequantized
+        out = nodes[-1].outputs[0]
         out.name, out.shape, out.type = f"{value.name}.weight", ir.Shape([h, k, n]), value.type
         value.replace_all_uses_with(out)
-        model.graph.insert_before(model.graph[0], [dq, transpose])
+        model.graph.insert_before(model.graph[0], nodes)
         return [q, scale]
 
     def lay_out(self, view, scheme):

@@ -270,6 +270,38 @@ def test_per_head_weights_compute_what_pytorch_does_with_them_dequantized(per_he
     assert np.abs(linear_way - want).max() > 50 * np.abs(got - want).max()
 
 
+def test_bf16_graph_dequantizes_the_per_head_weights_in_float32(tmp_path):
+    """ONNX Runtime has no DequantizeLinear producing bf16 on any provider (a CUDA session refused to load such a
+    graph): a bf16 export stores the per-head scales in float32, dequantizes in float32 and casts the transposed
+    weight to bf16; that chain runs in ONNX Runtime and gives each stored weight rounded once to bf16."""
+    recipe = _heads_recipe("int4", "matmulnbits")
+    export_recipe(recipe.replace(export=dataclasses.replace(recipe.export, precision="bf16")), tmp_path / "a")
+    model = onnx.load(str(tmp_path / "a" / "model.onnx"))
+    inits = {i.name: i for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == 2 * load_manifest(tmp_path / "a").config.num_hidden_layers
+    for node in dq:
+        q, scale = (onnx.numpy_helper.to_array(inits[name]) for name in node.input[:2])
+        assert inits[node.input[1]].data_type == onnx.TensorProto.FLOAT
+        (transpose,) = [n for n in model.graph.node if node.output[0] in n.input]
+        (cast,) = [n for n in model.graph.node if transpose.output[0] in n.input]
+        assert transpose.op_type == "Transpose" and cast.op_type == "Cast"
+        assert onnx.helper.get_attribute_value(cast.attribute[0]) == onnx.TensorProto.BFLOAT16
+        assert producer[cast.output[0]] is cast and cast.output[0].endswith(".weight")
+        # the chain alone, its bf16 result widened back to float32 (exact) to be read
+        widen = onnx.helper.make_node("Cast", [cast.output[0]], ["widened"], to=onnx.TensorProto.FLOAT)
+        graph = onnx.helper.make_graph(
+            [node, transpose, cast, widen], "chain", [],
+            [onnx.helper.make_tensor_value_info("widened", onnx.TensorProto.FLOAT, None)],
+            [inits[name] for name in node.input[:2]])
+        chain = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+        got = ort.InferenceSession(chain.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+        weight = q.astype(np.float32) * np.repeat(scale, 32, axis=2)[..., :q.shape[2]]
+        want = torch.from_numpy(weight.transpose(0, 2, 1).copy()).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("quant_format, prefill_form", [("qdq", "A_CC"), ("matmulnbits", "CC")])
 def test_absorbed_halves_stay_float_where_they_cannot_be_held_per_head(quant_format, prefill_form, tmp_path):
     """qdq (TensorRT's format) keeps them in the float type; so does a CC prefill, which multiplies with kv_b_proj
