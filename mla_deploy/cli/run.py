@@ -77,7 +77,7 @@ def _run_record(result, info: dict, prompts: list[list[int]], texts, sampling) -
             record["text"] = texts[i]
         sequences.append(record)
     return {"provider": result.provider, "graphs": info["graphs"], "huge_pages": info.get("huge_pages"),
-            "precision": info["precision"],
+            "mapped_weights": info.get("mapped_weights"), "precision": info["precision"],
             "cache_mode": info["cache_mode"],
             "sampling": dataclasses.asdict(sampling), "sequences": sequences,
             "timings": {"time_to_first_token_s": result.prefill_seconds, "decode_s": result.decode_seconds,

@@ -21,6 +21,7 @@ from ..io_spec import PRECISIONS, past_name, present_name
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from .base import Engine
 from .huge_pages import huge_pages
+from .mapped import populate
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 #: ONNX's element type of bfloat16 (``TensorProto.BFLOAT16``): ONNX Runtime's Python API takes NumPy dtypes except
@@ -258,6 +259,10 @@ class OrtEngine(Engine):
                                     f"manifest {(graph.input_names, graph.output_names)}")
             self.sessions[role] = session
         self.provider = PROVIDERS[provider]
+        # the CPU engine's weights, which ONNX Runtime maps from its files and its operators read in place: faulted
+        # in now rather than by the first steps that read each expert (mla_deploy.engines.mapped). Not the source
+        # graphs': ONNX Runtime copies or packs what it computes with, and their mapped files would only be read.
+        self.populated = populate(self.root / CPU_ENGINE_DIR) if self.built is not None else None
         # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
         self.huge_pages = huge_pages().describe()
 
@@ -267,10 +272,13 @@ class OrtEngine(Engine):
 
     def info(self) -> dict:
         """:meth:`Engine.info`, ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``,
-        and ``huge_pages``: how much of the process's memory was on huge pages once the weights were loaded
-        (:mod:`~mla_deploy.engines.huge_pages`)."""
+        ``huge_pages``: how much of the process's memory was on huge pages once the weights were loaded
+        (:mod:`~mla_deploy.engines.huge_pages`), and with a CPU engine ``mapped_weights``: its mapped files
+        faulted in when it opened (:mod:`~mla_deploy.engines.mapped`)."""
         graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
         info = {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
+        if self.populated is not None:
+            info["mapped_weights"] = self.populated.describe()
         if self.built is not None:
             info["operators"] = self.built.operators.describe()
             info["scales_half"] = self.built.operators.scales_half

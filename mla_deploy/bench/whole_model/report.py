@@ -465,7 +465,7 @@ def _notes(report: dict) -> list[str]:
             lines.append(f"{path}: not available ({info['reason']})")
         elif info.get("peak_rss_bytes"):
             runtime = info.get("runtime") or {}
-            how = "; ".join(v for v in (runtime.get("graphs"), runtime.get("huge_pages")) if v)
+            how = "; ".join(v for v in (runtime.get("graphs"), runtime.get("huge_pages"), runtime.get("mapped_weights")) if v)
             lines.append(f"{path}: loaded in {info['load_seconds']:.1f} s{f' ({how})' if how else ''}; peak RSS "
                          f"{format_bytes(info['peak_rss_bytes'])}")
     return lines + [_routing_line(report)] + [line for line in [_agreement_line(report)] if line]

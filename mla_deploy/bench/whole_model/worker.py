@@ -58,6 +58,7 @@ class OursPath:
         self.itemsize = np.dtype(self.engine.dtype).itemsize
         info = self.engine.info()
         self.info = {"provider": self.engine.provider, "graphs": info["graphs"], "huge_pages": info["huge_pages"],
+                     "mapped_weights": info.get("mapped_weights"),
                      "precision": self.engine.precision, "scales_half": info.get("scales_half", False),
                      **self.engine.manifest.quantization.run_info(),
                      "cache_mode": self.engine.cache_mode, "intra_op_threads": spec.threads,
