@@ -374,6 +374,113 @@ static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, 
 #undef CASE
 }
 
+#if VNNI
+/* the sums of 4 vectors' lanes: [sum a, sum b, sum c, sum d] */
+static inline __attribute__((always_inline)) __m128 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+    const __m256 ab = _mm256_hadd_ps(HALVES(a), HALVES(b)), cd = _mm256_hadd_ps(HALVES(c), HALVES(d));
+#undef HALVES
+    const __m256 all = _mm256_hadd_ps(ab, cd); /* [a, b, c, d] per 128-bit half */
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
+/* dot_rows for one token and 4 weight rows at once (w[i], s[i]: row i's weights and scales): out[i] = row_i . x, the
+ * same products and partial sums as dot_rows per row, the 16 lanes summed in another order; the 4 rows' chains
+ * interleave and their lanes are summed together (a decode step's product is one token against thousands of rows:
+ * per row a quarter of a reduction and of a call, and 4 independent chains). Only where dot4_fits: every block in
+ * VNNI's groups (int4: blocks of 4; int8: blocks of 16). */
+static inline __attribute__((always_inline)) void dot4(const uint8_t *const *w, const void *const *s, int half, int K,
+                                                      int bits, const int8_t *q, const float *d, const float *corr,
+                                                      float *out, uint8_t flip) {
+    const int blocks = K / BLOCK;
+    const __m512i low = _mm512_set1_epi8(0x0F), flips = _mm512_set1_epi8((char)flip);
+    const __m512i four[4] = {
+        _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+        _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+        _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+        _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+    __m512 acc[4], acc2[4], zp[4];
+    for (int r = 0; r < 4; r++) acc[r] = acc2[r] = zp[r] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 16 <= blocks; b += 16) {
+        const __m512 dx = _mm512_loadu_ps(d + b), cx = _mm512_loadu_ps(corr + b);
+        __m512 scale[4];
+        for (int r = 0; r < 4; r++) {
+            const __m512 sw = scales16(s[r], half, b);
+            scale[r] = _mm512_mul_ps(sw, dx);
+            zp[r] = _mm512_fmadd_ps(sw, cx, zp[r]);
+        }
+        if (bits == 4) {
+            for (int g = 0; g < 4; g++) {
+                const int at = 16 * (b + 4 * g);
+                const __m512i even_x = _mm512_loadu_si512(q + at), odd_x = _mm512_loadu_si512(q + K / 2 + at);
+                for (int r = 0; r < 4; r++) {
+                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips);
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even_x);
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd_x);
+                    if (g & 1)
+                        acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[r]), acc2[r]);
+                    else
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[r]), acc[r]);
+                }
+            }
+        } else {
+            for (int g = 0; g < 8; g++) {
+                const int at = BLOCK * (b + 2 * g);
+                const __m512i pair = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                                      2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g,
+                                                      2 * g, 2 * g, 2 * g, 2 * g);
+                const __m512i x = _mm512_loadu_si512(q + at);
+                for (int r = 0; r < 4; r++) {
+                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed, x);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair, scale[r]), acc[r]);
+                }
+            }
+        }
+    }
+    for (; bits == 4 && b + 4 <= blocks; b += 4) {
+        const __m512 dx = _mm512_maskz_loadu_ps(0x000F, d + b), cx = _mm512_maskz_loadu_ps(0x000F, corr + b);
+        const __m512i even_x = _mm512_loadu_si512(q + 16 * b), odd_x = _mm512_loadu_si512(q + K / 2 + 16 * b);
+        for (int r = 0; r < 4; r++) {
+            const __m512 sw = scales4(s[r], half, b);
+            const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + 16 * b), flips);
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even_x);
+            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd_x);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[0], _mm512_mul_ps(sw, dx)), acc[r]);
+            zp[r] = _mm512_fmadd_ps(sw, cx, zp[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_add_ps(_mm512_add_ps(acc[r], acc2[r]), zp[r]);
+    _mm_storeu_ps(out, sums4(acc[0], acc[1], acc[2], acc[3]));
+}
+#endif
+
+/* the longest rows dot_row4 takes: longer ones (a layer's projections, K 2048) ran slower 4 at a time than one by
+ * one (a full-size V2-Lite int4 decode step's BlockwiseMatMul nodes: 20 -> 36 ms), shorter ones faster (the
+ * absorbed attention's W_UK, K 128, and W_UV, K 512) */
+#define DOT4_MAX_K 512
+
+/* whether dot_row4 takes rows of K values of `bits` */
+static inline int dot4_fits(int K, int bits) {
+    return VNNI && K <= DOT4_MAX_K && K % BLOCK == 0 && (bits == 4 ? (K / BLOCK) % 4 == 0 : (K / BLOCK) % 16 == 0);
+}
+
+/* dot4 with the bits and the scales' type constant in each call */
+static void dot_row4(const uint8_t *const *w, const void *const *s, int half, int K, int bits, const int8_t *q,
+                     const float *d, const float *corr, float *out, uint8_t flip) {
+#if VNNI
+    switch (10 * (half != 0) + bits) {
+    case 4: dot4(w, s, 0, K, 4, q, d, corr, out, flip); break;
+    case 8: dot4(w, s, 0, K, 8, q, d, corr, out, flip); break;
+    case 14: dot4(w, s, 1, K, 4, q, d, corr, out, flip); break;
+    case 18: dot4(w, s, 1, K, 8, q, d, corr, out, flip); break;
+    }
+#else
+    (void)w, (void)s, (void)half, (void)K, (void)bits, (void)q, (void)d, (void)corr, (void)out, (void)flip;
+#endif
+}
+
 /* ---- the operator -------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -751,6 +858,25 @@ static void run_linear(void *data, size_t item) {
     const int r0 = tile * w->rows, r1 = r0 + w->rows < N ? r0 + w->rows : N;
     const size_t head = (size_t)h * N; /* the head's first weight row */
     float *out = w->out + (size_t)h * w->M * N;
+    if (w->M == 1 && dot4_fits(K, w->a.bits)) { /* a decode step: 4 weight rows at a time */
+        const int8_t *q;
+        const float *d, *c;
+        row_of(&w->a, (size_t)h, &q, &d, &c);
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            const uint8_t *rows[4];
+            const void *scales[4];
+            for (int i = 0; i < 4; i++) {
+                rows[i] = w->w + (head + r + i) * w->row_bytes;
+                scales[i] = scale_row(w->s, w->half, (head + r + i) * (K / BLOCK));
+            }
+            dot_row4(rows, scales, w->half, K, w->a.bits, q, d, c, out + r, w->flip);
+        }
+        for (; r < r1; r++)
+            dot_row(w->w + (head + r) * w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)), w->half, K,
+                    w->a.bits, 1, &q, &d, &c, out + r, (size_t)N, w->flip);
+        return;
+    }
     for (int p = 0; p < w->M; p += 4) {
         const int m = w->M - p < 4 ? w->M - p : 4;
         const int8_t *q[4];

@@ -361,6 +361,34 @@ def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build, store
     assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
 
 
+@pytest.mark.parametrize("bits, k", [(4, 128), (4, 512), (8, 512), (4, 384)])
+@pytest.mark.parametrize("stored", ["float", "float16"])
+def test_short_rows_of_one_token_equal_matmulnbits(libraries, bits, k, stored):
+    """One token against rows of at most 512 values (the absorbed attention's W_UK, K 128, and W_UV, K 512): the
+    native build takes them 4 rows at a time; 43 rows leave 3 over. Equal to MatMulNBits to float32 rounding."""
+    library = libraries["native"]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    n, rng = 43, np.random.default_rng(k + bits)
+    b = rng.integers(0, 256, size=(n, k // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = _half_values(rng.random(n * k // 32, dtype=np.float32) * 0.02 + 0.005)
+    a = rng.standard_normal((1, 1, k), dtype=np.float32)
+    outputs = []
+    for node, mine in ((helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n,
+                                         bits=bits, block_size=32, accuracy_level=4), scales),
+                       (helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", "b", "s"], ["y"], domain=own_ops.DOMAIN, K=k,
+                                         N=n, bits=bits, block_size=32),
+                        scales.astype(np.float16) if stored == "float16" else scales)):
+        graph = helper.make_graph(
+            [node], "linear", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 1, k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
+            [numpy_helper.from_array(b, "b"), numpy_helper.from_array(mine, "s")])
+        outputs.append(_open(graph, None if node.op_type == "MatMulNBits" else library.path).run(None, {"a": a})[0])
+    want, got = outputs
+    scale = np.abs(want).max()
+    assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
+
+
 @pytest.mark.parametrize("change, swapped", [({}, 1), ({"N": 1 << 17}, 1), ({"block_size": 64}, 0),
                                              ({"accuracy_level": 1}, 0)])
 def test_linear_swap_only_where_it_computes_exactly_matmulnbits(change, swapped):
