@@ -265,6 +265,29 @@ static inline __attribute__((always_inline)) __m512 scales4(const void *s, int h
 }
 #endif
 
+#if VNNI
+/* lanes 4g .. 4g + 3 of a block group's scales, each over the 4 lanes of its block (int4: block 4g + i / 4 in lane i) */
+static inline __attribute__((always_inline)) __m512i four_lanes(int g) {
+    return _mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                            _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+}
+/* int8: block 2g + i / 8 in lane i */
+static inline __attribute__((always_inline)) __m512i pair_lanes(int g) {
+    return _mm512_add_epi32(_mm512_set1_epi32(2 * g),
+                            _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+}
+/* 64 bytes of int4 weights (flipped) against a token's 64 even and 64 odd int8 values: per-lane sums of 4 products */
+static inline __attribute__((always_inline)) __m512i nibble_dot(__m512i packed, __m512i even_x, __m512i odd_x) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even_x);
+    return _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd_x);
+}
+/* acc += dot * the scales of its lanes' blocks (`lanes` picks them from `scale`) */
+static inline __attribute__((always_inline)) __m512 scaled(__m512 acc, __m512i dot, __m512i lanes, __m512 scale) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lanes, scale), acc);
+}
+#endif
+
 /* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes; each byte XORed with
  * flip first: 0 for weights stored with the zero point 2^(bits-1), 0x88 (int4) or 0x80 (int8) for signed ones, which
  * that XOR turns into the same) and block scales s (float, or float16 where `half`), the tokens' quantize_row()
@@ -278,13 +301,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     int b = 0;
 #if VNNI
     {
-        const __m512i low = _mm512_set1_epi8(0x0F), flips = _mm512_set1_epi8((char)flip);
+        const __m512i flips = _mm512_set1_epi8((char)flip);
         /* lane i takes block 4g + i / 4 (int4: 4 blocks per 64 bytes) or 2g + i / 8 (int8: 2 blocks per 64 bytes) */
-        const __m512i four[4] = {
-            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-            _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
-            _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
-            _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
         __m512 acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
         for (int t = 0; t < 4; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
         for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
@@ -298,28 +316,23 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                 for (int g = 0; g < 4; g++) {
                     const int at = 16 * (b + 4 * g);
                     const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
-                    const __m512i even = _mm512_and_si512(packed, low);
-                    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
                     for (int t = 0; t < n; t++) {
-                        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512(q[t] + at));
-                        dot = _mm512_dpbusd_epi32(dot, odd, _mm512_loadu_si512(q[t] + K / 2 + at));
+                        const __m512i dot = nibble_dot(packed, _mm512_loadu_si512(q[t] + at),
+                                                       _mm512_loadu_si512(q[t] + K / 2 + at));
                         if (g & 1)
-                            acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[t]), acc2[t]);
+                            acc2[t] = scaled(acc2[t], dot, four_lanes(g), scale[t]);
                         else
-                            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[t]), acc[t]);
+                            acc[t] = scaled(acc[t], dot, four_lanes(g), scale[t]);
                     }
                 }
             } else {
                 for (int g = 0; g < 8; g++) {
                     const int at = BLOCK * (b + 2 * g);
-                    const __m512i pair = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
-                                                          2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g,
-                                                          2 * g, 2 * g, 2 * g, 2 * g);
                     const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
                     for (int t = 0; t < n; t++) {
                         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed,
                                                                 _mm512_loadu_si512(q[t] + at));
-                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair, scale[t]), acc[t]);
+                        acc[t] = scaled(acc[t], dot, pair_lanes(g), scale[t]);
                     }
                 }
             }
@@ -327,13 +340,11 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         for (; bits == 4 && b + 4 <= blocks; b += 4) { /* int4: 4 blocks left at a time */
             const __m512 sw = scales4(s, half, b);
             const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + 16 * b), flips);
-            const __m512i even = _mm512_and_si512(packed, low);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             for (int t = 0; t < n; t++) {
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512(q[t] + 16 * b));
-                dot = _mm512_dpbusd_epi32(dot, odd, _mm512_loadu_si512(q[t] + K / 2 + 16 * b));
+                const __m512i dot = nibble_dot(packed, _mm512_loadu_si512(q[t] + 16 * b),
+                                               _mm512_loadu_si512(q[t] + K / 2 + 16 * b));
                 const __m512 scale = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(0x000F, d[t] + b));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[0], scale), acc[t]);
+                acc[t] = scaled(acc[t], dot, four_lanes(0), scale);
                 zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x000F, corr[t] + b), zp[t]);
             }
         }
@@ -393,12 +404,7 @@ static inline __attribute__((always_inline)) void dot4(const uint8_t *const *w, 
                                                       int bits, const int8_t *q, const float *d, const float *corr,
                                                       float *out, uint8_t flip) {
     const int blocks = K / BLOCK;
-    const __m512i low = _mm512_set1_epi8(0x0F), flips = _mm512_set1_epi8((char)flip);
-    const __m512i four[4] = {
-        _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-        _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
-        _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
-        _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+    const __m512i flips = _mm512_set1_epi8((char)flip);
     __m512 acc[4], acc2[4], zp[4];
     for (int r = 0; r < 4; r++) acc[r] = acc2[r] = zp[r] = _mm512_setzero_ps();
     int b = 0;
@@ -415,26 +421,20 @@ static inline __attribute__((always_inline)) void dot4(const uint8_t *const *w, 
                 const int at = 16 * (b + 4 * g);
                 const __m512i even_x = _mm512_loadu_si512(q + at), odd_x = _mm512_loadu_si512(q + K / 2 + at);
                 for (int r = 0; r < 4; r++) {
-                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips);
-                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even_x);
-                    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd_x);
+                    const __m512i dot = nibble_dot(_mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips), even_x, odd_x);
                     if (g & 1)
-                        acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[r]), acc2[r]);
+                        acc2[r] = scaled(acc2[r], dot, four_lanes(g), scale[r]);
                     else
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[g], scale[r]), acc[r]);
+                        acc[r] = scaled(acc[r], dot, four_lanes(g), scale[r]);
                 }
             }
         } else {
             for (int g = 0; g < 8; g++) {
                 const int at = BLOCK * (b + 2 * g);
-                const __m512i pair = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
-                                                      2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g,
-                                                      2 * g, 2 * g, 2 * g, 2 * g);
                 const __m512i x = _mm512_loadu_si512(q + at);
                 for (int r = 0; r < 4; r++) {
                     const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips);
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed, x);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair, scale[r]), acc[r]);
+                    acc[r] = scaled(acc[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed, x), pair_lanes(g), scale[r]);
                 }
             }
         }
@@ -444,10 +444,8 @@ static inline __attribute__((always_inline)) void dot4(const uint8_t *const *w, 
         const __m512i even_x = _mm512_loadu_si512(q + 16 * b), odd_x = _mm512_loadu_si512(q + K / 2 + 16 * b);
         for (int r = 0; r < 4; r++) {
             const __m512 sw = scales4(s[r], half, b);
-            const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + 16 * b), flips);
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even_x);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd_x);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(four[0], _mm512_mul_ps(sw, dx)), acc[r]);
+            const __m512i dot = nibble_dot(_mm512_xor_si512(_mm512_loadu_si512(w[r] + 16 * b), flips), even_x, odd_x);
+            acc[r] = scaled(acc[r], dot, four_lanes(0), _mm512_mul_ps(sw, dx));
             zp[r] = _mm512_fmadd_ps(sw, cx, zp[r]);
         }
     }
