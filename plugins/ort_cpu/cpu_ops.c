@@ -1371,7 +1371,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int b = 0; !status && b < B; b++)
         for (int panel = 0; panel < panels; panel++) {
             float *t_panel = qt + ((size_t)b * panels + panel) * C * LANES;
-            int seen = 0;
+            int seen = 0, scanned = -1, sees = T; /* scanned: the token whose mask row `sees` was read from */
             for (int l = 0; l < LANES; l++) {
                 const int n = panel * LANES + l;
                 if (n >= rows) {
@@ -1383,12 +1383,16 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
                 const float *ql = lat + ((size_t)h * tokens + token) * r, *qp = pe + (token * H + h) * dr;
                 for (int c = 0; c < r; c++) t_panel[c * LANES + l] = ql[c];
                 for (int c = 0; c < dr; c++) t_panel[(r + c) * LANES + l] = qp[c];
-                /* the rows this query may see: up to its last visible one; all of them when it sees none */
-                const uint8_t *hidden = mask + ((size_t)(md[0] == 1 ? 0 : b) * S + s) * T;
-                int last = -1;
-                for (int t = 0; t < T; t++)
-                    if ((hidden[t] != 0) != hidden_when) last = t;
-                const int sees = last < 0 ? T : last + 1;
+                /* the rows this query may see: up to its last visible one; all of them when it sees none. One read
+                 * of the token's mask row for its H heads, from the end: a static cache's unwritten slots are hidden
+                 * and its capacity may be far beyond the rows written */
+                if (s != scanned) {
+                    const uint8_t *hidden = mask + ((size_t)(md[0] == 1 ? 0 : b) * S + s) * T;
+                    int t = T - 1;
+                    while (t >= 0 && (hidden[t] != 0) == hidden_when) t--;
+                    sees = t < 0 ? T : t + 1;
+                    scanned = s;
+                }
                 seen = sees > seen ? sees : seen;
             }
             limit[b * panels + panel] = seen;
