@@ -455,7 +455,8 @@ class _Headwise(WeightFormat):
         h, k, n = (int(d) for d in value.shape)
         # ONNX Runtime has no DequantizeLinear producing bfloat16 (on no provider: a session will not load a graph
         # holding one): a bf16 graph dequantizes in float32 and casts the constant
-        dequantized = (ir.TensorType(ir.DataType.FLOAT) if value.type.dtype == ir.DataType.BFLOAT16 else value.type)
+        widen = value.type.dtype == ir.DataType.BFLOAT16
+        dequantized = ir.TensorType(ir.DataType.FLOAT) if widen else value.type
         q = ir.Value(name=value.name + self.parts[0], shape=ir.Shape([h, n, k]),
                      type=ir.TensorType(ir.DataType.INT4 if scheme.bits == 4 else ir.DataType.INT8))
         scale = ir.Value(name=value.name + self.parts[1], shape=ir.Shape([h, n, scheme.blocks(k)]), type=dequantized)
@@ -466,7 +467,7 @@ class _Headwise(WeightFormat):
         transpose = ir.Node("", "Transpose", inputs=[rows], num_outputs=1,
                             attributes=[ir.AttrInt64s("perm", [0, 2, 1])])
         nodes = [dq, transpose]
-        if dequantized != value.type:
+        if widen:
             nodes.append(ir.Node("", "Cast", inputs=[transpose.outputs[0]], num_outputs=1,
                                  attributes=[ir.AttrInt64("to", value.type.dtype)]))
             transpose.outputs[0].name = f"{value.name}.transposed"
