@@ -302,7 +302,6 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
 #if VNNI
     {
         const __m512i flips = _mm512_set1_epi8((char)flip);
-        /* lane i takes block 4g + i / 4 (int4: 4 blocks per 64 bytes) or 2g + i / 8 (int8: 2 blocks per 64 bytes) */
         __m512 acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
         for (int t = 0; t < 4; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
         for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
