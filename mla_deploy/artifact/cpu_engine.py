@@ -127,6 +127,9 @@ class CpuOperators:
             (:func:`~mla_deploy.quant.own_ops.store_half_scales`; a record without the field: none).
         float_linear: how many ``MatMul`` nodes of a float32 weight it swapped for ``mla_deploy.FloatMatMul``
             (:func:`~mla_deploy.quant.own_ops.swap_float_linear`; a record without the field: none).
+        shared: how many of the ``RoutedExperts`` nodes compute their layer's shared experts too
+            (:func:`~mla_deploy.quant.own_ops.fold_shared_experts`: three products each, not counted in ``linear``;
+            a record without the field: none).
     """
 
     experts: int = 0
@@ -140,11 +143,12 @@ class CpuOperators:
     float_experts: int = 0
     half_scales: int = 0
     float_linear: int = 0
+    shared: int = 0
 
     @property
     def scales_half(self) -> bool:
         """Every scale tensor of the engine's ``RoutedExperts`` and ``BlockwiseMatMul`` nodes is float16."""
-        return bool(self.half_scales) and self.half_scales == 2 * self.experts + self.linear
+        return bool(self.half_scales) and self.half_scales == 2 * self.experts + 3 * self.shared + self.linear
 
     @property
     def used(self) -> bool:
@@ -154,7 +158,7 @@ class CpuOperators:
     def to_dict(self) -> dict[str, Any]:
         return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "attention": self.attention,
                 "float_experts": self.float_experts, "half_scales": self.half_scales,
-                "float_linear": self.float_linear, "library": self.library,
+                "float_linear": self.float_linear, "shared": self.shared, "library": self.library,
                 "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
 
     @classmethod
@@ -162,7 +166,7 @@ class CpuOperators:
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
                    data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)),
                    int(data.get("attention", 0)), int(data.get("float_experts", 0)), int(data.get("half_scales", 0)),
-                   int(data.get("float_linear", 0)))
+                   int(data.get("float_linear", 0)), int(data.get("shared", 0)))
 
     def describe(self) -> str:
         """One phrase: which of our operators the engine holds, how many of each, and their library."""
@@ -172,7 +176,8 @@ class CpuOperators:
                   ("LatentAttention", self.attention), ("FloatExperts", self.float_experts),
                   ("FloatMatMul", self.float_linear))
         half = f", {self.half_scales} scale tensors as float16" if self.half_scales else ""
-        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library}{half})"
+        shared = f", {self.shared} with their layer's shared experts" if self.shared else ""
+        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library}{shared}{half})"
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ class _Operators:
 
     def __init__(self, tmp: Path):
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
-        self.attention = self.float_experts = self.half_scales = self.float_linear = 0
+        self.attention = self.float_experts = self.half_scales = self.float_linear = self.shared = 0
 
     def swap(self, model: str | bytes, folder: Path, side: Path):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s; its weights under ``folder``)
@@ -148,6 +148,8 @@ class _Operators:
         if self.library.path is None:
             return model, None
         experts, linear, heads = own_ops.swap_experts(proto), own_ops.swap_linear(proto), own_ops.swap_headwise(proto)
+        shared = own_ops.fold_shared_experts(proto) if experts and linear else 0
+        linear -= 3 * shared  # each layer's shared gate, up and down products now inside its RoutedExperts
         float_experts = own_ops.swap_float_experts(proto)
         attention = own_ops.swap_attention(proto) if heads else 0
         heads -= 2 * attention  # each core takes its layer's two per-head products inside
@@ -156,7 +158,7 @@ class _Operators:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
         self.attention, self.float_experts = self.attention + attention, self.float_experts + float_experts
-        self.float_linear += float_linear
+        self.float_linear, self.shared = self.float_linear + float_linear, self.shared + shared
         self.half_scales += own_ops.store_half_scales(proto, folder, side)
         return proto.SerializeToString(), self.library.path
 
@@ -166,7 +168,7 @@ class _Operators:
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
                                 sha256_file(cpu_ops.source_path()), heads=self.heads, attention=self.attention,
                                 float_experts=self.float_experts, half_scales=self.half_scales,
-                                float_linear=self.float_linear)
+                                float_linear=self.float_linear, shared=self.shared)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
             return CpuOperators(why_not="no QMoE, MoE, MatMulNBits, per-head product or float MatMul they compute "

@@ -114,6 +114,94 @@ def _give_routing(model) -> int:
     return rewritten
 
 
+def fold_shared_experts(model) -> int:
+    """Give each ``mla_deploy.RoutedExperts`` node of the ``onnx.ModelProto`` ``model`` (in place) its layer's shared
+    experts where the graph adds them to its output as the export writes them: ``Add(Reshape(experts), down(silu(
+    gate(h)) * up(h)))``, gate, up and down ``mla_deploy.BlockwiseMatMul`` products of the experts' bits over the
+    experts' own input ``h`` (or what it reshapes), ``silu(g)`` as ``Mul(g, Sigmoid(g))``. The node then takes the
+    three products' weights and scales as its inputs 7 to 12 and computes the sum itself
+    (``plugins/ort_cpu/cpu_ops.c``): the gate, sigmoid, silu, up, product, down and add nodes go (7 per MoE layer),
+    and the shared experts' rows are streamed in the same pass as the routed ones'. Returns how many nodes were
+    given their shared experts."""
+    from onnx import helper
+
+    graph = model.graph
+    producer, consumers = _links(list(graph.node))
+    outputs = {o.name for o in graph.output}
+    dims = {t.name: list(t.dims) for t in graph.initializer}
+
+    def only_reader(name):
+        found = consumers.get(name, [])
+        return found[0] if len(found) == 1 and name not in outputs else None
+
+    def made_by(name, op_type, domain=""):
+        found = producer.get(name)
+        return found if found is not None and (found.op_type, found.domain or "") == (op_type, domain) else None
+
+    def attrs_of(node):
+        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    folded, dropped = 0, []
+    for node in [n for n in graph.node if (n.domain, n.op_type) == (DOMAIN, OP_TYPE)]:
+        if any(node.input[7:]):
+            continue
+        bits = attrs_of(node).get("expert_weight_bits")
+        fc1 = dims.get(node.input[2])
+        if bits not in (4, 8) or fc1 is None or len(fc1) != 3:
+            continue
+        hidden = fc1[2] * 8 // bits
+        sources = {node.input[0]}
+        reshaped = made_by(node.input[0], "Reshape")
+        if reshaped is not None:
+            sources.add(reshaped.input[0])
+        tail, chain = node.output[0], []
+        while (reader := only_reader(tail)) is not None and (reader.op_type, reader.domain or "") == ("Reshape", ""):
+            chain.append(reader)
+            tail = reader.output[0]
+        add = only_reader(tail)
+        if add is None or (add.op_type, add.domain or "") != ("Add", "") or len(add.input) != 2 or (
+                add.input[0] == add.input[1]):
+            continue
+        shared = add.input[1] if add.input[0] == tail else add.input[0]
+        down = made_by(shared, LINEAR_OP_TYPE, DOMAIN) if only_reader(shared) is add else None
+        product = made_by(down.input[0], "Mul") if down is not None and only_reader(down.input[0]) is down else None
+        if product is None or len(product.input) != 2:
+            continue
+        found = None
+        for silu_name, up_name in (product.input, product.input[::-1]):
+            silu, up = made_by(silu_name, "Mul"), made_by(up_name, LINEAR_OP_TYPE, DOMAIN)
+            if silu is None or up is None or only_reader(silu_name) is not product or only_reader(up_name) is not product:
+                continue
+            gate_name = next((n for n in silu.input if made_by(n, LINEAR_OP_TYPE, DOMAIN) is not None), None)
+            sigmoid = next((made_by(n, "Sigmoid") for n in silu.input if n != gate_name), None)
+            if (gate_name is None or sigmoid is None or sigmoid.input[0] != gate_name or len(silu.input) != 2
+                    or only_reader(sigmoid.output[0]) is not silu
+                    or sorted(id(n) for n in consumers.get(gate_name, [])) != sorted((id(sigmoid), id(silu)))
+                    or gate_name in outputs):
+                continue
+            found = producer[gate_name], sigmoid, silu, up
+        if found is None:
+            continue
+        gate, sigmoid, silu, up = found
+        g, u, d = attrs_of(gate), attrs_of(up), attrs_of(down)
+        width = g.get("N")
+        if (gate.input[0] not in sources or up.input[0] != gate.input[0] or {g.get("bits"), u.get("bits"),
+                                                                              d.get("bits")} != {bits}
+                or g.get("K") != hidden or u.get("K") != hidden or u.get("N") != width or d.get("K") != width
+                or d.get("N") != hidden or not width or width % 32):
+            continue
+        given = list(node.input) + [""] * (7 - len(node.input))
+        del node.input[:]
+        node.input.extend(given[:7] + [gate.input[1], gate.input[2], up.input[1], up.input[2], down.input[1],
+                                       down.input[2]])
+        (chain[-1] if chain else node).output[0] = add.output[0]
+        dropped.extend([gate, sigmoid, silu, up, product, down, add])
+        folded += 1
+    for old in dropped:
+        graph.node.remove(old)
+    return folded
+
+
 FLOAT_EXPERTS_OP_TYPE = "FloatExperts"
 FLOAT_LINEAR_OP_TYPE = "FloatMatMul"
 
@@ -660,7 +748,7 @@ def _copies(nodes) -> list:
 
 
 #: the scale inputs of our operators that may be float16: (op type, input index)
-_HALF_SCALE_SLOTS = {(OP_TYPE, 3), (OP_TYPE, 5), (LINEAR_OP_TYPE, 2)}
+_HALF_SCALE_SLOTS = {(OP_TYPE, 3), (OP_TYPE, 5), (OP_TYPE, 8), (OP_TYPE, 10), (OP_TYPE, 12), (LINEAR_OP_TYPE, 2)}
 #: values converted at a time: the copies stay near 64 MiB whatever the tensor
 _HALF_CHUNK = 1 << 24
 

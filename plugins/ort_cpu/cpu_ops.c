@@ -20,7 +20,12 @@
  *   4 fc2 weights     uint8 [E, D, I*bits/8]
  *   5 fc2 scales      float or float16 [E, D, I/B]
  *   6 chosen          int64 [T, k]   (optional; only with normalize_routing_weights = 0)
- * Output 0: float [T, D] = sum over the chosen experts j of w_j * fc2_j(silu(gate_j) * up_j). With
+ *   7-12 shared       (optional, all or none) the layer's shared experts as one SwiGLU MLP of intermediate size Is:
+ *                     gate uint8 [Is, D/32, 32*bits/8], its scales (Is*D/32), up and its scales (the same), down
+ *                     uint8 [D, Is/32, 32*bits/8], its scales (D*Is/32): MatMulNBits's layout, scales of fc1's type
+ * Output 0: float [T, D] = sum over the chosen experts j of w_j * fc2_j(silu(gate_j) * up_j), plus, where inputs 7 to
+ * 12 are given, down(silu(gate) * up) of every token (the CPU engine's build folds a MoE layer's shared experts in
+ * so: their three products and the sum computed in the same call, mla_deploy/quant/own_ops.py). With
  * normalize_routing_weights = 1 (QMoE's setting), the experts are the top k of router_probs and w their softmax over
  * the k chosen. With 0, the routing is given, whatever chose it (greedy, group-limited, noaux_tc): input 1 is
  * then the weights float [T, k], used as they are, and input 6 the experts they weigh (each in [0, E)). The CPU
@@ -47,6 +52,7 @@
 
 #define BLOCK 32
 #define TILE 16 /* weight rows per work item */
+#define INPUTS 13 /* RoutedExperts' */
 #define API_VERSION 17
 
 /* ---- the ONNX Runtime C API, as far as it is used ---------------------------------------------------------- */
@@ -505,9 +511,21 @@ static void advise_huge(int *advised, const void *const *weights, const size_t *
 #endif
 }
 
-/* one layer's call: routing, then work items over (expert, tile of weight rows) */
+/* the shared experts of a layer, where the node is given them (inputs 7 to 12): one SwiGLU MLP of intermediate size
+ * I every token runs, its output added with weight 1. Its weights are three MatMulNBits products' as they are: gate
+ * and up [I, D/32, 32*bits/8] (row i of each: intermediate unit i), down [D, I/32, 32*bits/8], each with its N*K/32
+ * scales in row order */
 typedef struct {
-    int D, I, bits, half; /* half: the scales are float16 */
+    int I; /* 0: no shared experts */
+    const uint8_t *gate, *up, *down;
+    const void *gs, *us, *ds;
+    Rows a;   /* [T, I]: silu(gate) * up quantized */
+    float *o; /* [T, D]: down's rows */
+} Shared;
+
+/* one layer's call: routing, then work items over (expert, tile of weight rows), the shared experts' after */
+typedef struct {
+    int T, D, I, bits, half; /* half: the scales are float16 */
     const uint8_t *fc1, *fc2;
     const void *s1, *s2;
     size_t fc1_row, fc2_row; /* bytes per weight row */
@@ -518,69 +536,93 @@ typedef struct {
     Rows a;                  /* [pairs, I]: silu(gate) * up quantized */
     float *o;                /* [pairs, D]: fc2's rows */
     int tiles2;              /* fc2 tiles per expert */
+    int items1, items2;      /* the routed experts' work items of each stage (the shared experts' follow) */
+    Shared shared;
 } Work;
 
-/* the tokens' quantized vectors of pairs first .. first + m - 1 at a stage: the input (stage 1) or the activation */
-static void operands(const Work *w, int stage, int first, int m, const int8_t **q, const float **d, const float **c) {
-    for (int j = 0; j < m; j++) {
-        const int pair = first + j;
-        if (stage == 1)
-            row_of(&w->x, (size_t)w->pair_token[pair], &q[j], &d[j], &c[j]);
-        else
-            row_of(&w->a, (size_t)pair, &q[j], &d[j], &c[j]);
-    }
-}
-
-/* stage 1, one item: an expert's 64 fc1 rows of one activation block (32 gate and 32 up rows, interleaved) for all
- * its pairs, then silu(gate) * up of that block quantized into each pair's activation */
-static void run_fc1(void *data, size_t item) {
-    Work *w = (Work *)data;
-    const int blocks = w->I / BLOCK, e = w->experts_used[item / blocks], block = (int)(item % blocks);
-    const int D = w->D, rows = 2 * w->I;
-    const uint8_t *weights = w->fc1 + ((size_t)e * rows + (size_t)block * 2 * BLOCK) * w->fc1_row;
-    const void *scales = scale_row(w->s1, w->half, ((size_t)e * rows + (size_t)block * 2 * BLOCK) * (D / BLOCK));
-    const int first = w->start[e], n = w->count[e];
+/* one activation block of a SwiGLU MLP for n rows of operands (the tokens first .. first + n - 1, or, where token_of,
+ * the pairs first .. whose token it gives): its 32 gate rows (row i at gate + i * step bytes, its scales i * scale_step
+ * values from gs) and 32 up rows (the same from up, us), read one gate and one up row at a time; then silu(gate) * up
+ * of that block quantized into each operand's row of act (block `block` of act->K) */
+static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, size_t step, const void *gs,
+                         const void *us, size_t scale_step, int block, const int *token_of, int first, int n,
+                         const Rows *act) {
+    const int D = w->D, K = act->K, blocks = K / BLOCK;
     float h[4][2 * BLOCK], a[BLOCK];
     for (int p = 0; p < n; p += 4) {
         const int m = n - p < 4 ? n - p : 4;
         const int8_t *q[4];
         const float *d[4], *c[4];
-        operands(w, 1, first + p, m, q, d, c);
-        for (int r = 0; r < 2 * BLOCK; r++)
-            dot_row(weights + (size_t)r * w->fc1_row, scale_row(scales, w->half, (size_t)r * (D / BLOCK)), w->half, D,
-                    w->bits, m, q, d, c,
-                    &h[0][r], 2 * BLOCK, 0);
+        for (int j = 0; j < m; j++)
+            row_of(&w->x, (size_t)(token_of ? token_of[first + p + j] : first + p + j), &q[j], &d[j], &c[j]);
+        for (int i = 0; i < BLOCK; i++) {
+            dot_row(gate + (size_t)i * step, scale_row(gs, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
+                    d, c, &h[0][2 * i], 2 * BLOCK, 0);
+            dot_row(up + (size_t)i * step, scale_row(us, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
+                    d, c, &h[0][2 * i + 1], 2 * BLOCK, 0);
+        }
         for (int j = 0; j < m; j++) {
-            const size_t pair = (size_t)(first + p + j);
+            const size_t row = (size_t)(first + p + j);
             for (int i = 0; i < BLOCK; i++) {
-                const float gate = h[j][2 * i], up = h[j][2 * i + 1];
-                a[i] = gate / (1.f + expf(-gate)) * up;
+                const float g = h[j][2 * i], u = h[j][2 * i + 1];
+                a[i] = g / (1.f + expf(-g)) * u;
             }
-            quantize_block(a, w->I, block, w->bits, w->a.q + pair * w->I, w->a.d + pair * blocks,
-                           w->a.c + pair * blocks);
+            quantize_block(a, K, block, w->bits, act->q + row * K, act->d + row * blocks, act->c + row * blocks);
         }
     }
 }
 
-/* stage 2, one item: an expert's TILE fc2 rows for all its pairs */
-static void run_fc2(void *data, size_t item) {
-    Work *w = (Work *)data;
-    const int e = w->experts_used[item / w->tiles2], tile = (int)(item % w->tiles2);
-    const int D = w->D, K = w->I;
-    const uint8_t *weights = w->fc2 + (size_t)e * D * w->fc2_row;
-    const void *scales = scale_row(w->s2, w->half, (size_t)e * D * (K / BLOCK));
-    const int r0 = tile * TILE, r1 = r0 + TILE < D ? r0 + TILE : D;
-    const int first = w->start[e], n = w->count[e];
+/* rows r0 .. r1 - 1 of a down projection (weights: D rows of act->K values, scales in row order) for the operands
+ * first .. first + n - 1 of act, into o's rows first .. (D wide) */
+static void down_rows(const Work *w, const uint8_t *weights, const void *scales, int r0, int r1, const Rows *act,
+                      int first, int n, float *o) {
+    const int D = w->D, K = act->K;
+    const size_t row_bytes = (size_t)K * w->bits / 8;
     for (int p = 0; p < n; p += 4) {
         const int m = n - p < 4 ? n - p : 4;
         const int8_t *q[4];
         const float *d[4], *c[4];
-        operands(w, 2, first + p, m, q, d, c);
+        for (int j = 0; j < m; j++) row_of(act, (size_t)(first + p + j), &q[j], &d[j], &c[j]);
         for (int r = r0; r < r1; r++)
-            dot_row(weights + (size_t)r * w->fc2_row, scale_row(scales, w->half, (size_t)r * (K / BLOCK)), w->half, K,
-                    w->bits, m, q, d, c,
-                    w->o + (size_t)(first + p) * D + r, (size_t)D, 0);
+            dot_row(weights + (size_t)r * row_bytes, scale_row(scales, w->half, (size_t)r * (K / BLOCK)), w->half, K,
+                    w->bits, m, q, d, c, o + (size_t)(first + p) * D + r, (size_t)D, 0);
     }
+}
+
+/* stage 1, one item: a routed expert's 64 fc1 rows of one activation block (32 gate and 32 up rows, interleaved) for
+ * all its pairs, or one block of the shared experts' gate and up rows for all tokens */
+static void run_fc1(void *data, size_t item) {
+    Work *w = (Work *)data;
+    if ((int)item >= w->items1) {
+        const Shared *s = &w->shared;
+        const int block = (int)item - w->items1, D = w->D;
+        const size_t first = (size_t)block * BLOCK;
+        swiglu_block(w, s->gate + first * w->fc1_row, s->up + first * w->fc1_row, w->fc1_row,
+                     scale_row(s->gs, w->half, first * (D / BLOCK)), scale_row(s->us, w->half, first * (D / BLOCK)),
+                     D / BLOCK, block, NULL, 0, w->T, &s->a);
+        return;
+    }
+    const int blocks = w->I / BLOCK, e = w->experts_used[item / blocks], block = (int)(item % blocks);
+    const int D = w->D, rows = 2 * w->I;
+    const size_t row = (size_t)e * rows + (size_t)block * 2 * BLOCK; /* the block's first (gate) row */
+    swiglu_block(w, w->fc1 + row * w->fc1_row, w->fc1 + (row + 1) * w->fc1_row, 2 * w->fc1_row,
+                 scale_row(w->s1, w->half, row * (D / BLOCK)), scale_row(w->s1, w->half, (row + 1) * (D / BLOCK)),
+                 2 * (size_t)(D / BLOCK), block, w->pair_token, w->start[e], w->count[e], &w->a);
+}
+
+/* stage 2, one item: a routed expert's TILE fc2 rows for all its pairs, or the shared experts' for all tokens */
+static void run_fc2(void *data, size_t item) {
+    Work *w = (Work *)data;
+    const int D = w->D, shared = (int)item >= w->items2;
+    const int tile = shared ? (int)item - w->items2 : (int)(item % w->tiles2);
+    const int r0 = tile * TILE, r1 = r0 + TILE < D ? r0 + TILE : D;
+    if (shared) {
+        down_rows(w, w->shared.down, w->shared.ds, r0, r1, &w->shared.a, 0, w->T, w->shared.o);
+        return;
+    }
+    const int e = w->experts_used[item / w->tiles2];
+    down_rows(w, w->fc2 + (size_t)e * D * w->fc2_row, scale_row(w->s2, w->half, (size_t)e * D * (w->I / BLOCK)), r0,
+              r1, &w->a, w->start[e], w->count[e], w->o);
 }
 
 /* fn(data, i) for i in [0, n): on this thread where `work` (about the multiply-adds or values of the whole) is below
@@ -647,11 +689,16 @@ static int group_pairs(const int *chosen, size_t pairs, int k, int E, int *count
     return n_used;
 }
 
-/* y [T, D] = for each token, the sum over its k choices of the choice's weight times its pair's row of o [pairs, D] */
-static void combine(float *y, int T, int D, int k, const float *weight, const int *pair_of, const float *o) {
+/* y [T, D] = for each token, the sum over its k choices of the choice's weight times its pair's row of o [pairs, D],
+ * plus its row of shared [T, D] where given (the shared experts') */
+static void combine(float *y, int T, int D, int k, const float *weight, const int *pair_of, const float *o,
+                    const float *shared) {
     for (int t = 0; t < T; t++) {
         float *out = y + (size_t)t * D;
-        memset(out, 0, D * sizeof(float));
+        if (shared)
+            memcpy(out, shared + (size_t)t * D, D * sizeof(float));
+        else
+            memset(out, 0, D * sizeof(float));
         for (int j = 0; j < k; j++) {
             const float wj = weight[(size_t)t * k + j];
             const float *row = o + (size_t)pair_of[(size_t)t * k + j] * D;
@@ -660,11 +707,45 @@ static void combine(float *y, int T, int D, int k, const float *weight, const in
     }
 }
 
+static OrtStatus *shared_of(const OrtValue *const *in, int D, int bits, int half, Shared *s) {
+    s->I = 0;
+    int given = 0;
+    for (int i = 0; i < 6; i++) given += in[i] != NULL;
+    if (!given) return NULL;
+    if (given != 6) return fail("RoutedExperts: the shared experts take all of inputs 7 to 12 or none");
+    int64_t g[3], u[3], dn[3];
+    const char *layout = "RoutedExperts: shared gate and up weights must be uint8 [I, D/32, 32*bits/8], down [D, I/32, "
+                         "32*bits/8], each with N*K/32 float or float16 scales of the routed experts' type";
+    CHECK(shape_of(in[0], TYPE_UINT8, 3, g, layout));
+    CHECK(shape_of(in[2], TYPE_UINT8, 3, u, layout));
+    CHECK(shape_of(in[4], TYPE_UINT8, 3, dn, layout));
+    const int64_t I = g[0], row = BLOCK * bits / 8;
+    if (I < BLOCK || I % BLOCK || g[1] != D / BLOCK || g[2] != row || u[0] != I || u[1] != g[1] || u[2] != row ||
+        dn[0] != D || dn[1] != I / BLOCK || dn[2] != row)
+        return fail(layout);
+    for (int i = 1; i < 6; i += 2) {
+        OrtShapeInfo *info;
+        size_t count = 0;
+        int type = 0;
+        CHECK(CALL(GetTensorTypeAndShape)(in[i], &info));
+        OrtStatus *status = CALL(GetTensorShapeElementCount)(info, &count);
+        if (!status) status = CALL(GetTensorElementType)(info, &type);
+        CALL(ReleaseTensorTypeAndShapeInfo)(info);
+        if (status) return status;
+        if (count != (size_t)I * (D / BLOCK) || type != (half ? TYPE_FLOAT16 : TYPE_FLOAT)) return fail(layout);
+    }
+    void *ptr[6];
+    for (int i = 0; i < 6; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    s->I = (int)I;
+    s->gate = ptr[0], s->gs = ptr[1], s->up = ptr[2], s->us = ptr[3], s->down = ptr[4], s->ds = ptr[5];
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     const Kernel *kernel = (const Kernel *)kernel_data;
     const int given = kernel->normalize == 0; /* the routing comes chosen: weights [T, k] and experts [T, k] */
-    const OrtValue *in[7];
-    for (size_t i = 0; i < 7; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    const OrtValue *in[INPUTS];
+    for (size_t i = 0; i < INPUTS; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
     int64_t xs[2], rs[2], w1[3], s1[3], w2[3], s2[3], cs[2];
     for (int i = 0; i < 6; i++)
         if (!in[i]) return fail("RoutedExperts: inputs 0 to 5 are required");
@@ -688,17 +769,21 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
         s1[1] != 2 * I || s1[2] != D / BLOCK || w2[0] != E || w2[1] != D || w2[2] != (int64_t)I * bits / 8 ||
         s2[0] != E || s2[1] != D || s2[2] != I / BLOCK || D % BLOCK || I % BLOCK || k < 1 || k > E)
         return fail("RoutedExperts: the input shapes do not agree (see cpu_ops.c)");
+    Shared shared;
+    CHECK(shared_of(in + 7, D, bits, half1, &shared));
+    const int Is = shared.I;
     OrtValue *output;
     CHECK(CALL(KernelContext_GetOutput)(ctx, 0, xs, 2, &output));
     void *ptr[7];
     for (int i = 0; i < 6; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[6]));
     float *y = (float *)ptr[6];
-    const void *weights[4] = {ptr[2], ptr[3], ptr[4], ptr[5]};
-    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * bits / 8,
-                                    (size_t)E * 2 * I * (D / BLOCK) * scale_bytes(half1), (size_t)E * D * I * bits / 8,
-                                    (size_t)E * D * (I / BLOCK) * scale_bytes(half1)};
-    advise_huge(&((Kernel *)kernel_data)->advised, weights, weight_bytes, 4);
+    const size_t scale = scale_bytes(half1), shared_rows = (size_t)Is * D * bits / 8, shared_scales = (size_t)Is * (D / BLOCK) * scale;
+    const void *weights[10] = {ptr[2], ptr[3], ptr[4], ptr[5], shared.gate, shared.gs, shared.up, shared.us, shared.down, shared.ds};
+    const size_t weight_bytes[10] = {(size_t)E * 2 * I * D * bits / 8, (size_t)E * 2 * I * (D / BLOCK) * scale,
+                                     (size_t)E * D * I * bits / 8, (size_t)E * D * (I / BLOCK) * scale,
+                                     shared_rows, shared_scales, shared_rows, shared_scales, shared_rows, shared_scales};
+    advise_huge(&((Kernel *)kernel_data)->advised, weights, weight_bytes, Is ? 10 : 4);
     if (T == 0) return NULL;
     const float *x = (const float *)ptr[0], *router = (const float *)ptr[1];
     const int64_t *picked = NULL;
@@ -715,7 +800,9 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     const size_t bytes = aligned(pairs * sizeof(int)) * 3 + aligned(E * sizeof(int)) * 3 +
                          aligned(pairs * sizeof(float)) + aligned((size_t)T * D) +
                          2 * aligned((size_t)T * (D / BLOCK) * sizeof(float)) + aligned(pairs * I) +
-                         2 * aligned(pairs * (I / BLOCK) * sizeof(float)) + aligned(pairs * D * sizeof(float));
+                         2 * aligned(pairs * (I / BLOCK) * sizeof(float)) + aligned(pairs * D * sizeof(float)) +
+                         aligned((size_t)T * Is) + 2 * aligned((size_t)T * (Is / BLOCK) * sizeof(float)) +
+                         aligned((size_t)(Is ? T : 0) * D * sizeof(float));
     Scratch scratch = {malloc(bytes), NULL};
     if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "RoutedExperts: out of memory");
     scratch.at = scratch.base;
@@ -743,17 +830,24 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     }
     const int n_used = group_pairs(chosen, pairs, k, E, count, start, used, pair_token, pair_of);
 
-    Work w = {D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5],
+    Work w = {T, D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5],
               (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
-              {x, D, bits, NULL, NULL, NULL}, {NULL, I, bits, NULL, NULL, NULL}, NULL, (D + TILE - 1) / TILE};
+              {x, D, bits, NULL, NULL, NULL}, {NULL, I, bits, NULL, NULL, NULL}, NULL, (D + TILE - 1) / TILE,
+              n_used * (I / BLOCK), 0, shared};
+    w.items2 = n_used * w.tiles2;
     w.x.q = take(&scratch, (size_t)T * D), w.x.d = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float));
     w.x.c = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float)), w.a.q = take(&scratch, pairs * I);
     w.a.d = take(&scratch, pairs * (I / BLOCK) * sizeof(float));
     w.a.c = take(&scratch, pairs * (I / BLOCK) * sizeof(float)), w.o = take(&scratch, pairs * D * sizeof(float));
+    w.shared.a = (Rows){NULL, Is, bits, take(&scratch, (size_t)T * Is), NULL, NULL};
+    w.shared.a.d = take(&scratch, (size_t)T * (Is / BLOCK) * sizeof(float));
+    w.shared.a.c = take(&scratch, (size_t)T * (Is / BLOCK) * sizeof(float));
+    w.shared.o = take(&scratch, (size_t)(Is ? T : 0) * D * sizeof(float));
+    const size_t items1 = (size_t)w.items1 + (Is ? (size_t)Is / BLOCK : 0), items2 = (size_t)w.items2 + (Is ? w.tiles2 : 0);
     OrtStatus *status = quantize_rows(ctx, &w.x, (size_t)T);
-    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
-    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc2, (size_t)n_used * w.tiles2, 0, &w);
-    if (!status) combine(y, T, D, k, weight, pair_of, w.o);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc1, items1, 0, &w);
+    if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_fc2, items2, 0, &w);
+    if (!status) combine(y, T, D, k, weight, pair_of, w.o, Is ? w.shared.o : NULL);
     free(scratch.base);
     return status;
 }
@@ -788,10 +882,13 @@ static const char *op_name(const OrtCustomOp *op) { (void)op; return "RoutedExpe
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
-    return i == 2 || i == 4 ? TYPE_UINT8 : i == 6 ? TYPE_INT64 : i == 3 || i == 5 ? TYPE_UNDEFINED : TYPE_FLOAT;
+    return i == 2 || i == 4 || i == 7 || i == 9 || i == 11 ? TYPE_UINT8
+           : i == 6                                         ? TYPE_INT64
+           : i == 3 || i == 5 || i >= 8                     ? TYPE_UNDEFINED /* scales: float or float16 */
+                                                            : TYPE_FLOAT;
 }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 7; }
-static int optional_last(const OrtCustomOp *op, size_t i) { (void)op; return i == 6; } /* 1: INPUT_OUTPUT_OPTIONAL */
+static size_t input_count(const OrtCustomOp *op) { (void)op; return INPUTS; }
+static int optional_last(const OrtCustomOp *op, size_t i) { (void)op; return i >= 6; } /* 1: INPUT_OUTPUT_OPTIONAL */
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static int required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; }
@@ -1612,7 +1709,7 @@ static OrtStatus *float_experts_compute(void *kernel_data, OrtKernelContext *ctx
                    take(&scratch, pairs * D * sizeof(float)), (D + TILE - 1) / TILE};
     OrtStatus *status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc2, (size_t)n_used * w.tiles2, 0, &w);
-    if (!status) combine((float *)ptr[5], T, D, k, routing, pair_of, w.o);
+    if (!status) combine((float *)ptr[5], T, D, k, routing, pair_of, w.o, NULL);
     free(scratch.base);
     return status;
 }

@@ -237,6 +237,116 @@ def test_given_routing_outside_the_experts_is_refused(libraries):
         _run(model, feeds, libraries["portable"].path)
 
 
+SHARED = 96  # the shared experts' intermediate size: 3 blocks of 32
+
+
+def _shared_experts_model(bits: int, reader: str | None = None):
+    """A MoE layer as the export writes it for ONNX Runtime: ``QMoE`` over ``h`` reshaped to ``[T, D]``, its output
+    reshaped back and added to the shared experts' ``down(silu(gate(h)) * up(h))`` (three ``MatMulNBits`` products,
+    ``silu`` as ``Mul(g, Sigmoid(g))``). ``reader``: a tensor of the shared experts also made a graph output (the
+    fold must then leave the layer alone)."""
+    rng = np.random.default_rng(bits + 7)
+
+    def product(name, n, k):
+        return [numpy_helper.from_array(rng.integers(0, 256, size=(n, k // 32, 32 * bits // 8), dtype=np.uint8),
+                                        f"{name}.q"),
+                numpy_helper.from_array(_half_values(rng.random(n * k // 32, dtype=np.float32) * 0.02 + 0.005),
+                                        f"{name}.s")]
+
+    def nbits(name, a, out, n, k):
+        return helper.make_node("MatMulNBits", [a, f"{name}.q", f"{name}.s"], [out], domain="com.microsoft", K=k, N=n,
+                                bits=bits, block_size=32, accuracy_level=4)
+
+    qmoe = _qmoe(bits, 1)
+    qmoe.input[0], qmoe.output[0] = "x", "moe"
+    nodes = [helper.make_node("Constant", [], ["flat"], value_ints=[-1, D]),
+             helper.make_node("Reshape", ["h", "flat"], ["x"]), qmoe,
+             helper.make_node("Shape", ["h"], ["h_shape"]),
+             helper.make_node("Reshape", ["moe", "h_shape"], ["routed"]),
+             nbits("gate", "h", "g", SHARED, D), helper.make_node("Sigmoid", ["g"], ["sig"]),
+             helper.make_node("Mul", ["g", "sig"], ["silu"]), nbits("up", "h", "u", SHARED, D),
+             helper.make_node("Mul", ["silu", "u"], ["act"]), nbits("down", "act", "shared", D, SHARED),
+             helper.make_node("Add", ["routed", "shared"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", D])]
+    if reader:
+        outputs.append(helper.make_tensor_value_info(reader, TensorProto.FLOAT, None))
+    weights = [numpy_helper.from_array(w, n) for w, n in zip(_weights(bits), ("w1", "s1", "w2", "s2"))]
+    graph = helper.make_graph(
+        nodes, "layer", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "T", D]),
+                         helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])], outputs,
+        weights + product("gate", SHARED, D) + product("up", SHARED, D) + product("down", D, SHARED))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_shared_experts_fold_into_the_operator(libraries, bits, tokens, build):
+    """The build's fold (``fold_shared_experts``): the layer's shared experts become inputs 7 to 12 of its
+    RoutedExperts, and the gate, sigmoid, silu, up, product, down and add nodes go; the output equals ONNX Runtime's
+    QMoE plus its three MatMulNBits products to float32 rounding (the same int8 quantization of each token and of
+    the activation), but for one thing: ONNX Runtime's Sigmoid and the operator's expf differ in the last bits, so an
+    activation value on a rounding boundary may quantize one int8 step apart. One token of a batch may then differ by
+    at most that step times the largest down weight (measured: one of the 140 tokens below). Other shared weights
+    give another output (the operator reads them)."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    model = _shared_experts_model(bits, reader="act")
+    rng = np.random.default_rng(tokens)
+    feeds = {"h": rng.standard_normal((1, tokens, D), dtype=np.float32),
+             "r": rng.standard_normal((tokens, E), dtype=np.float32)}
+    want, act = _run(model, feeds, None)
+    del model.graph.output[1]
+    scales = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    step = np.abs(act).reshape(tokens, -1, 32).max(axis=-1) / 127  # one int8 step of each activation block
+    flip = step.max(axis=-1) * scales["down.s"].max() * 2 ** (bits - 1)  # its largest effect on an output, per token
+    assert own_ops.swap_experts(model) == 1 and own_ops.swap_linear(model) == 3
+    assert own_ops.fold_shared_experts(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Constant", "Reshape", own_ops.OP_TYPE, "Shape", "Reshape"]
+    node = model.graph.node[2]
+    assert list(node.input[6:]) == ["", "gate.q", "gate.s", "up.q", "up.s", "down.q", "down.s"]
+    assert model.graph.node[-1].output[0] == "y"
+    got = _run(model, feeds, library.path)[0]
+    scale = np.abs(want).max()
+    assert got.shape == want.shape == (1, tokens, D) and scale > 0
+    error = np.abs(got - want).max(axis=-1)[0]  # per token
+    apart = error > 2e-5 * scale
+    assert apart.sum() <= 1 and (error <= 2e-5 * scale + flip).all(), (error / scale, flip / scale)
+    down = next(t for t in model.graph.initializer if t.name == "down.q")
+    down.CopyFrom(numpy_helper.from_array(255 - numpy_helper.to_array(down), "down.q"))
+    other = _run(model, feeds, library.path)[0]
+    assert np.abs(other - want).max() > 0.1 * scale
+
+
+@pytest.mark.parametrize("reader", ["g", "sig", "act", "shared", "moe"])
+def test_shared_experts_read_elsewhere_stay_apart(reader):
+    """A tensor between the experts and the sum read by something else too: nothing is folded."""
+    model = _shared_experts_model(4, reader=reader)
+    own_ops.swap_experts(model), own_ops.swap_linear(model)
+    before = [n.op_type for n in model.graph.node]
+    assert own_ops.fold_shared_experts(model) == 0
+    assert [n.op_type for n in model.graph.node] == before
+
+
+def test_shared_experts_refuse_inputs_that_do_not_agree(libraries):
+    """Inputs 7 to 12 given in part, or of another size than the layer's, fail the run in one ONNX Runtime error."""
+    model = _shared_experts_model(4)
+    own_ops.swap_experts(model), own_ops.swap_linear(model), own_ops.fold_shared_experts(model)
+    feeds = {"h": np.ones((1, 2, D), np.float32), "r": np.ones((2, E), np.float32)}
+    partial = model.__class__.FromString(model.SerializeToString())
+    partial.graph.node[2].input[12] = ""
+    with pytest.raises(Exception, match="all of inputs 7 to 12 or none"):
+        _run(partial, feeds, libraries["portable"].path)
+    wrong = model.__class__.FromString(model.SerializeToString())
+    wrong.graph.node[2].input[11] = "gate.q"  # [SHARED, D/32, 16] where down's [D, SHARED/32, 16] belongs
+    with pytest.raises(Exception, match="shared gate and up weights must be"):
+        _run(wrong, feeds, libraries["portable"].path)
+
+
 def _float_round_trip():
     """The export's routing round trip around a float ``MoE`` (:func:`_routing_round_trip`'s, float weights)."""
     model = _routing_round_trip(4)
@@ -501,12 +611,12 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
     out = ok(cli("build", art, "--target", "cpu"))
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
-    linear = record["linear"]  # every quantized product, the lm_head's too
-    half = 2 * 2 + linear  # every scale tensor: the export's scales are float16 values
+    linear = record["linear"]  # every quantized product but the shared experts', the lm_head's too
+    half = 2 * 2 + 3 * 2 + linear  # every scale tensor: the export's scales are float16 values
     routers = record["float_linear"]  # the routers' float weights [D, E], one per MoE node
-    assert routers == record["experts"]
+    assert routers == record["experts"] == record["shared"]  # each MoE node computes its shared expert too
     assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
-            f"x{routers} (cpu_ops.so, {half} scale tensors as float16)") in out, out
+            f"x{routers} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
     assert not list(art.glob(".cpu*")) and not list((art / "cpu").glob("*.scales16"))  # the build's side file: gone
@@ -514,9 +624,12 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
         model = onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False)
         ops = [n.op_type for n in model.graph.node]
         assert ops.count(own_ops.OP_TYPE) == 1 and "QMoE" not in ops and "MatMulNBits" not in ops
-        assert ops.count(own_ops.LINEAR_OP_TYPE) == linear // 2
+        assert ops.count(own_ops.LINEAR_OP_TYPE) == linear // 2 and "Sigmoid" not in ops
+        experts = next(n for n in model.graph.node if n.op_type == own_ops.OP_TYPE)
+        assert [next(p for p in ("gate", "up", "down") if f".shared_experts.{p}_proj." in name)
+                for name in experts.input[7:]] == ["gate", "gate", "up", "up", "down", "down"]
         types = {t.name: t.data_type for t in model.graph.initializer}
-        scales = [n.input[i] for n in model.graph.node for i in ((3, 5) if n.op_type == own_ops.OP_TYPE else
+        scales = [n.input[i] for n in model.graph.node for i in ((3, 5, 8, 10, 12) if n.op_type == own_ops.OP_TYPE else
                                                                  (2,) if n.op_type == own_ops.LINEAR_OP_TYPE else ())]
         assert scales and {types.get(name) for name in scales} == {TensorProto.FLOAT16}  # read as they are: no Cast
     assert _tokens(art) == _tokens(art, "--no-engine")
