@@ -120,7 +120,11 @@ def test_the_table_of_a_real_run_sets_each_precision_beside_its_llama_cpp_type()
         assert r["ratio"] == pytest.approx(r["ours_tokens_per_s"] / r["llama_tokens_per_s"])
         assert r["llama_gbps"] == pytest.approx(read[r["llama_type"]][r["context"]] * theirs["tokens_per_s"] / 1e9)
         assert (r["ours_prefill_tokens_per_s"] is not None) == (r["context"] == 0)
-    text = table.text(rows, table.bound([report], [], rows), "title")
+    bound = table.bound([report], [], rows)
+    names = {f"ours {r['weights']} decode @ {r['context']}" for r in rows} | {
+        f"llama.cpp {r['llama_type']} decode @ {r['context']}" for r in rows}
+    assert bound["check"]["fastest"] in names  # each engine named by its own precision (ours: int4, not Q4_0)
+    text = table.text(rows, bound, "title")
     assert "ours / llama.cpp" in text and "int4 / Q4_0" in text and "bandwidth bound:" in text
 
 

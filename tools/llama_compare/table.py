@@ -120,8 +120,8 @@ def bound(reports: list[dict], probes: list[dict], table: list[dict]) -> dict:
     kernel = max(probes, key=lambda p: p["read_gbps"])["read_kernel"] if probes else None
     achieved = {}
     for r in table:
-        for engine, key in (("ours", "ours_gbps"), ("llama.cpp", "llama_gbps")):
-            name = f"{engine} {r['llama_type']} decode @ {r['context']}"
+        for engine, key in ((f"ours {r['weights']}", "ours_gbps"), (f"llama.cpp {r['llama_type']}", "llama_gbps")):
+            name = f"{engine} decode @ {r['context']}"
             if r[key] and r[key] > achieved.get(name, (0.0, 0.0))[0]:
                 achieved[name] = (r[key], 0.0)
     check = check_bound(achieved, max(best), None)
