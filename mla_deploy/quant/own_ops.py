@@ -13,15 +13,28 @@ LINEAR_OP_TYPE = "BlockwiseMatMul"
 HEADWISE_OP_TYPE = "HeadwiseMatMul"
 
 
+def _attributes(node) -> dict:
+    """Name -> Python value of each attribute of the NodeProto ``node``."""
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _made_by(producer: dict, name: str, op_type: str, domain: str = ""):
+    """The node that makes ``name`` (``producer``: tensor name -> NodeProto) when it is a ``domain`` ``op_type`` (the
+    default: ONNX's own domain, written "" or "ai.onnx"), else None."""
+    found = producer.get(name)
+    domains = ("", "ai.onnx") if domain == "" else (domain,)
+    return found if found is not None and found.op_type == op_type and found.domain in domains else None
+
+
 def _eligible(node) -> dict | None:
     """The RoutedExperts attributes of the ``QMoE`` NodeProto ``node`` when the operator computes exactly what it
     does, else None: int4/int8 blocks of 32, SwiGLU with gate and up interleaved (``swiglu_fusion`` 1, alpha 1,
     beta 0, no limit), no biases, zero points or separate routing weights, ``accuracy_level`` 4, the weights
     normalised over the chosen experts (``normalize_routing_weights`` 1: the only setting the export writes; with 0,
     ONNX Runtime 1.31's CPU ``QMoE`` was measured to normalise all the same, so the operator does not take it)."""
-    from onnx import helper
-
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = _attributes(node)
     activation = attrs.get("activation_type", b"relu")
     wanted = {"expert_weight_bits": attrs.get("expert_weight_bits", 4) in (4, 8),
               "block_size": attrs.get("block_size") == 32,
@@ -44,9 +57,7 @@ def _linear_eligible(node, dims: dict) -> dict | None:
     scales initializers (``dims``: initializer name -> shape) of the layout ``[N, K/32, 32*bits/8]`` and ``N*K/32``
     values. Every size: the lm_head too, whose weights the operator reads from the engine's file on 2 MiB pages
     (``advise_huge`` in ``cpu_ops.c``) faster than ``MatMulNBits`` reads its packed copy (README)."""
-    from onnx import helper
-
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = _attributes(node)
     k, n, bits, block = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4), attrs.get("block_size")
     used = [i for i, name in enumerate(node.input) if name]
     if (used != [0, 1, 2] or bits not in (4, 8) or block != 32 or attrs.get("accuracy_level", 0) != 4 or not k
@@ -103,7 +114,7 @@ def _give_routing(model) -> int:
         if found is None:
             continue
         weights, idx, mul = found
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = _attributes(node)
         attrs["normalize_routing_weights"] = 0
         given = helper.make_node(OP_TYPE, [node.input[0], weights, *node.input[2:6], idx], list(mul.output),
                                  name=node.name, domain=DOMAIN, **attrs)
@@ -123,8 +134,6 @@ def fold_shared_experts(model) -> int:
     (``plugins/ort_cpu/cpu_ops.c``): the gate, sigmoid, silu, up, product, down and add nodes go (7 per MoE layer),
     and the shared experts' rows are streamed in the same pass as the routed ones'. Returns how many nodes were
     given their shared experts."""
-    from onnx import helper
-
     graph = model.graph
     producer, consumers = _links(list(graph.node))
     outputs = {o.name for o in graph.output}
@@ -135,17 +144,13 @@ def fold_shared_experts(model) -> int:
         return found[0] if len(found) == 1 and name not in outputs else None
 
     def made_by(name, op_type, domain=""):
-        found = producer.get(name)
-        return found if found is not None and (found.op_type, found.domain or "") == (op_type, domain) else None
-
-    def attrs_of(node):
-        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        return _made_by(producer, name, op_type, domain)
 
     folded, dropped = 0, []
     for node in [n for n in graph.node if (n.domain, n.op_type) == (DOMAIN, OP_TYPE)]:
         if any(node.input[7:]):
             continue
-        bits = attrs_of(node).get("expert_weight_bits")
+        bits = _attributes(node).get("expert_weight_bits")
         fc1 = dims.get(node.input[2])
         if bits not in (4, 8) or fc1 is None or len(fc1) != 3:
             continue
@@ -183,7 +188,7 @@ def fold_shared_experts(model) -> int:
         if found is None:
             continue
         gate, sigmoid, silu, up = found
-        g, u, d = attrs_of(gate), attrs_of(up), attrs_of(down)
+        g, u, d = _attributes(gate), _attributes(up), _attributes(down)
         width = g.get("N")
         if (gate.input[0] not in sources or up.input[0] != gate.input[0] or {g.get("bits"), u.get("bits"),
                                                                               d.get("bits")} != {bits}
@@ -238,7 +243,7 @@ def swap_float_experts(model) -> int:
     constant = _constants(model)
     swapped, freed = 0, []
     for node in [n for n in graph.node if (n.domain, n.op_type) == ("com.microsoft", "MoE")]:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = _attributes(node)
         activation = attrs.get("activation_type", b"relu")
         inputs = list(node.input) + [""] * (5 - len(node.input))
         if ((activation.decode() if isinstance(activation, bytes) else activation) != "swiglu"
@@ -289,14 +294,13 @@ def _replace(graph, experts, mul, given) -> list[str]:
 def _routing_pattern(node, producer, consumers, outputs, constant) -> tuple[str, str, object] | None:
     """``(weights, idx, the Mul node)`` when the RoutedExperts ``node`` reads the export's routing round trip
     (:func:`swap_experts`), else None. ``constant``: tensor name -> numpy value of the graph's constants."""
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     def made_by(name, op_type):
-        found = producer.get(name)
-        return found if found is not None and found.op_type == op_type and found.domain in ("", "ai.onnx") else None
+        return _made_by(producer, name, op_type)
 
     def attr(n, name, default=None):
-        return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+        return _attributes(n).get(name, default)
 
     def small(name, below):  # a constant whose every value is < below
         value = constant.get(name)
@@ -421,7 +425,7 @@ def swap_headwise(model) -> int:
     bits_of = {TensorProto.INT4: 4, TensorProto.INT8: 8}
     swapped = 0
     for dq in [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")]:
-        attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+        attrs = _attributes(dq)
         q, scale = (inits.get(name) for name in (list(dq.input) + ["", ""])[:2])
         if (attrs.get("axis", 1) != 2 or attrs.get("block_size") != 32 or len([i for i in dq.input if i]) != 2
                 or q is None or scale is None or q.data_type not in bits_of or len(q.dims) != 3 or q.dims[2] % 32
@@ -547,11 +551,9 @@ def swap_attention(model) -> int:
 def _static_write(node, graph_inputs) -> bool:
     """Whether ``node`` writes a static cache's new rows: ``TensorScatter(past [B, 1, T, C], rows [B, 1, S, C],
     write_indices [B])`` along the slots (axis -2), mode linear, its past and write_indices the graph's inputs."""
-    from onnx import helper
-
     if node.op_type != "TensorScatter" or len(node.input) != 3 or node.input[2] not in graph_inputs:
         return False
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = _attributes(node)
     mode = attrs.get("mode", "linear")
     return attrs.get("axis", -2) in (-2, 2) and (mode.decode() if isinstance(mode, bytes) else mode) == "linear"
 
@@ -630,7 +632,7 @@ def _attention_core(graph, concat, initializers, constant):
         return None
 
     def attr(n, name, default=None):
-        return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+        return _attributes(n).get(name, default)
 
     def scalar(name):
         value = constant.get(name)
