@@ -59,6 +59,15 @@ def _as_half(weights):
     return tuple(w.astype(np.float16) if w.dtype == np.float32 else w for w in weights)
 
 
+def _model(graph, *domains: str, opset: int = 18):
+    """``graph`` as a model of IR version 10 (what ONNX Runtime 1.31 reads) importing ONNX's ``opset`` and version 1
+    of each of ``domains``."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    *(helper.make_opsetid(d, 1) for d in domains)])
+    model.ir_version = 10
+    return model
+
+
 def _session(node, weights, library: Path | None):
     names = ("w1", "s1", "w2", "s2")
     graph = helper.make_graph(
@@ -72,9 +81,7 @@ def _session(node, weights, library: Path | None):
 def _open(graph, library: Path | None):
     """A 2-thread CPU session on ``graph`` (ONNX Runtime's contrib and our operators' domains), ``library``
     registered when given."""
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
-                                                    helper.make_opsetid(own_ops.DOMAIN, 1)])
-    model.ir_version = 10
+    model = _model(graph, "com.microsoft", own_ops.DOMAIN)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     if library is not None:
@@ -172,10 +179,7 @@ def _routing_round_trip(bits: int, also_read: bool = False):
                            helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", K]),
                            helper.make_tensor_value_info("idx", TensorProto.INT64, ["T", K])], outputs,
         [numpy_helper.from_array(w, n) for w, n in zip(_weights(bits), ("w1", "s1", "w2", "s2"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return model
+    return _model(graph, "com.microsoft")
 
 
 def _routing(tokens: int, seed: int):
@@ -275,10 +279,7 @@ def _shared_experts_model(bits: int, reader: str | None = None):
         nodes, "layer", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "T", D]),
                          helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])], outputs,
         weights + product("gate", SHARED, D) + product("up", SHARED, D) + product("down", D, SHARED))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return model
+    return _model(graph, "com.microsoft")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -399,9 +400,7 @@ def _float_linear_model(K: int, N: int, seed: int = 0):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", N]),
          helper.make_tensor_value_info("z", TensorProto.FLOAT, ["B", "T", 3])],
         [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 10
-    return model, w
+    return _model(graph), w
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (2, 3), (1, 8), (1, 9), (4, 16)])
@@ -526,9 +525,7 @@ def _experts_and_linear_model(weights, linear):
                      helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
         [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["T", 2 * I])],
         [numpy_helper.from_array(w, n) for w, n in zip((*weights, b, s), ("w1", "s1", "w2", "s2", "b", "s"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(own_ops.DOMAIN, 1)])
-    model.ir_version = 10
-    return model
+    return _model(graph, own_ops.DOMAIN)
 
 
 @pytest.mark.parametrize("where", ["external", "inline"])
@@ -720,8 +717,7 @@ def test_the_operators_read_the_engine_file_on_huge_pages(libraries, tmp_path):
     graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
                               [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(own_ops.DOMAIN, 1)])
-    model.ir_version = 10
+    model = _model(graph, own_ops.DOMAIN)
     onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
     data = tmp_path / "m.data"
     drop_cached_pages(data)
@@ -761,9 +757,7 @@ def _per_head_graph(q, scales, bits: int, block: int = 32, axis: int = 2, perm=(
              helper.make_node("MatMul", ["a", "wt"], ["y"])]
     graph = helper.make_graph(nodes, "heads", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [h, "M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [h, "M", n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model
+    return _model(graph, opset=21)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
