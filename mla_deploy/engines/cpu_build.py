@@ -132,11 +132,12 @@ class _Operators:
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
         self.attention = self.float_experts = self.half_scales = self.float_linear = self.shared = 0
 
-    def swap(self, model: str | bytes, folder: Path, side: Path):
+    def swap(self, model: str | bytes, folder: Path, side: Path, transposed: Path):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s; its weights under ``folder``)
-        with its eligible nodes swapped and their scales stored as float16 where exact (into the file ``side``, which
-        the model then names; :func:`~mla_deploy.quant.own_ops.store_half_scales`): ``(model, the library to register
-        or None)``."""
+        with its eligible nodes swapped, their scales stored as float16 where exact (into the file ``side``, which
+        the model then names; :func:`~mla_deploy.quant.own_ops.store_half_scales`) and the float weights of its
+        ``FloatMatMul`` nodes transposed (into the file ``transposed``;
+        :func:`~mla_deploy.quant.own_ops.swap_float_linear`): ``(model, the library to register or None)``."""
         import onnx
 
         proto = (onnx.load(str(model), load_external_data=False) if isinstance(model, str)
@@ -153,7 +154,7 @@ class _Operators:
         float_experts = own_ops.swap_float_experts(proto)
         attention = own_ops.swap_attention(proto) if heads else 0
         heads -= 2 * attention  # each core takes its layer's two per-head products inside
-        float_linear = own_ops.swap_float_linear(proto)
+        float_linear = own_ops.swap_float_linear(proto, folder, transposed)
         if not experts + linear + heads + attention + float_experts + float_linear:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
@@ -191,8 +192,9 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
                        (SAVE_PREPACKED, "1" if kept else "0")):
         options.add_session_config_entry(key, value)
     model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
-    side = tmp / f"{stem}.scales16"  # float16 scales: read by the session below into the engine's data, then gone
-    model, library = operators.swap(model, (root / source).parent, side)
+    # float16 scales and transposed float weights: read by the session below into the engine's data, then gone
+    side, transposed = tmp / f"{stem}.scales16", tmp / f"{stem}.transposed"
+    model, library = operators.swap(model, (root / source).parent, side, transposed)
     if library is not None:
         cpu_ops.register(options, library)
         entries = {**entries, EXTERNAL_FOLDER_ENTRY: str((root / source).parent)}  # the swapped graph, as bytes
@@ -205,6 +207,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
         raise ExportError(f"ONNX Runtime could not optimise {source}: {first[:300]}") from exc
     del session  # the files are complete once the session is created; its packed weights are freed here
     side.unlink(missing_ok=True)
+    transposed.unlink(missing_ok=True)
     if not engine.is_file():
         raise ExportError(f"ONNX Runtime did not write the optimised {source}")
     keep_prepacked(engine, kept)

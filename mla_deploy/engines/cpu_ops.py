@@ -20,9 +20,10 @@ in seconds at the size of its weights. Figures: the README's CPU engine section.
 ``HeadwiseMatMul`` computes them): one node where ONNX Runtime ran about 40 small ones per layer.
 
 A float artifact's experts become ``mla_deploy.FloatExperts`` and its ``MatMul`` nodes of a float32 weight
-``mla_deploy.FloatMatMul``: a decode step's few rows (up to 8) computed by the operator, streaming the weight ``[K, N]``
-where ONNX Runtime maps it, whole rows at a time; more rows (a prefill) handed to ONNX Runtime's own ``MatMul``
-kernel through the C API's ``CreateOp``/``InvokeOp``.
+``mla_deploy.FloatMatMul`` of the weight transposed, ``[N, K]`` (the build stores it so): a decode step's few rows (up
+to 8) computed by the operator, each output a dot product over one of its rows, streamed where ONNX Runtime maps
+it; more rows (a prefill) handed to ONNX Runtime's own ``FusedMatMul`` kernel (``transB``) through the C API's
+``CreateOp``/``InvokeOp``.
 
 The CPU engine build (:mod:`~mla_deploy.engines.cpu_build`) compiles the source for the CPU it runs on
 (:func:`compile_library`: ``cc -O3 -march=native``, into the engine folder), swaps every eligible node

@@ -218,15 +218,79 @@ def _float_weights(model) -> set[str]:
     return {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2}
 
 
-def swap_float_linear(model) -> int:
+def swap_float_linear(model, folder=None, side=None) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every ONNX ``MatMul`` whose second input is a
-    float32 initializer ``[K, N]`` (a float artifact's projections, MLPs and ``lm_head``) by
-    ``mla_deploy.FloatMatMul`` over the same inputs; returns how many. The operator computes a decode step's few rows
-    itself, streaming the weight where ONNX Runtime maps it, and hands more rows (a prefill) to ONNX Runtime's own
-    ``MatMul`` kernel (``plugins/ort_cpu/cpu_ops.c``)."""
+    float32 initializer ``[K, N]`` (a float artifact's projections, MLPs and ``lm_head``) that only such ``MatMul``
+    nodes read by ``mla_deploy.FloatMatMul`` over the same input and that weight transposed, ``[N, K]``; returns how
+    many nodes. The transposed copies of external weights (under ``folder``) go into the new file ``side`` (a path
+    under ``folder``, each at a 4 KiB-aligned offset), which the model then names; in-graph weights are transposed in
+    place. The weight keeps its name; its ``[K, N]`` form is no longer in the model, so nothing holds both.
+
+    The operator computes a decode step's few rows itself, each output a dot product over one row of the transposed
+    weight, streaming it where ONNX Runtime maps it, and hands more rows (a prefill) to ONNX Runtime's own
+    ``FusedMatMul`` with ``transB`` (``plugins/ort_cpu/cpu_ops.c``)."""
+    import os
+    from pathlib import Path
+
     weights = _float_weights(model)
-    return _swap(model, "MatMul", FLOAT_LINEAR_OP_TYPE,
-                 lambda node: {} if len(node.input) == 2 and node.input[1] in weights else None, (0, 1), domain="")
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node.domain, node.op_type, i, len(node.input)))
+    outputs = {o.name for o in model.graph.output}
+    only_matmul = {w for w in weights if w not in outputs and readers.get(w)
+                   and all(r == ("", "MatMul", 1, 2) for r in readers[w])}
+    tensors = [t for t in model.graph.initializer if t.name in only_matmul]
+    external = [t for t in tensors if _is_external(t)]
+    if external and (folder is None or side is None):
+        raise ValueError("swap_float_linear: external weights need the folder and a side file")
+    swapped = _swap(model, "MatMul", FLOAT_LINEAR_OP_TYPE,
+                    lambda node: {} if len(node.input) == 2 and node.input[1] in only_matmul else None, (0, 1),
+                    domain="")
+    for tensor in tensors:
+        if not _is_external(tensor):
+            _transpose_inside(tensor)
+    if external:
+        folder, side = Path(folder), Path(side)
+        location = os.path.relpath(side, folder)
+        with open(side, "wb") as out:
+            for tensor in external:
+                _append_transposed(tensor, folder, out, location)
+    return swapped
+
+
+def _is_external(tensor) -> bool:
+    from onnx import TensorProto
+
+    return tensor.data_location == TensorProto.EXTERNAL
+
+
+def _transpose_inside(tensor) -> None:
+    """The in-graph float32 TensorProto ``tensor`` ``[K, N]`` made its transpose ``[N, K]``."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(tensor).T), tensor.name))
+
+
+def _append_transposed(tensor, folder, out, location: str) -> None:
+    """The external float32 TensorProto ``tensor`` ``[K, N]`` (its data under ``folder``) made its transpose ``[N,
+    K]``, appended to the open file ``out`` (named ``location``) at a 4 KiB-aligned offset, :data:`_HALF_CHUNK`
+    values at a time."""
+    import numpy as np
+
+    K, N = (int(d) for d in tensor.dims)
+    entries = {e.key: e.value for e in tensor.external_data}
+    values = np.memmap(folder / entries["location"], dtype="<f4", mode="r", offset=int(entries.get("offset", 0)),
+                       shape=(K, N))
+    offset = -(-out.tell() // 4096) * 4096
+    out.write(b"\0" * (offset - out.tell()))
+    step = max(1, _HALF_CHUNK // max(K, 1))
+    for n0 in range(0, N, step):
+        out.write(np.ascontiguousarray(values[:, n0: n0 + step].T).tobytes())
+    del tensor.dims[:]
+    tensor.dims.extend([N, K])
+    _point_at(tensor, location, offset, out.tell() - offset)
 
 
 def swap_float_experts(model) -> int:
@@ -852,12 +916,21 @@ def _make_half(tensor, where, location: str) -> None:
     from onnx import TensorProto
 
     tensor.data_type = TensorProto.FLOAT16
+    if isinstance(where, tuple):
+        _point_at(tensor, location, *where)
+    else:
+        del tensor.float_data[:]
+        tensor.raw_data = where
+
+
+def _point_at(tensor, location: str, offset: int, length: int) -> None:
+    """Make ``tensor``'s data the ``length`` bytes at ``offset`` of the external file ``location``."""
+    from onnx import TensorProto
+
     del tensor.float_data[:]
     tensor.ClearField("raw_data")
     del tensor.external_data[:]
-    if isinstance(where, tuple):
-        tensor.external_data.add(key="location", value=location)
-        tensor.external_data.add(key="offset", value=str(where[0]))
-        tensor.external_data.add(key="length", value=str(where[1]))
-    else:
-        tensor.raw_data = where
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=location)
+    tensor.external_data.add(key="offset", value=str(offset))
+    tensor.external_data.add(key="length", value=str(length))

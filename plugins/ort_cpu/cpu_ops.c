@@ -94,6 +94,8 @@ enum {
     API_CreateOp = 213,
     API_InvokeOp = 214,
     API_ReleaseOp = 215,
+    API_CreateOpAttr = 211,
+    API_ReleaseOpAttr = 212,
 };
 
 typedef OrtStatus *(*CreateStatus_t)(int code, const char *msg);
@@ -123,6 +125,10 @@ typedef OrtStatus *(*CreateOp_t)(const OrtKernelInfo *info, const char *op_name,
 typedef OrtStatus *(*InvokeOp_t)(const OrtKernelContext *ctx, const OrtOp *op, const OrtValue *const *inputs,
                                  int input_count, OrtValue *const *outputs, int output_count);
 typedef void (*ReleaseOp_t)(OrtOp *op);
+typedef struct OrtOpAttr OrtOpAttr;
+/* type 1: ORT_OP_ATTR_INT; ONNX Runtime reads the value as an int (1.31) or an int64 (later): an int64 holds both */
+typedef OrtStatus *(*CreateOpAttr_t)(const char *name, const void *data, int len, int type, OrtOpAttr **out);
+typedef void (*ReleaseOpAttr_t)(OrtOpAttr *attr);
 
 /* struct OrtCustomOp, up to the fields read at version 16 (the rest zero) */
 struct OrtCustomOp {
@@ -1577,6 +1583,15 @@ static inline __attribute__((always_inline)) void float_dots(const float *w, int
 #if defined(__AVX512F__)
     __m512 acc[4];
     for (int j = 0; j < 4; j++) acc[j] = _mm512_setzero_ps();
+    if (m == 1) { /* one vector (a decode step): two chains of FMAs, so that the loads, not the FMAs' latency, set the
+                   * pace */
+        __m512 odd = _mm512_setzero_ps();
+        for (; c + 32 <= K; c += 32) {
+            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + c), _mm512_loadu_ps(x[0] + c), acc[0]);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(w + c + 16), _mm512_loadu_ps(x[0] + c + 16), odd);
+        }
+        acc[0] = _mm512_add_ps(acc[0], odd);
+    }
     for (; c + 16 <= K; c += 16) {
         __m512 v = _mm512_loadu_ps(w + c);
         __asm__("" : "+v"(v)); /* held in a register for the m products (float_dots_4rows) */
@@ -1584,9 +1599,11 @@ static inline __attribute__((always_inline)) void float_dots(const float *w, int
     }
     for (int j = 0; j < m; j++) total[j] = _mm512_reduce_add_ps(acc[j]);
 #endif
+    double rest[4] = {0., 0., 0., 0.}; /* the values left over (all of them without AVX-512): one sum each, in double
+                                        * so that a long one is no less exact than the vectors' 16 */
     for (; c < K; c++)
-        for (int j = 0; j < m; j++) total[j] += w[c] * x[j][c];
-    for (int j = 0; j < m; j++) out[j * stride] = total[j];
+        for (int j = 0; j < m; j++) rest[j] += (double)w[c] * x[j][c];
+    for (int j = 0; j < m; j++) out[j * stride] = (float)(total[j] + rest[j]);
 }
 
 /* out[j * stride + i] = w_i . x_j for 4 rows w_i (row_stride floats apart) and m (<= 4) vectors: each weight and
@@ -1745,95 +1762,44 @@ static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; retur
 static OrtCustomOp float_experts = OP_TABLE(float_experts_name, float_experts_input_type, float_experts_input_count,
                                             float_experts_create, float_experts_compute, required);
 
-/* ---- mla_deploy.FloatMatMul: ONNX MatMul for float32 A [..., K] and a weight W [K, N] -------------------------
- * Inputs: 0 A float [..., K]; 1 W float [K, N] (the graph's initializer as the export wrote it: nothing re-laid
- * out). Output: float [..., N] = A . W. Up to FLOAT_ROWS rows of A (a decode step): computed here, W streamed once
- * from where ONNX Runtime maps it (on 2 MiB pages, advise_huge), each work item a range of W's rows, four at a time,
- * whole where the sums of its rows stay in L2 (one contiguous run: blocks of 8 KiB of columns streamed at 18 GB/s
- * where whole rows of the lm_head streamed at 26, one thread); items over different rows of the same columns sum
- * their partial products afterwards. More rows (a prefill): ONNX Runtime's own MatMul
- * kernel, created with the kernel (CreateOp, opset 13) and run on the same inputs and output (InvokeOp; it packs W
- * per call, as it does for a weight it was not given at load). The sums are float32 in another order than MLAS's.
- * Why: ONNX Runtime's MatMul reads the packed copy of W it keeps (saved into the engine beside W itself), and
- * streamed it slower than this in a decode step (README, the CPU engine). */
+/* ---- mla_deploy.FloatMatMul: ONNX MatMul for float32 A [..., K] and a weight given transposed, W^T [N, K] ----------
+ * Inputs: 0 A float [..., K]; 1 WT float [N, K] (the graph's weight [K, N] transposed by the engine build,
+ * own_ops.swap_float_linear: row n holds output column n's K weights). Output: float [..., N] = A . W. Up to
+ * FLOAT_ROWS rows of A (a decode step): computed here, each output column a dot product over one of WT's rows,
+ * WT streamed once, row after row, from where ONNX Runtime maps it (on 2 MiB pages, advise_huge), each work item
+ * FLOAT_ITEM_BYTES of its rows. More rows (a prefill): ONNX Runtime's own FusedMatMul (com.microsoft, transB 1: a
+ * MatMul of A and WT transposed), created with the kernel (CreateOp) and run on the same inputs and output (InvokeOp;
+ * it packs WT per call, as it does for a weight it was not given at load). The sums are float32 in another order
+ * than MLAS's.
+ * Why W^T: a dot product over a row streams one run of memory, where A . W over W's rows (each row of W scaled by one
+ * of A's values and added into N sums) streams several at once and rewrites the sums: two threads streamed a 2048 x
+ * 102400 weight at 55-58 GB/s that way, 62-63 as dot products, where a plain read of it reached 62-64 (a throwaway
+ * microbenchmark on the development machine, in its fast bandwidth state; the same in its slow state). */
 
-#define FLOAT_ROWS 8          /* rows of A computed here; more go to ONNX Runtime's MatMul */
-#define FLOAT_SUMS (512 << 10) /* bytes of an item's sums (M rows of its columns) at most: they stay in L2 */
-#define FLOAT_ITEMS 8          /* work items wanted at least: W's rows split where its columns give fewer blocks */
-#define FLOAT_SPLIT_ROWS 64    /* W's rows per split at least */
-#define FLOAT_REDUCE 4096      /* columns per item of the sum over the splits */
+#define FLOAT_ROWS 8                  /* rows of A computed here; more go to ONNX Runtime's FusedMatMul */
+#define FLOAT_ITEM_BYTES (128 << 10) /* bytes of WT per work item, at least one row */
 
 typedef struct {
-    OrtOp *matmul; /* ONNX Runtime's MatMul for more than FLOAT_ROWS rows */
+    OrtOp *matmul; /* ONNX Runtime's FusedMatMul (transB) for more than FLOAT_ROWS rows */
     int advised;
 } FloatLinearKernel;
 
 typedef struct {
-    int M, K, N;
-    const float *a, *w;
-    float *out;     /* [M, N] */
-    float *partial; /* [splits, M, N] where splits > 1, else NULL */
-    int cols, blocks, splits, krows;
+    int M, K, N, rows; /* rows: of WT per item */
+    const float *a, *wt;
+    float *out; /* [M, N] */
 } FloatLinearWork;
 
-/* y[j, c0:c1] = sum over k in [k0, k1) of a[j, k] * w[k, c0:c1], j < M (overwritten) */
-static void float_block(const float *a, int M, int K, const float *w, size_t N, int k0, int k1, int c0, int c1,
-                        float *y, size_t y_stride) {
-    for (int j = 0; j < M; j++) memset(y + (size_t)j * y_stride + c0, 0, (size_t)(c1 - c0) * sizeof(float));
-    int k = k0;
-    for (; k + 4 <= k1; k += 4) {
-        const float *r0 = w + (size_t)k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
-        int c = c0;
-#if defined(__AVX512F__)
-        for (; c + 16 <= c1; c += 16) {
-            const __m512 w0 = _mm512_loadu_ps(r0 + c), w1 = _mm512_loadu_ps(r1 + c);
-            const __m512 w2 = _mm512_loadu_ps(r2 + c), w3 = _mm512_loadu_ps(r3 + c);
-            for (int j = 0; j < M; j++) {
-                const float *x = a + (size_t)j * K + k;
-                float *out = y + (size_t)j * y_stride + c;
-                __m512 acc = _mm512_loadu_ps(out);
-                acc = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[0]), acc);
-                acc = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[1]), acc);
-                acc = _mm512_fmadd_ps(w2, _mm512_set1_ps(x[2]), acc);
-                acc = _mm512_fmadd_ps(w3, _mm512_set1_ps(x[3]), acc);
-                _mm512_storeu_ps(out, acc);
-            }
-        }
-#endif
-        for (; c < c1; c++)
-            for (int j = 0; j < M; j++) {
-                const float *x = a + (size_t)j * K + k;
-                y[(size_t)j * y_stride + c] += r0[c] * x[0] + r1[c] * x[1] + r2[c] * x[2] + r3[c] * x[3];
-            }
-    }
-    for (; k < k1; k++) {
-        const float *r = w + (size_t)k * N;
-        for (int j = 0; j < M; j++) {
-            const float x = a[(size_t)j * K + k];
-            float *out = y + (size_t)j * y_stride;
-            for (int c = c0; c < c1; c++) out[c] += r[c] * x;
-        }
-    }
-}
-
+/* one item: out[j, n] = a[j] . wt[n] for its rows n of WT and every row j of A */
 static void run_float_linear(void *data, size_t item) {
     const FloatLinearWork *w = (const FloatLinearWork *)data;
-    const int split = (int)item / w->blocks, block = (int)item % w->blocks;
-    const int k0 = split * w->krows, k1 = k0 + w->krows < w->K ? k0 + w->krows : w->K;
-    const int c0 = block * w->cols, c1 = c0 + w->cols < w->N ? c0 + w->cols : w->N;
-    float *y = w->splits > 1 ? w->partial + (size_t)split * w->M * w->N : w->out;
-    float_block(w->a, w->M, w->K, w->w, (size_t)w->N, k0, k1, c0, c1, y, (size_t)w->N);
-}
-
-/* out = the sum of the splits' partial sums, over FLOAT_REDUCE of the M * N values per item */
-static void run_float_reduce(void *data, size_t item) {
-    const FloatLinearWork *w = (const FloatLinearWork *)data;
-    const size_t n = (size_t)w->M * w->N, i0 = item * FLOAT_REDUCE, i1 = i0 + FLOAT_REDUCE < n ? i0 + FLOAT_REDUCE : n;
-    memcpy(w->out + i0, w->partial + i0, (i1 - i0) * sizeof(float));
-    for (int s = 1; s < w->splits; s++) {
-        const float *p = w->partial + (size_t)s * n;
-        for (size_t i = i0; i < i1; i++) w->out[i] += p[i];
-    }
+    const int n0 = (int)item * w->rows, n1 = n0 + w->rows < w->N ? n0 + w->rows : w->N, K = w->K;
+    const float *x[FLOAT_ROWS];
+    for (int j = 0; j < w->M; j++) x[j] = w->a + (size_t)j * K;
+    for (int n = n0; n < n1; n++)
+        for (int j = 0; j < w->M; j += 4) /* more than 4 rows of A: WT's row again, from cache */
+            float_dot(w->wt + (size_t)n * K, K, w->M - j < 4 ? w->M - j : 4, x + j, w->out + (size_t)j * w->N + n,
+                      (size_t)w->N);
 }
 
 static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx) {
@@ -1844,10 +1810,10 @@ static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx)
     size_t rank = 0;
     int type = 0;
     CHECK(operand_shape(in[0], dims, &rank, &type));
-    CHECK(shape_of(in[1], TYPE_FLOAT, 2, wd, "FloatMatMul: W must be float [K, N]"));
-    if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != wd[0])
-        return fail("FloatMatMul: A must be float [..., K], K W's rows");
-    const int K = (int)wd[0], N = (int)wd[1];
+    CHECK(shape_of(in[1], TYPE_FLOAT, 2, wd, "FloatMatMul: WT must be float [N, K]"));
+    if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != wd[1])
+        return fail("FloatMatMul: A must be float [..., K], K the columns of WT [N, K]");
+    const int N = (int)wd[0], K = (int)wd[1];
     size_t M = 1;
     for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
     dims[rank - 1] = N;
@@ -1861,28 +1827,14 @@ static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx)
     const size_t weight_bytes[1] = {(size_t)K * N * sizeof(float)};
     advise_huge(&kernel->advised, weights, weight_bytes, 1);
     if (M == 0 || N == 0) return NULL;
-    /* each item: whole rows of W (one contiguous run, streamed best) or, where M rows of sums would not stay in L2,
-     * blocks of its columns that keep them there; W's rows split among items where that gives too few */
-    FloatLinearWork w = {(int)M, K, N, (const float *)ptr[0], (const float *)ptr[1], (float *)ptr[2], NULL, N, 1, 1,
-                         K};
-    const size_t sums = M * (size_t)N * sizeof(float);
-    if (sums > FLOAT_SUMS) {
-        const int want = (int)((sums + FLOAT_SUMS - 1) / FLOAT_SUMS);
-        w.cols = ((N + want - 1) / want + 15) / 16 * 16;
-        w.blocks = (N + w.cols - 1) / w.cols;
+    if (K == 0) {
+        memset(ptr[2], 0, M * (size_t)N * sizeof(float));
+        return NULL;
     }
-    while (w.blocks * w.splits < FLOAT_ITEMS && K / (w.splits * 2) >= FLOAT_SPLIT_ROWS) w.splits *= 2;
-    w.krows = ((K + w.splits - 1) / w.splits + 3) / 4 * 4;
-    w.splits = (K + w.krows - 1) / w.krows;
-    if (w.splits > 1 && !(w.partial = malloc((size_t)w.splits * sums)))
-        return CALL(CreateStatus)(ORT_FAIL, "FloatMatMul: out of memory");
-    OrtStatus *status = parallel(ctx, run_float_linear, (size_t)w.blocks * w.splits, &w, M * (size_t)K * N);
-    if (!status && w.splits > 1) {
-        const size_t n = M * (size_t)N;
-        status = parallel(ctx, run_float_reduce, (n + FLOAT_REDUCE - 1) / FLOAT_REDUCE, &w, n * w.splits);
-    }
-    free(w.partial);
-    return status;
+    const size_t row_bytes = (size_t)K * sizeof(float);
+    const int rows = row_bytes >= FLOAT_ITEM_BYTES ? 1 : (int)(FLOAT_ITEM_BYTES / row_bytes);
+    FloatLinearWork w = {(int)M, K, N, rows, (const float *)ptr[0], (const float *)ptr[1], (float *)ptr[2]};
+    return parallel(ctx, run_float_linear, (size_t)(N + rows - 1) / rows, &w, M * (size_t)K * N);
 }
 
 static OrtStatus *float_linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info,
@@ -1892,7 +1844,15 @@ static OrtStatus *float_linear_create(const OrtCustomOp *op, const void *ort_api
     if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
     const char *names[1] = {"T"};
     const int types[1] = {TYPE_FLOAT};
-    OrtStatus *status = CALL(CreateOp)(info, "MatMul", "", 13, names, types, 1, NULL, 0, 2, 1, &kernel->matmul);
+    const int64_t one = 1;
+    OrtOpAttr *trans_b;
+    OrtStatus *status = CALL(CreateOpAttr)("transB", &one, 1, 1, &trans_b);
+    if (!status) {
+        const void *attrs[1] = {trans_b};
+        status = CALL(CreateOp)(info, "FusedMatMul", "com.microsoft", 1, names, types, 1, attrs, 1, 2, 1,
+                                &kernel->matmul);
+        CALL(ReleaseOpAttr)(trans_b);
+    }
     if (status) {
         free(kernel);
         return status;

@@ -407,10 +407,10 @@ def _float_linear_model(K: int, N: int, seed: int = 0):
 @pytest.mark.parametrize("shape", [(640, 320), (2048, 576), (130, 50)])
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_float_matmul_equals_matmul(libraries, rows, shape, build):
-    """A float32 weight's ``MatMul`` becomes ``FloatMatMul`` (the one of a second input stays): equal to ONNX
-    Runtime's ``MatMul`` to float32 rounding for a decode step's rows (up to 8: ours, W's rows split and summed
-    where its columns are few) and for more (9, 64: handed to ONNX Runtime's own kernel), K and N not multiples of
-    the vector (130 x 50)."""
+    """A float32 weight's ``MatMul`` becomes ``FloatMatMul`` of the weight transposed (the one of a second input
+    stays): equal to ONNX Runtime's ``MatMul`` to float32 rounding for a decode step's rows (up to 8: ours, dot
+    products over the transposed weight's rows, 4 rows of A at a time) and for more (9, 64: handed to ONNX Runtime's
+    own ``FusedMatMul`` with ``transB``), K and N not multiples of the vector (130 x 50)."""
     library = libraries[build]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
@@ -423,6 +423,7 @@ def test_float_matmul_equals_matmul(libraries, rows, shape, build):
     assert own_ops.swap_float_linear(model) == 1
     assert [(n.domain, n.op_type) for n in model.graph.node] == [(own_ops.DOMAIN, own_ops.FLOAT_LINEAR_OP_TYPE),
                                                                  ("", "MatMul")]
+    np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[0]), w.T)
     got = _run(model, feeds, library.path)
     exact = feeds["a"].astype(np.float64) @ w.astype(np.float64)
     scale = np.abs(exact).max()
@@ -431,6 +432,58 @@ def test_float_matmul_equals_matmul(libraries, rows, shape, build):
     assert np.array_equal(got[1], want[1])
     empty = _run(model, {"a": np.zeros((0, 1, K), np.float32), "b": feeds["b"]}, library.path)[0]
     assert empty.shape == (0, 1, N)
+
+
+def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, tmp_path):
+    """The build's transposed float weights (``swap_float_linear`` with a folder and a side file): an external weight
+    read by two ``MatMul`` nodes is transposed once into the side file, at a 4 KiB-aligned offset, its source file
+    untouched, and both nodes compute what ``MatMul`` did; a weight something else reads too (here a ``Gather``, as a
+    tied embedding would) keeps its ``MatMul`` and its form, so the model never holds both forms of a weight."""
+    import onnx
+
+    library = libraries["native"] if libraries["native"].path else libraries["portable"]
+    rng = np.random.default_rng(11)
+    K, N = 96, 200
+    w, v = rng.standard_normal((K, N), dtype=np.float32), rng.standard_normal((K, N), dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["y"]), helper.make_node("MatMul", ["a2", "w"], ["y2"]),
+         helper.make_node("MatMul", ["a", "v"], ["z"]), helper.make_node("Gather", ["v", "i"], ["g"])], "float",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", K]),
+         helper.make_tensor_value_info("a2", TensorProto.FLOAT, ["T", K]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y2", "z", "g")],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v")])
+    path = tmp_path / "model.onnx"
+    onnx.save_model(_model(graph), str(path), save_as_external_data=True, location="model.data", size_threshold=0)
+    source = (tmp_path / "model.data").read_bytes()
+    feeds = {"a": rng.standard_normal((3, K), dtype=np.float32), "a2": rng.standard_normal((1, K), dtype=np.float32),
+             "i": np.array([5], np.int64)}
+
+    def run(model, lib):
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(tmp_path))
+        if lib is not None:
+            cpu_ops.register(options, lib)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+
+    model = onnx.load(str(path), load_external_data=False)
+    want = run(model, None)
+    side = tmp_path / "side.transposed"
+    assert own_ops.swap_float_linear(model, tmp_path, side) == 2
+    assert [n.op_type for n in model.graph.node] == [own_ops.FLOAT_LINEAR_OP_TYPE] * 2 + ["MatMul", "Gather"]
+    tensors = {t.name: t for t in model.graph.initializer}
+    assert list(tensors["w"].dims) == [N, K] and list(tensors["v"].dims) == [K, N]
+    entries = {e.key: e.value for e in tensors["w"].external_data}
+    assert entries["location"] == "side.transposed" and int(entries["offset"]) % 4096 == 0
+    assert int(entries["length"]) == K * N * 4 and side.stat().st_size == int(entries["offset"]) + K * N * 4
+    assert (tmp_path / "model.data").read_bytes() == source
+    got = run(model, library.path)
+    for mine, theirs in zip(got, want):
+        scale = np.abs(theirs).max()
+        assert mine.shape == theirs.shape and np.abs(mine - theirs).max() <= 1e-6 * scale
+    with pytest.raises(ValueError, match="side file"):  # a build that forgot to say where
+        own_ops.swap_float_linear(onnx.load(str(path), load_external_data=False))
 
 
 def _linear_session(node, weights, library: Path | None):
