@@ -19,8 +19,9 @@ own session options (``onnxruntime_session_options_config_keys.h``, checked agai
   weights (either format: ``qdq`` is fused into ``MatMulNBits`` by the optimisation) saves none, its kernels pack
   at open as before. Of a float artifact's, :func:`keep_prepacked` keeps only the kernels in :data:`PREPACKED_KEPT`
   (checked bit for bit); any other kernel (a fused expert operator, say) packs at open. Where the operators below
-  compile, a float weight's ``MatMul`` is ``mla_deploy.FloatMatMul``, which packs nothing: what is left to keep is
-  that of the ``MatMul`` nodes of other weights (the attention's per-head products, folded by the optimisation).
+  compile, a float weight's ``MatMul`` (a projection's, or the attention's per-head ``W_UK``/``W_UV``) is
+  ``mla_deploy.FloatMatMul``, which packs nothing: what is left to keep is that of the ``Gemm`` nodes (the
+  routers').
 
 Float routed experts (``MoE``) and the products of float weights (``MatMul``) are swapped for
 ``mla_deploy.FloatExperts`` and ``mla_deploy.FloatMatMul``. Quantized routed experts (``QMoE``), a layer's quantized

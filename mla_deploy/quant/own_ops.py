@@ -212,16 +212,18 @@ FLOAT_LINEAR_OP_TYPE = "FloatMatMul"
 
 
 def _float_weights(model) -> set[str]:
-    """The names of ``model``'s float32 initializers of two dimensions (a projection's weight ``[K, N]``)."""
+    """The names of ``model``'s float32 initializers of two or three dimensions (a projection's weight ``[K, N]``,
+    or the absorbed attention's per-head ``[H, K, N]``)."""
     from onnx import TensorProto
 
-    return {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2}
+    return {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) in (2, 3)}
 
 
 def swap_float_linear(model, folder=None, side=None) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), every ONNX ``MatMul`` whose second input is a
-    float32 initializer ``[K, N]`` (a float artifact's projections, MLPs and ``lm_head``) that only such ``MatMul``
-    nodes read by ``mla_deploy.FloatMatMul`` over the same input and that weight transposed, ``[N, K]``; returns how
+    float32 initializer ``[K, N]`` (a float artifact's projections, MLPs and ``lm_head``) or ``[H, K, N]`` (the
+    absorbed attention's per-head ``W_UK`` and ``W_UV``) that only such ``MatMul`` nodes read by
+    ``mla_deploy.FloatMatMul`` over the same input and that weight transposed, ``[N, K]`` or ``[H, N, K]``; returns how
     many nodes. The transposed copies of external weights (under ``folder``) go into the new file ``side`` (a path
     under ``folder``, each at a 4 KiB-aligned offset), which the model then names; in-graph weights are transposed in
     place. The weight keeps its name; its ``[K, N]`` form is no longer in the model, so nothing holds both.
@@ -266,30 +268,33 @@ def _is_external(tensor) -> bool:
 
 
 def _transpose_inside(tensor) -> None:
-    """The in-graph float32 TensorProto ``tensor`` ``[K, N]`` made its transpose ``[N, K]``."""
+    """The in-graph float32 TensorProto ``tensor`` ``[..., K, N]`` made ``[..., N, K]``."""
     import numpy as np
     from onnx import numpy_helper
 
-    tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(tensor).T), tensor.name))
+    values = numpy_helper.to_array(tensor)
+    tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(np.swapaxes(values, -1, -2)), tensor.name))
 
 
 def _append_transposed(tensor, folder, out, location: str) -> None:
-    """The external float32 TensorProto ``tensor`` ``[K, N]`` (its data under ``folder``) made its transpose ``[N,
-    K]``, appended to the open file ``out`` (named ``location``) at a 4 KiB-aligned offset, :data:`_HALF_CHUNK`
-    values at a time."""
+    """The external float32 TensorProto ``tensor`` ``[K, N]`` or ``[H, K, N]`` (its data under ``folder``) made ``[N,
+    K]`` or ``[H, N, K]``, appended to the open file ``out`` (named ``location``) at a 4 KiB-aligned offset,
+    :data:`_HALF_CHUNK` values at a time."""
     import numpy as np
 
-    K, N = (int(d) for d in tensor.dims)
+    *heads, K, N = (int(d) for d in tensor.dims)
+    H = heads[0] if heads else 1
     entries = {e.key: e.value for e in tensor.external_data}
     values = np.memmap(folder / entries["location"], dtype="<f4", mode="r", offset=int(entries.get("offset", 0)),
-                       shape=(K, N))
+                       shape=(H, K, N))
     offset = -(-out.tell() // 4096) * 4096
     out.write(b"\0" * (offset - out.tell()))
     step = max(1, _HALF_CHUNK // max(K, 1))
-    for n0 in range(0, N, step):
-        out.write(np.ascontiguousarray(values[:, n0: n0 + step].T).tobytes())
+    for h in range(H):
+        for n0 in range(0, N, step):
+            out.write(np.ascontiguousarray(values[h, :, n0: n0 + step].T).tobytes())
     del tensor.dims[:]
-    tensor.dims.extend([N, K])
+    tensor.dims.extend([*heads, N, K])
     _point_at(tensor, location, offset, out.tell() - offset)
 
 

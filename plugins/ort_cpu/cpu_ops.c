@@ -1762,21 +1762,22 @@ static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; retur
 static OrtCustomOp float_experts = OP_TABLE(float_experts_name, float_experts_input_type, float_experts_input_count,
                                             float_experts_create, float_experts_compute, required);
 
-/* ---- mla_deploy.FloatMatMul: ONNX MatMul for float32 A [..., K] and a weight given transposed, W^T [N, K] ----------
- * Inputs: 0 A float [..., K]; 1 WT float [N, K] (the graph's weight [K, N] transposed by the engine build,
- * own_ops.swap_float_linear: row n holds output column n's K weights). Output: float [..., N] = A . W. Up to
- * FLOAT_ROWS rows of A (a decode step): computed here, each output column a dot product over one of WT's rows,
- * WT streamed once, row after row, from where ONNX Runtime maps it (on 2 MiB pages, advise_huge), each work item
- * FLOAT_ITEM_BYTES of its rows. More rows (a prefill): ONNX Runtime's own FusedMatMul (com.microsoft, transB 1: a
- * MatMul of A and WT transposed), created with the kernel (CreateOp) and run on the same inputs and output (InvokeOp;
- * it packs WT per call, as it does for a weight it was not given at load). The sums are float32 in another order
- * than MLAS's.
+/* ---- mla_deploy.FloatMatMul: ONNX MatMul for float32 A and a weight given transposed ---------------------------
+ * Inputs: 0 A float [..., K] (a weight of 2 dimensions) or [..., H, M, K] (of 3: a product per head); 1 WT float
+ * [N, K] or [H, N, K] (the graph's weight [K, N] or [H, K, N] transposed by the engine build,
+ * own_ops.swap_float_linear: row n holds output column n's K weights). Output: float [..., N] or [..., H, M, N] = A . W.
+ * Up to FLOAT_ROWS rows of A per head (a decode step): computed here, each output a dot product over one of WT's
+ * rows, WT streamed once, row after row, from where ONNX Runtime maps it (on 2 MiB pages, advise_huge), each work
+ * item FLOAT_ITEM_BYTES of one head's rows. More rows (a prefill): ONNX Runtime's own FusedMatMul (com.microsoft,
+ * transB 1: a MatMul of A and WT with its last two axes swapped), created with the kernel (CreateOp) and run on the
+ * same inputs and output (InvokeOp; it packs WT per call, as it does for a weight it was not given at load). The
+ * sums are float32 in another order than MLAS's.
  * Why W^T: a dot product over a row streams one run of memory, where A . W over W's rows (each row of W scaled by one
  * of A's values and added into N sums) streams several at once and rewrites the sums: two threads streamed a 2048 x
  * 102400 weight at 55-58 GB/s that way, 62-63 as dot products, where a plain read of it reached 62-64 (a throwaway
  * microbenchmark on the development machine, in its fast bandwidth state; the same in its slow state). */
 
-#define FLOAT_ROWS 8                  /* rows of A computed here; more go to ONNX Runtime's FusedMatMul */
+#define FLOAT_ROWS 8                  /* rows of A per head computed here; more go to ONNX Runtime's FusedMatMul */
 #define FLOAT_ITEM_BYTES (128 << 10) /* bytes of WT per work item, at least one row */
 
 typedef struct {
@@ -1785,56 +1786,92 @@ typedef struct {
 } FloatLinearKernel;
 
 typedef struct {
-    int M, K, N, rows; /* rows: of WT per item */
+    int K, N, H;      /* H: heads, 1 for a weight of 2 dimensions */
+    int P, M;         /* A's rows of each head: M at each of P leading positions */
+    int rows, chunks; /* rows of WT per item; items per head */
     const float *a, *wt;
-    float *out; /* [M, N] */
+    float *out;
 } FloatLinearWork;
 
-/* one item: out[j, n] = a[j] . wt[n] for its rows n of WT and every row j of A */
+/* one item: out[p, h, j, n] = a[p, h, j] . wt[h, n] for its head h, its rows n of WT and every p, j */
 static void run_float_linear(void *data, size_t item) {
     const FloatLinearWork *w = (const FloatLinearWork *)data;
-    const int n0 = (int)item * w->rows, n1 = n0 + w->rows < w->N ? n0 + w->rows : w->N, K = w->K;
+    const int h = (int)item / w->chunks, chunk = (int)item % w->chunks, K = w->K;
+    const int n0 = chunk * w->rows, n1 = n0 + w->rows < w->N ? n0 + w->rows : w->N;
+    const float *wt = w->wt + (size_t)h * w->N * K;
     const float *x[FLOAT_ROWS];
-    for (int j = 0; j < w->M; j++) x[j] = w->a + (size_t)j * K;
+    float *o[FLOAT_ROWS];
+    int m = 0;
+    for (int p = 0; p < w->P; p++)
+        for (int j = 0; j < w->M; j++, m++) {
+            const size_t row = ((size_t)p * w->H + h) * w->M + j;
+            x[m] = w->a + row * K;
+            o[m] = w->out + row * w->N;
+        }
     for (int n = n0; n < n1; n++)
-        for (int j = 0; j < w->M; j += 4) /* more than 4 rows of A: WT's row again, from cache */
-            float_dot(w->wt + (size_t)n * K, K, w->M - j < 4 ? w->M - j : 4, x + j, w->out + (size_t)j * w->N + n,
-                      (size_t)w->N);
+        for (int j = 0; j < m; j += 4) { /* more than 4 rows of A: WT's row again, from cache */
+            const int count = m - j < 4 ? m - j : 4;
+            float sums[4];
+            float_dot(wt + (size_t)n * K, K, count, x + j, sums, 1);
+            for (int i = 0; i < count; i++) o[j + i][n] = sums[i];
+        }
 }
 
 static OrtStatus *float_linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     FloatLinearKernel *kernel = (FloatLinearKernel *)kernel_data;
     const OrtValue *in[2];
     for (size_t i = 0; i < 2; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
-    int64_t dims[8], wd[2];
-    size_t rank = 0;
-    int type = 0;
+    int64_t dims[8], wd[8], od[8];
+    size_t rank = 0, wrank = 0;
+    int type = 0, wtype = 0;
     CHECK(operand_shape(in[0], dims, &rank, &type));
-    CHECK(shape_of(in[1], TYPE_FLOAT, 2, wd, "FloatMatMul: WT must be float [N, K]"));
-    if (type != TYPE_FLOAT || rank < 1 || rank > 8 || dims[rank - 1] != wd[1])
-        return fail("FloatMatMul: A must be float [..., K], K the columns of WT [N, K]");
-    const int N = (int)wd[0], K = (int)wd[1];
-    size_t M = 1;
-    for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
-    dims[rank - 1] = N;
+    CHECK(operand_shape(in[1], wd, &wrank, &wtype));
+    if (wtype != TYPE_FLOAT || (wrank != 2 && wrank != 3))
+        return fail("FloatMatMul: WT must be float [N, K] or [H, N, K]");
+    const int H = wrank == 3 ? (int)wd[0] : 1, N = (int)wd[wrank - 2], K = (int)wd[wrank - 1];
+    if (type != TYPE_FLOAT || rank < wrank - 1 || rank > 7 || dims[rank - 1] != K)
+        return fail(wrank == 3 ? "FloatMatMul: A must be float [..., M, K] for WT [H, N, K]"
+                               : "FloatMatMul: A must be float [..., K], K the columns of WT [N, K]");
+    /* the output, as MatMul broadcasts: A [..., K] . W [K, N] -> [..., N]; A [..., M, K] . W [H, K, N] -> the
+     * batch axes of A and [H] broadcast, then [M, N] */
+    size_t orank = rank;
+    memcpy(od, dims, rank * sizeof(int64_t));
+    int own = 1; /* A [..., H, M, K] or W of 2 dimensions: computed here (up to FLOAT_ROWS rows a head) */
+    if (wrank == 3) {
+        if (rank == 2) { /* A [M, K]: every head's */
+            od[0] = H, od[1] = dims[0], orank = 3, own = 0;
+        } else if (dims[rank - 3] != H) {
+            if (dims[rank - 3] != 1 && H != 1)
+                return fail("FloatMatMul: A's heads axis must be WT's H or 1");
+            od[rank - 3] = dims[rank - 3] == 1 ? H : dims[rank - 3];
+            own = 0;
+        }
+    }
+    od[orank - 1] = N;
     OrtValue *output;
-    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, dims, rank, &output));
-    if (M > FLOAT_ROWS) return CALL(InvokeOp)(ctx, kernel->matmul, in, 2, &output, 1);
+    CHECK(CALL(KernelContext_GetOutput)(ctx, 0, od, orank, &output));
+    size_t rows = 1; /* of A per head */
+    for (size_t i = 0; i + 1 < rank; i++) rows *= (size_t)dims[i];
+    if (own) rows /= (size_t)(H ? H : 1);
+    if (!own || rows > FLOAT_ROWS) return CALL(InvokeOp)(ctx, kernel->matmul, in, 2, &output, 1);
     void *ptr[3];
     for (int i = 0; i < 2; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[2]));
     const void *weights[1] = {ptr[1]};
-    const size_t weight_bytes[1] = {(size_t)K * N * sizeof(float)};
+    const size_t weight_bytes[1] = {(size_t)H * K * N * sizeof(float)};
     advise_huge(&kernel->advised, weights, weight_bytes, 1);
-    if (M == 0 || N == 0) return NULL;
+    if (rows == 0 || N == 0 || H == 0) return NULL;
     if (K == 0) {
-        memset(ptr[2], 0, M * (size_t)N * sizeof(float));
+        memset(ptr[2], 0, rows * H * (size_t)N * sizeof(float));
         return NULL;
     }
+    const int M = wrank == 3 ? (int)dims[rank - 2] : (int)rows, P = (int)rows / M;
     const size_t row_bytes = (size_t)K * sizeof(float);
-    const int rows = row_bytes >= FLOAT_ITEM_BYTES ? 1 : (int)(FLOAT_ITEM_BYTES / row_bytes);
-    FloatLinearWork w = {(int)M, K, N, rows, (const float *)ptr[0], (const float *)ptr[1], (float *)ptr[2]};
-    return parallel(ctx, run_float_linear, (size_t)(N + rows - 1) / rows, &w, M * (size_t)K * N);
+    const int per_item = row_bytes >= FLOAT_ITEM_BYTES ? 1 : (int)(FLOAT_ITEM_BYTES / row_bytes);
+    const int chunks = (N + per_item - 1) / per_item;
+    FloatLinearWork w = {K, N, H, P, M, per_item, chunks, (const float *)ptr[0], (const float *)ptr[1],
+                         (float *)ptr[2]};
+    return parallel(ctx, run_float_linear, (size_t)H * chunks, &w, rows * H * (size_t)K * N);
 }
 
 static OrtStatus *float_linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info,

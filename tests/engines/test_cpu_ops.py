@@ -434,6 +434,39 @@ def test_float_matmul_equals_matmul(libraries, rows, shape, build):
     assert empty.shape == (0, 1, N)
 
 
+@pytest.mark.parametrize("a_shape", [(1, 4, 1, 48), (2, 4, 3, 48), (1, 4, 9, 48), (1, 1, 2, 48), (3, 48),
+                                     (2, 1, 4, 2, 48)])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_float_matmul_per_head_weights(libraries, a_shape, build):
+    """A ``MatMul`` of a per-head float32 weight ``[H, K, N]`` (the absorbed attention's ``W_UK``, ``W_UV``) becomes
+    ``FloatMatMul`` of it transposed, ``[H, N, K]``: equal to ``MatMul`` to float32 rounding for a decode step's rows
+    per head (ours: up to 8), for more (handed to ``FusedMatMul``), and where ``MatMul`` broadcasts A over the heads
+    (A's heads axis 1, or A of two dimensions)."""
+    library = libraries[build]
+    if library.path is None:
+        pytest.skip(f"no native build: {library.why_not}")
+    rng = np.random.default_rng(sum(a_shape))
+    H, K, N = 4, 48, 40
+    w = rng.standard_normal((H, K, N), dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["y"])], "heads",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None] * len(a_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w, "w")])
+    model = _model(graph)
+    feeds = {"a": rng.standard_normal(a_shape, dtype=np.float32)}
+    want = _run(model, feeds, None)[0]
+    assert own_ops.swap_float_linear(model) == 1
+    assert model.graph.node[0].op_type == own_ops.FLOAT_LINEAR_OP_TYPE
+    np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[0]), np.swapaxes(w, 1, 2))
+    got = _run(model, feeds, library.path)[0]
+    exact = np.matmul(feeds["a"].astype(np.float64), w.astype(np.float64))
+    scale = np.abs(exact).max()
+    assert got.shape == want.shape == exact.shape
+    assert np.abs(got - exact).max() <= 1e-6 * scale and np.abs(got - want).max() <= 1e-6 * scale
+    other = _run(model, {"a": feeds["a"][..., ::-1].copy()}, library.path)[0]
+    assert np.abs(other - got).max() > 0.1 * scale
+
+
 def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, tmp_path):
     """The build's transposed float weights (``swap_float_linear`` with a folder and a side file): an external weight
     read by two ``MatMul`` nodes is transposed once into the side file, at a 4 KiB-aligned offset, its source file
@@ -445,19 +478,22 @@ def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, 
     rng = np.random.default_rng(11)
     K, N = 96, 200
     w, v = rng.standard_normal((K, N), dtype=np.float32), rng.standard_normal((K, N), dtype=np.float32)
+    u = rng.standard_normal((3, K, 30), dtype=np.float32)  # per head
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["a", "w"], ["y"]), helper.make_node("MatMul", ["a2", "w"], ["y2"]),
-         helper.make_node("MatMul", ["a", "v"], ["z"]), helper.make_node("Gather", ["v", "i"], ["g"])], "float",
+         helper.make_node("MatMul", ["a", "v"], ["z"]), helper.make_node("Gather", ["v", "i"], ["g"]),
+         helper.make_node("MatMul", ["a3", "u"], ["h"])], "float",
         [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", K]),
          helper.make_tensor_value_info("a2", TensorProto.FLOAT, ["T", K]),
-         helper.make_tensor_value_info("i", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y2", "z", "g")],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v")])
+         helper.make_tensor_value_info("i", TensorProto.INT64, [1]),
+         helper.make_tensor_value_info("a3", TensorProto.FLOAT, [1, 3, 1, K])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y2", "z", "g", "h")],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v"), numpy_helper.from_array(u, "u")])
     path = tmp_path / "model.onnx"
     onnx.save_model(_model(graph), str(path), save_as_external_data=True, location="model.data", size_threshold=0)
     source = (tmp_path / "model.data").read_bytes()
     feeds = {"a": rng.standard_normal((3, K), dtype=np.float32), "a2": rng.standard_normal((1, K), dtype=np.float32),
-             "i": np.array([5], np.int64)}
+             "i": np.array([5], np.int64), "a3": rng.standard_normal((1, 3, 1, K), dtype=np.float32)}
 
     def run(model, lib):
         options = ort.SessionOptions()
@@ -470,13 +506,19 @@ def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, 
     model = onnx.load(str(path), load_external_data=False)
     want = run(model, None)
     side = tmp_path / "side.transposed"
-    assert own_ops.swap_float_linear(model, tmp_path, side) == 2
-    assert [n.op_type for n in model.graph.node] == [own_ops.FLOAT_LINEAR_OP_TYPE] * 2 + ["MatMul", "Gather"]
+    assert own_ops.swap_float_linear(model, tmp_path, side) == 3
+    assert [n.op_type for n in model.graph.node] == [own_ops.FLOAT_LINEAR_OP_TYPE] * 2 + ["MatMul", "Gather",
+                                                                                        own_ops.FLOAT_LINEAR_OP_TYPE]
     tensors = {t.name: t for t in model.graph.initializer}
     assert list(tensors["w"].dims) == [N, K] and list(tensors["v"].dims) == [K, N]
-    entries = {e.key: e.value for e in tensors["w"].external_data}
-    assert entries["location"] == "side.transposed" and int(entries["offset"]) % 4096 == 0
-    assert int(entries["length"]) == K * N * 4 and side.stat().st_size == int(entries["offset"]) + K * N * 4
+    assert list(tensors["u"].dims) == [3, 30, K]
+    ends = []
+    for name, size in (("w", K * N * 4), ("u", 3 * K * 30 * 4)):
+        entries = {e.key: e.value for e in tensors[name].external_data}
+        assert entries["location"] == "side.transposed" and int(entries["offset"]) % 4096 == 0
+        assert int(entries["length"]) == size
+        ends.append(int(entries["offset"]) + size)
+    assert side.stat().st_size == max(ends)
     assert (tmp_path / "model.data").read_bytes() == source
     got = run(model, library.path)
     for mine, theirs in zip(got, want):
@@ -664,16 +706,19 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     linear = record["linear"]  # every quantized product but the shared experts', the lm_head's too
     half = 2 * 2 + 3 * 2 + linear  # every scale tensor: the export's scales are float16 values
-    routers = record["float_linear"]  # the routers' float weights [D, E], one per MoE node
-    assert routers == record["experts"] == record["shared"]  # each MoE node computes its shared expert too
+    assert record["experts"] == record["shared"]  # each MoE node computes its shared expert too
     assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
-            f"x{routers} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as float16)") in out, out
+            f"x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
+            f"float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
     assert not list(art.glob(".cpu*")) and not list((art / "cpu").glob("*.scales16"))  # the build's side file: gone
+    float_weights = []  # the ranks of the FloatMatMul nodes' (transposed) weights
     for graph in ("prefill", "decode"):
         model = onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False)
         ops = [n.op_type for n in model.graph.node]
+        ranks = {t.name: len(t.dims) for t in model.graph.initializer}
+        float_weights += [ranks[n.input[1]] for n in model.graph.node if n.op_type == own_ops.FLOAT_LINEAR_OP_TYPE]
         assert ops.count(own_ops.OP_TYPE) == 1 and "QMoE" not in ops and "MatMulNBits" not in ops
         assert ops.count(own_ops.LINEAR_OP_TYPE) == linear // 2 and "Sigmoid" not in ops
         experts = next(n for n in model.graph.node if n.op_type == own_ops.OP_TYPE)
@@ -683,6 +728,15 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
         scales = [n.input[i] for n in model.graph.node for i in ((3, 5, 8, 10, 12) if n.op_type == own_ops.OP_TYPE else
                                                                  (2,) if n.op_type == own_ops.LINEAR_OP_TYPE else ())]
         assert scales and {types.get(name) for name in scales} == {TensorProto.FLOAT16}  # read as they are: no Cast
+    # the routers' [E, D], one per MoE node, and every per-head product the export left float (the source graphs'
+    # MatMul nodes of a float32 [H, K, N] weight; now [H, N, K])
+    per_head = 0
+    for graph in ("prefill", "decode"):
+        source = onnx.load(str(art / f"{graph}.onnx"), load_external_data=False)
+        floats = {t.name for t in source.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 3}
+        per_head += sum(n.op_type == "MatMul" and n.input[1] in floats for n in source.graph.node)
+    assert len(float_weights) == record["float_linear"] and float_weights.count(2) == record["experts"]
+    assert float_weights.count(3) == per_head > 0
     assert _tokens(art) == _tokens(art, "--no-engine")
     info = OrtEngine(art, threads=1).info()
     assert info["operators"].startswith("mla_deploy.RoutedExperts x2") and info["scales_half"] is True
