@@ -235,13 +235,11 @@ def swap_float_linear(model, folder=None, side=None) -> int:
     from pathlib import Path
 
     weights = _float_weights(model)
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            readers.setdefault(name, []).append((node.domain, node.op_type, i, len(node.input)))
+    consumers = _links(list(model.graph.node))[1]
     outputs = {o.name for o in model.graph.output}
-    only_matmul = {w for w in weights if w not in outputs and readers.get(w)
-                   and all(r == ("", "MatMul", 1, 2) for r in readers[w])}
+    only_matmul = {w for w in weights if w not in outputs and consumers.get(w) and all(
+        (n.domain, n.op_type, len(n.input)) == ("", "MatMul", 2) and list(n.input).index(w) == 1
+        for n in consumers[w])}
     tensors = [t for t in model.graph.initializer if t.name in only_matmul]
     external = [t for t in tensors if _is_external(t)]
     if external and (folder is None or side is None):
@@ -279,17 +277,14 @@ def _transpose_inside(tensor) -> None:
 def _append_transposed(tensor, folder, out, location: str) -> None:
     """The external float32 TensorProto ``tensor`` ``[K, N]`` or ``[H, K, N]`` (its data under ``folder``) made ``[N,
     K]`` or ``[H, N, K]``, appended to the open file ``out`` (named ``location``) at a 4 KiB-aligned offset,
-    :data:`_HALF_CHUNK` values at a time."""
+    :data:`_CHUNK` values at a time."""
     import numpy as np
 
     *heads, K, N = (int(d) for d in tensor.dims)
     H = heads[0] if heads else 1
-    entries = {e.key: e.value for e in tensor.external_data}
-    values = np.memmap(folder / entries["location"], dtype="<f4", mode="r", offset=int(entries.get("offset", 0)),
-                       shape=(H, K, N))
-    offset = -(-out.tell() // 4096) * 4096
-    out.write(b"\0" * (offset - out.tell()))
-    step = max(1, _HALF_CHUNK // max(K, 1))
+    values = _external_values(tensor, folder).reshape(H, K, N)
+    offset = _align(out)
+    step = max(1, _CHUNK // max(K, 1))
     for h in range(H):
         for n0 in range(0, N, step):
             out.write(np.ascontiguousarray(values[h, :, n0: n0 + step].T).tobytes())
@@ -820,8 +815,8 @@ def _copies(nodes) -> list:
 
 #: the scale inputs of our operators that may be float16: (op type, input index)
 _HALF_SCALE_SLOTS = {(OP_TYPE, 3), (OP_TYPE, 5), (OP_TYPE, 8), (OP_TYPE, 10), (OP_TYPE, 12), (LINEAR_OP_TYPE, 2)}
-#: values converted at a time: the copies stay near 64 MiB whatever the tensor
-_HALF_CHUNK = 1 << 24
+#: values converted or transposed at a time: the copies stay near 64 MiB whatever the tensor
+_CHUNK = 1 << 24
 
 
 def store_half_scales(model, folder, side) -> int:
@@ -873,21 +868,32 @@ def store_half_scales(model, folder, side) -> int:
 
 def _float_chunks(tensor, folder):
     """The float32 values of the TensorProto ``tensor`` (its external data under ``folder``, or its own), a chunk of
-    at most :data:`_HALF_CHUNK` at a time (numpy arrays)."""
+    at most :data:`_CHUNK` at a time (numpy arrays)."""
     import numpy as np
-    from onnx import TensorProto, numpy_helper
+    from onnx import numpy_helper
 
-    count = _count(list(tensor.dims))
-    if tensor.data_location != TensorProto.EXTERNAL:
+    if _is_external(tensor):
+        values = _external_values(tensor, folder)
+    else:
         values = numpy_helper.to_array(tensor).reshape(-1).astype(np.float32)
-        for lo in range(0, count, _HALF_CHUNK):
-            yield values[lo: lo + _HALF_CHUNK]
-        return
+    for lo in range(0, values.size, _CHUNK):
+        yield np.asarray(values[lo: lo + _CHUNK])
+
+
+def _external_values(tensor, folder):
+    """The float32 values of the external TensorProto ``tensor`` (its file under ``folder``), mapped, flat."""
+    import numpy as np
+
     entries = {e.key: e.value for e in tensor.external_data}
-    values = np.memmap(folder / entries["location"], dtype="<f4", mode="r", offset=int(entries.get("offset", 0)),
-                       shape=(count,))
-    for lo in range(0, count, _HALF_CHUNK):
-        yield np.asarray(values[lo: lo + _HALF_CHUNK])
+    return np.memmap(folder / entries["location"], dtype="<f4", mode="r", offset=int(entries.get("offset", 0)),
+                     shape=(_count(list(tensor.dims)),))
+
+
+def _align(out) -> int:
+    """Pad the open file ``out`` with zeros to the next 4 KiB boundary; that offset."""
+    offset = -(-out.tell() // 4096) * 4096
+    out.write(b"\0" * (offset - out.tell()))
+    return offset
 
 
 def _append_half(tensor, folder, out):
@@ -896,12 +902,9 @@ def _append_half(tensor, folder, out):
     else their bytes; None where a value is no float16 (its sign and bits kept; what was appended stays for the
     caller to take back)."""
     import numpy as np
-    from onnx import TensorProto
 
-    external = tensor.data_location == TensorProto.EXTERNAL
-    offset = -(-out.tell() // 4096) * 4096
-    if external:
-        out.write(b"\0" * (offset - out.tell()))
+    external = _is_external(tensor)
+    offset = _align(out) if external else None
     parts = []
     for chunk in _float_chunks(tensor, folder):
         with np.errstate(over="ignore"):

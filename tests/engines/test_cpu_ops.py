@@ -190,9 +190,13 @@ def _routing(tokens: int, seed: int):
     return {"x": x, "w": w, "idx": idx}
 
 
-def _run(model, feeds, library: Path | None):
+def _run(model, feeds, library: Path | None, folder: Path | None = None):
+    """``model`` run by ONNX Runtime on ``feeds``, our operators registered from ``library`` (or not), its external
+    weights read from ``folder``."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     if library is not None:
         cpu_ops.register(options, library)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
@@ -495,16 +499,8 @@ def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, 
     feeds = {"a": rng.standard_normal((3, K), dtype=np.float32), "a2": rng.standard_normal((1, K), dtype=np.float32),
              "i": np.array([5], np.int64), "a3": rng.standard_normal((1, 3, 1, K), dtype=np.float32)}
 
-    def run(model, lib):
-        options = ort.SessionOptions()
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(tmp_path))
-        if lib is not None:
-            cpu_ops.register(options, lib)
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
-            None, feeds)
-
     model = onnx.load(str(path), load_external_data=False)
-    want = run(model, None)
+    want = _run(model, feeds, None, tmp_path)
     side = tmp_path / "side.transposed"
     assert own_ops.swap_float_linear(model, tmp_path, side) == 3
     assert [n.op_type for n in model.graph.node] == [own_ops.FLOAT_LINEAR_OP_TYPE] * 2 + ["MatMul", "Gather",
@@ -520,7 +516,7 @@ def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, 
         ends.append(int(entries["offset"]) + size)
     assert side.stat().st_size == max(ends)
     assert (tmp_path / "model.data").read_bytes() == source
-    got = run(model, library.path)
+    got = _run(model, feeds, library.path, tmp_path)
     for mine, theirs in zip(got, want):
         scale = np.abs(theirs).max()
         assert mine.shape == theirs.shape and np.abs(mine - theirs).max() <= 1e-6 * scale
@@ -648,11 +644,7 @@ def test_half_scales_are_stored_where_exact_and_compute_the_same(libraries, tmp_
         return loaded, own_ops.store_half_scales(loaded, path.parent, side), side
 
     def run(model, folder):
-        options = ort.SessionOptions()
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        cpu_ops.register(options, libraries["portable"].path)
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)[0]
+        return _run(model, feeds, libraries["portable"].path, folder)[0]
 
     model = _experts_and_linear_model(weights, (b, s))
     want = run(model, tmp_path)
