@@ -32,7 +32,7 @@ mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseM
 compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Each layer's
 absorbed attention core (the cache write, the rope, ``kv_a_layernorm``, ``W_UK``, the
 scores, the softmax, the weighted sum and ``W_UV``: about 40 nodes) then becomes one ``mla_deploy.LatentAttention``
-(:func:`~mla_deploy.quant.own_ops.swap_attention`). Without a C
+(:func:`~mla_deploy.quant.own_ops.swap_attention`), its per-head products quantized or float32. Without a C
 compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.
 
 The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; ONNX Runtime's kernels where it kept them,
@@ -153,8 +153,9 @@ class _Operators:
         shared = own_ops.fold_shared_experts(proto) if experts and linear else 0
         linear -= 3 * shared  # each layer's shared gate, up and down products now inside its RoutedExperts
         float_experts = own_ops.swap_float_experts(proto)
-        attention = own_ops.swap_attention(proto) if heads else 0
-        heads -= 2 * attention  # each core takes its layer's two per-head products inside
+        attention = own_ops.swap_attention(proto)
+        # each core takes its layer's two per-head products inside (quantized, or float32 ones, which go no further)
+        heads = sum(1 for n in proto.graph.node if (n.domain, n.op_type) == (own_ops.DOMAIN, own_ops.HEADWISE_OP_TYPE))
         float_linear = own_ops.swap_float_linear(proto, folder, transposed)
         if not experts + linear + heads + attention + float_experts + float_linear:
             return model, None

@@ -17,7 +17,8 @@ in seconds at the size of its weights. Figures: the README's CPU engine section.
 
 ``mla_deploy.LatentAttention`` computes one layer's absorbed attention core over its latent cache (what
 :class:`~mla_deploy.model.mla.AbsorbedMLAttention` computes between its projections; its per-head products as
-``HeadwiseMatMul`` computes them): one node where ONNX Runtime ran about 40 small ones per layer.
+``HeadwiseMatMul`` computes them, or in float32 for float32 weights): one node where ONNX Runtime ran about 40 small
+ones per layer.
 
 A float artifact's experts become ``mla_deploy.FloatExperts`` and its ``MatMul`` nodes of a float32 weight
 ``mla_deploy.FloatMatMul`` of the weight transposed, ``[N, K]`` (the build stores it so): a decode step's few rows (up

@@ -566,8 +566,8 @@ def swap_attention(model) -> int:
     """Replace, in the ``onnx.ModelProto`` ``model`` (in place), each layer's absorbed attention core over its
     latent cache, concatenated (``Concat``) or static (``TensorScatter`` at ``write_indices``)
     (:class:`~mla_deploy.model.mla.AbsorbedMLAttention`, ``A_CC``, float32, its per-head
-    products already ``HeadwiseMatMul``: :func:`swap_headwise`) by one ``mla_deploy.LatentAttention`` node; returns
-    how many. The core is every node on a path from the query and ``kv_a`` products' outputs to ``o_proj``'s input
+    products already ``HeadwiseMatMul`` (:func:`swap_headwise`) or ``MatMul`` by float32 weights ``[H, K, N]``, which
+    the node then takes as they are, ``bits`` 32) by one ``mla_deploy.LatentAttention`` node; returns how many. The core is every node on a path from the query and ``kv_a`` products' outputs to ``o_proj``'s input
     and the present cache (the past cache is one of its inputs); it is swapped only where it holds exactly the nodes
     that form computes (:data:`_ATTENTION_KEYS`, the rest views and elementwise ops) and nothing outside reads its
     inner tensors."""
@@ -623,10 +623,20 @@ def _static_write(node, graph_inputs) -> bool:
 
 
 def _is_product(node, initializers) -> bool:
-    """A layer's projection: a quantized product, or a float MatMul/Gemm by a stored weight."""
+    """A layer's projection: a quantized product, or a float MatMul/Gemm by a stored weight of two dimensions."""
     if (node.domain, node.op_type) in (("com.microsoft", "MatMulNBits"), (DOMAIN, LINEAR_OP_TYPE)):
         return True
-    return node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in initializers
+    return (node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in initializers
+            and len(initializers[node.input[1]].dims) == 2)
+
+
+def _is_float_per_head(node, initializers) -> bool:
+    """An absorbed attention's float per-head product: ``MatMul`` by a stored float32 weight ``[H, K, N]``."""
+    from onnx import TensorProto
+
+    weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+    return (node.domain or "") == "" and weight is not None and len(weight.dims) == 3 and (
+        weight.data_type == TensorProto.FLOAT)
 
 
 def _attention_core(graph, concat, initializers, constant):
@@ -681,9 +691,13 @@ def _attention_core(graph, concat, initializers, constant):
     if id(concat) not in region:
         return None
     nodes = [n for n in everything if id(n) in region]
+
+    def kind(n):  # a per-head product, quantized (HeadwiseMatMul) or float32 (MatMul by [H, K, N]), counts as one
+        return HEADWISE_OP_TYPE if _is_float_per_head(n, initializers) else n.op_type
+
     kinds: dict[str, int] = {}
     for n in nodes:
-        kinds[n.op_type] = kinds.get(n.op_type, 0) + 1
+        kinds[kind(n)] = kinds.get(kind(n), 0) + 1
     if {k: kinds.get(k, 0) for k in _ATTENTION_KEYS} != _ATTENTION_KEYS or any(
             k not in _ATTENTION_KEYS and k not in _ATTENTION_VIEWS for k in kinds):
         return None
@@ -702,7 +716,7 @@ def _attention_core(graph, concat, initializers, constant):
         value = constant.get(name)
         return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
 
-    by_type = {k: [n for n in nodes if n.op_type == k] for k in _ATTENTION_KEYS}
+    by_type = {k: [n for n in nodes if kind(n) == k] for k in _ATTENTION_KEYS}
     (softmax,), (where,) = by_type["Softmax"], by_type["Where"]
     if softmax.input[0] != where.output[0] or attr(softmax, "axis", -1) not in (-1, 3):
         return None
@@ -735,7 +749,9 @@ def _attention_core(graph, concat, initializers, constant):
     eps = next((scalar(i) for i in adds[0].input if scalar(i) is not None), None) if len(adds) == 1 else None
     weights = [i for n in nodes if n.op_type == "Mul" for i in n.input
                if i in initializers and len(initializers[i].dims) == 1]
-    r = helper.get_attribute_value(next(a for a in uk.attribute if a.name == "N"))
+    floats = {name: n.op_type == "MatMul" for name, n in (("uk", uk), ("uv", uv))}
+    r = (initializers[uk.input[1]].dims[2] if floats["uk"]  # float W_UK [H, dn, r]
+         else helper.get_attribute_value(next(a for a in uk.attribute if a.name == "N")))
     if eps is None or len(weights) != 1 or list(initializers[weights[0]].dims) != [r]:
         return None
     # the two products: kv_a's output reaches the rows written to the cache, the query's does not
@@ -765,10 +781,12 @@ def _attention_core(graph, concat, initializers, constant):
         ropes["q" if id(gather) in from_q else "k"] = (cos, sin, pairs)
     if set(ropes) != {"q", "k"}:
         return None
-    bits = {name: helper.get_attribute_value(next(a for a in n.attribute if a.name == "bits"))
+    # a float per-head weight goes in as its MatMul holds it, with no scales, and bits 32
+    bits = {name: 32 if floats[name] else helper.get_attribute_value(next(a for a in n.attribute if a.name == "bits"))
             for name, n in (("uk", uk), ("uv", uv))}
+    products = [name for n in (uk, uv) for name in ((n.input[1], "") if n.op_type == "MatMul" else n.input[1:3])]
     inputs = [q, kv, concat.input[0], cond, *ropes["q"][:2], *ropes["k"][:2], ropes["q"][2], ropes["k"][2],
-              weights[0], uk.input[1], uk.input[2], uv.input[1], uv.input[2]]
+              weights[0], *products]
     attrs = {"bits_uk": bits["uk"], "bits_uv": bits["uv"], "hidden_when": hidden_when, "scale": scale, "eps": eps,
              "fill": fill}
     return {i for i, n in enumerate(everything) if id(n) in region}, inputs, attrs, attn

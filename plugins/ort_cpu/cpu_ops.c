@@ -1137,8 +1137,9 @@ static OrtCustomOp headwise_matmul =
  *   6, 7       float k's rope tables cos, sin (the same layout)
  *   8, 9       int64 [dr] q's and k's rope pairs: rope(x)[j] = x[j] * cos[j] + x[pairs[j]] * sin[j]
  *   10         float [r] kv_a_layernorm's weight: c = w * (x / sqrt(mean(x^2) + eps))
- *   11, 12     w_uk as HeadwiseMatMul reads it: uint8 [H, r, dn*bits/8], scales float [H, r, dn/32]
- *   13, 14     w_uv likewise: uint8 [H, dv, r*bits/8], scales float [H, dv, r/32]
+ *   11, 12     w_uk as HeadwiseMatMul reads it: uint8 [H, r, dn*bits/8], scales float [H, r, dn/32]; or, where
+ *              bits_uk is 32, float [H, dn, r] as the source graph's MatMul holds it, and no scales
+ *   13, 14     w_uv likewise: uint8 [H, dv, r*bits/8], scales float [H, dv, r/32]; or float [H, r, dv], no scales
  *   15         int64 [B] write_indices (optional; a static cache only): sequence b's new rows go to slots
  *              write_indices[b] + [0, S) (ONNX TensorScatter, mode linear)
  * Outputs: 0 float [B, S, H*dv] (o_proj's input, heads in order); 1 present: float [B, T, C] = past then the new rows
@@ -1147,8 +1148,8 @@ static OrtCustomOp headwise_matmul =
  * copied). Every slot of the T is a row the scores may see; the mask says which.
  * Per head h and token s: q_lat = q_nope . W_UK[h] (HeadwiseMatMul's compute: int8 activations), scores over the
  * T rows = [q_lat | rope(q_pe)] . row * scale, hidden ones set to `fill`, softmax, o = sum p * row[:r], output
- * o . W_UV[h] (HeadwiseMatMul's compute). Attributes: bits_uk, bits_uv (4, 8), hidden_when (0, 1); scale, eps, fill
- * (float). */
+ * o . W_UV[h] (HeadwiseMatMul's compute; float32 weights: head_products, in float32). Attributes: bits_uk, bits_uv
+ * (4, 8, or 32 for float32 weights), hidden_when (0, 1); scale, eps, fill (float). */
 
 typedef struct {
     int64_t bits_uk, bits_uv, hidden_when;
@@ -1333,6 +1334,76 @@ static void run_values(void *data, size_t item) {
     }
 }
 
+/* LatentAttention's per-head products for float32 weights: y[h, t, :N] = x[h, t, :K] . w[h] for w [H, K, N] as the
+ * source graph's MatMul holds it (its rows of N are streamed; each loaded row serves HEAD_TOKENS tokens). One item:
+ * a head's next HEAD_TOKENS tokens. */
+typedef struct {
+    int H, tokens, K, N;
+    const float *x; /* [H, tokens, K] */
+    const float *w; /* [H, K, N] */
+    float *y;       /* [H, tokens, N] */
+} HeadFloatWork;
+
+#define HEAD_TOKENS 4
+static inline __attribute__((always_inline)) void head_rows(const float *w, int K, int N, int m, const float *x,
+                                                           float *y) {
+    int c = 0;
+#if defined(__AVX512F__)
+    for (; c + 64 <= N; c += 64) { /* 64 columns: m x 4 vectors of sums */
+        __m512 acc[HEAD_TOKENS][4];
+        for (int j = 0; j < m; j++)
+            for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            __m512 row[4];
+            for (int v = 0; v < 4; v++) {
+                row[v] = _mm512_loadu_ps(w + (size_t)k * N + c + 16 * v);
+                __asm__("" : "+v"(row[v])); /* loaded once for the m tokens (see float_dots_4rows) */
+            }
+            for (int j = 0; j < m; j++) {
+                const __m512 xk = _mm512_set1_ps(x[(size_t)j * K + k]);
+                for (int v = 0; v < 4; v++) acc[j][v] = _mm512_fmadd_ps(row[v], xk, acc[j][v]);
+            }
+        }
+        for (int j = 0; j < m; j++)
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(y + (size_t)j * N + c + 16 * v, acc[j][v]);
+    }
+    for (; c + 16 <= N; c += 16) {
+        __m512 acc[HEAD_TOKENS];
+        for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            const __m512 row = _mm512_loadu_ps(w + (size_t)k * N + c);
+            for (int j = 0; j < m; j++) acc[j] = _mm512_fmadd_ps(row, _mm512_set1_ps(x[(size_t)j * K + k]), acc[j]);
+        }
+        for (int j = 0; j < m; j++) _mm512_storeu_ps(y + (size_t)j * N + c, acc[j]);
+    }
+#endif
+    for (; c < N; c++) /* the columns left over (all of them without AVX-512), each sum in double */
+        for (int j = 0; j < m; j++) {
+            double sum = 0.;
+            for (int k = 0; k < K; k++) sum += (double)x[(size_t)j * K + k] * w[(size_t)k * N + c];
+            y[(size_t)j * N + c] = (float)sum;
+        }
+}
+
+static void run_head_products(void *data, size_t item) {
+    const HeadFloatWork *w = (const HeadFloatWork *)data;
+    const int blocks = (w->tokens + HEAD_TOKENS - 1) / HEAD_TOKENS, h = (int)(item / blocks);
+    const int t0 = (int)(item % blocks) * HEAD_TOKENS, m = w->tokens - t0 < HEAD_TOKENS ? w->tokens - t0 : HEAD_TOKENS;
+    const float *weights = w->w + (size_t)h * w->K * w->N, *x = w->x + ((size_t)h * w->tokens + t0) * w->K;
+    float *y = w->y + ((size_t)h * w->tokens + t0) * w->N;
+    switch (m) { /* m constant in each call, so that the sums stay in registers */
+    case 1: head_rows(weights, w->K, w->N, 1, x, y); break;
+    case 2: head_rows(weights, w->K, w->N, 2, x, y); break;
+    case 3: head_rows(weights, w->K, w->N, 3, x, y); break;
+    default: head_rows(weights, w->K, w->N, 4, x, y); break;
+    }
+}
+
+static OrtStatus *head_products(OrtKernelContext *ctx, const HeadFloatWork *w) {
+    const size_t blocks = (size_t)(w->tokens + HEAD_TOKENS - 1) / HEAD_TOKENS;
+    return parallel(ctx, run_head_products, (size_t)w->H * blocks, (void *)w, (size_t)w->H * w->tokens * w->K * w->N);
+}
+
 static void rope(const float *x, const float *cos, const float *sin, const int64_t *pairs, int d, float *out) {
     for (int j = 0; j < d; j++) out[j] = x[j] * cos[j] + x[pairs[j]] * sin[j];
 }
@@ -1352,10 +1423,12 @@ static OrtStatus *element_count(const OrtValue *value, int want_type, size_t wan
 static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     AttentionKernel *kernel = (AttentionKernel *)kernel_data;
     const int bits_uk = (int)kernel->bits_uk, bits_uv = (int)kernel->bits_uv;
+    const int float_uk = bits_uk == 32, float_uv = bits_uv == 32; /* float32 per-head weights, no scales */
     const OrtValue *in[16];
     for (size_t i = 0; i < 16; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
     for (int i = 0; i < 15; i++)
-        if (!in[i]) return fail("LatentAttention: inputs 0 to 14 are required");
+        if (!in[i] && !(i == 12 && float_uk) && !(i == 14 && float_uv))
+            return fail("LatentAttention: inputs 0 to 14 are required (the scales only for quantized weights)");
     const int is_static = in[15] != NULL;
     int64_t qd[3], kd[3], pd[4], md[4], uk[3], uks[3], uv[3], uvs[3], wd[1], slots = 0;
     CHECK(shape_of(in[0], TYPE_FLOAT, 3, qd, "LatentAttention: q must be float [B, S, H*(dn+dr)]"));
@@ -1371,17 +1444,29 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
         CHECK(shape_of(in[2], TYPE_FLOAT, 3, pd, "LatentAttention: past must be float [B, P, C]"));
     }
     CHECK(shape_of(in[3], TYPE_BOOL, 4, md, "LatentAttention: mask must be bool [B or 1, 1, S, T]"));
-    CHECK(shape_of(in[11], TYPE_UINT8, 3, uk, "LatentAttention: w_uk must be uint8 [H, r, dn*bits/8]"));
-    CHECK(shape_of(in[12], TYPE_FLOAT, 3, uks, "LatentAttention: w_uk's scales must be float [H, r, dn/32]"));
-    CHECK(shape_of(in[13], TYPE_UINT8, 3, uv, "LatentAttention: w_uv must be uint8 [H, dv, r*bits/8]"));
-    CHECK(shape_of(in[14], TYPE_FLOAT, 3, uvs, "LatentAttention: w_uv's scales must be float [H, dv, r/32]"));
+    if (float_uk)
+        CHECK(shape_of(in[11], TYPE_FLOAT, 3, uk, "LatentAttention: a float w_uk must be float [H, dn, r]"));
+    else {
+        CHECK(shape_of(in[11], TYPE_UINT8, 3, uk, "LatentAttention: w_uk must be uint8 [H, r, dn*bits/8]"));
+        CHECK(shape_of(in[12], TYPE_FLOAT, 3, uks, "LatentAttention: w_uk's scales must be float [H, r, dn/32]"));
+    }
+    if (float_uv)
+        CHECK(shape_of(in[13], TYPE_FLOAT, 3, uv, "LatentAttention: a float w_uv must be float [H, r, dv]"));
+    else {
+        CHECK(shape_of(in[13], TYPE_UINT8, 3, uv, "LatentAttention: w_uv must be uint8 [H, dv, r*bits/8]"));
+        CHECK(shape_of(in[14], TYPE_FLOAT, 3, uvs, "LatentAttention: w_uv's scales must be float [H, dv, r/32]"));
+    }
     const int B = (int)qd[0], S = (int)qd[1], P = (int)pd[1], C = (int)kd[2], H = (int)uk[0];
     const int T = is_static ? (int)slots : P + S; /* static: every slot */
-    const int r = (int)uk[1], dn = (int)(uk[2] * 8 / bits_uk), dr = C - r, dv = (int)uv[1];
+    const int r = (int)(float_uk ? uk[2] : uk[1]), dn = (int)(float_uk ? uk[1] : uk[2] * 8 / bits_uk), dr = C - r;
+    const int dv = (int)(float_uv ? uv[2] : uv[1]);
+    const int uk_agrees = float_uk || (uks[0] == H && uks[1] == r && uks[2] == dn / BLOCK && dn % BLOCK == 0 &&
+                                       r % BLOCK == 0);
+    const int uv_agrees = float_uv ? uv[1] == r : uv[2] == (int64_t)r * bits_uv / 8 && uvs[0] == H && uvs[1] == dv &&
+                                                  uvs[2] == r / BLOCK && r % BLOCK == 0;
     if (kd[0] != B || kd[1] != S || pd[0] != B || pd[2] != C || dr <= 0 || dr % 2 || qd[2] != (int64_t)H * (dn + dr) ||
-        uks[0] != H || uks[1] != r || uks[2] != dn / BLOCK || dn % BLOCK || r % BLOCK || uv[0] != H ||
-        uv[2] != (int64_t)r * bits_uv / 8 || uvs[0] != H || uvs[1] != dv || uvs[2] != r / BLOCK ||
-        (md[0] != 1 && md[0] != B) || md[1] != 1 || md[2] != S || md[3] != T)
+        !uk_agrees || !uv_agrees || uv[0] != H || dn <= 0 || r <= 0 || dv <= 0 || (md[0] != 1 && md[0] != B) ||
+        md[1] != 1 || md[2] != S || md[3] != T)
         return fail("LatentAttention: the input shapes do not agree (see cpu_ops.c)");
     const size_t tokens = (size_t)B * S;
     for (int i = 4; i < 8; i++)
@@ -1389,8 +1474,9 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int i = 8; i < 10; i++)
         CHECK(element_count(in[i], TYPE_INT64, (size_t)dr, "LatentAttention: the rope pairs must be int64 [dr]"));
     CHECK(element_count(in[10], TYPE_FLOAT, (size_t)r, "LatentAttention: the norm's weight must be float [r]"));
-    void *ptr[15];
-    for (int i = 0; i < 15; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    void *ptr[15] = {NULL};
+    for (int i = 0; i < 15; i++)
+        if (in[i]) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     const int64_t *pairs[2] = {(const int64_t *)ptr[8], (const int64_t *)ptr[9]};
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < dr; j++)
@@ -1462,10 +1548,15 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
             rope(x + dn, tables[0] + token * dr, tables[1] + token * dr, pairs[0], dr,
                  pe + (token * H + h) * dr);
         }
-    LinearWork uk_work = {(int)tokens, r, 0, (const uint8_t *)ptr[11], ptr[12], 0,
-                          (size_t)dn * bits_uk / 8, bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL},
-                          lat, 0};
-    OrtStatus *status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
+    OrtStatus *status;
+    if (float_uk) {
+        const HeadFloatWork uk_work = {H, (int)tokens, dn, r, nope, (const float *)ptr[11], lat};
+        status = head_products(ctx, &uk_work);
+    } else {
+        LinearWork uk_work = {(int)tokens, r, 0, (const uint8_t *)ptr[11], ptr[12], 0, (size_t)dn * bits_uk / 8,
+                              bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL}, lat, 0};
+        status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
+    }
 
     /* each sequence's S*H query rows in panels of LANES, transposed: [q_lat | rope(q_pe)] per row */
     const uint8_t *mask = (const uint8_t *)ptr[3];
@@ -1506,9 +1597,14 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     if (!status) status = parallel(ctx, run_scores, (size_t)B * panels * spans, &work, seen * C);
     if (!status) status = parallel(ctx, run_softmax, (size_t)B * panels, &work, seen * 8);
     if (!status) status = parallel(ctx, run_values, (size_t)B * panels * chunks, &work, seen * r);
-    LinearWork uv_work = {(int)tokens, dv, 0, (const uint8_t *)ptr[13], ptr[14], 0,
-                          (size_t)r * bits_uv / 8, bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov, 0};
-    if (!status) status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
+    if (!status && float_uv) {
+        const HeadFloatWork uv_work = {H, (int)tokens, r, dv, o, (const float *)ptr[13], ov};
+        status = head_products(ctx, &uv_work);
+    } else if (!status) {
+        LinearWork uv_work = {(int)tokens, dv, 0, (const uint8_t *)ptr[13], ptr[14], 0, (size_t)r * bits_uv / 8,
+                              bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov, 0};
+        status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
+    }
     for (size_t token = 0; !status && token < tokens; token++)
         for (int h = 0; h < H; h++)
             memcpy(y + (token * H + h) * dv, ov + ((size_t)h * tokens + token) * dv, (size_t)dv * sizeof(float));
@@ -1526,8 +1622,9 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const void *ort_api, c
     CHECK(CALL(KernelInfoGetAttribute_float)(info, "scale", &scale));
     CHECK(CALL(KernelInfoGetAttribute_float)(info, "eps", &eps));
     CHECK(CALL(KernelInfoGetAttribute_float)(info, "fill", &fill));
-    if ((bits_uk != 4 && bits_uk != 8) || (bits_uv != 4 && bits_uv != 8) || (hidden_when != 0 && hidden_when != 1))
-        return fail("LatentAttention: bits_uk and bits_uv must be 4 or 8, hidden_when 0 or 1");
+    if ((bits_uk != 4 && bits_uk != 8 && bits_uk != 32) || (bits_uv != 4 && bits_uv != 8 && bits_uv != 32) ||
+        (hidden_when != 0 && hidden_when != 1))
+        return fail("LatentAttention: bits_uk and bits_uv must be 4, 8 or 32 (float weights), hidden_when 0 or 1");
     AttentionKernel *kernel = calloc(1, sizeof(AttentionKernel));
     if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
     *kernel = (AttentionKernel){bits_uk, bits_uv, hidden_when, scale, eps, fill, 0, 0};
@@ -1539,11 +1636,13 @@ static const char *attention_name(const OrtCustomOp *op) { (void)op; return "Lat
 static int attention_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     if (i == 3) return TYPE_BOOL;
-    return i == 8 || i == 9 || i == 15 ? TYPE_INT64 : i == 11 || i == 13 ? TYPE_UINT8 : TYPE_FLOAT;
+    /* the per-head weights: uint8 (quantized) or float (bits 32), as the attributes say */
+    return i == 8 || i == 9 || i == 15 ? TYPE_INT64 : i == 11 || i == 13 ? TYPE_UNDEFINED : TYPE_FLOAT;
 }
 static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 16; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
-static int optional_writes(const OrtCustomOp *op, size_t i) { (void)op; return i == 15; } /* 1: optional */
+/* 1: optional: the scales (absent for float weights) and write_indices */
+static int optional_writes(const OrtCustomOp *op, size_t i) { (void)op; return i == 12 || i == 14 || i == 15; }
 
 static OrtCustomOp latent_attention = {
     .version = 16, .GetName = attention_name, .GetExecutionProviderType = op_provider,

@@ -182,16 +182,16 @@ def test_stale_engine_refused_by_run_and_rebuilt(built, tmp_path):
 
 
 def _failing_decode(art: Path) -> None:
-    """Make ONNX Runtime fail to load ``decode.onnx`` (one node of an unknown operator) while the artifact stays
-    consistent (the manifest's sha256 and size follow), so the build gets past its checks and fails on the second
-    graph, after the first was written."""
+    """Make ONNX Runtime fail to load ``decode.onnx`` (one node of an unknown operator: the one writing the logits,
+    which no swap of the build can take or drop) while the artifact stays consistent (the manifest's sha256 and size
+    follow), so the build gets past its checks and fails on the second graph, after the first was written."""
     import onnx
 
     from mla_deploy.artifact import sha256_file
 
     manifest = load_manifest(art)
     model = onnx.load(str(art / "decode.onnx"))
-    node = next(n for n in model.graph.node if n.op_type == "Mul")
+    node = next(n for n in model.graph.node if model.graph.output[0].name in n.output)
     node.op_type, node.domain = "NoSuchOp", "com.example"
     model.opset_import.add(domain="com.example", version=1)
     onnx.save(model, str(art / "decode.onnx"))

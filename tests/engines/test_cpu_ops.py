@@ -699,8 +699,9 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     linear = record["linear"]  # every quantized product but the shared experts', the lm_head's too
     half = 2 * 2 + 3 * 2 + linear  # every scale tensor: the export's scales are float16 values
     assert record["experts"] == record["shared"]  # each MoE node computes its shared expert too
-    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
-            f"x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
+    # the per-head products this export leaves float go into LatentAttention where the layer's core is the absorbed one
+    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.LatentAttention "
+            f"x{record['attention']}, mla_deploy.FloatMatMul x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
             f"float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
@@ -728,7 +729,7 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
         floats = {t.name for t in source.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 3}
         per_head += sum(n.op_type == "MatMul" and n.input[1] in floats for n in source.graph.node)
     assert len(float_weights) == record["float_linear"] and float_weights.count(2) == record["experts"]
-    assert float_weights.count(3) == per_head > 0
+    assert float_weights.count(3) + 2 * record["attention"] == per_head > 0  # a LatentAttention takes its layer's two
     assert _tokens(art) == _tokens(art, "--no-engine")
     info = OrtEngine(art, threads=1).info()
     assert info["operators"].startswith("mla_deploy.RoutedExperts x2") and info["scales_half"] is True
@@ -935,22 +936,26 @@ def test_engine_computes_the_per_head_products_with_the_operator(libraries, tmp_
     assert _tokens(art) == _tokens(art, "--no-engine")
 
 
-def _concat_per_head_recipe(heads: int = 4, cache_mode: str = "concat"):
+def _concat_per_head_recipe(heads: int = 4, cache_mode: str = "concat", weights: str = "int4"):
     """The tiny preset with a concatenated latent cache, int4 weights in blocks of 32, per-head weights that fill
     them (r 64, dn 32, dv 32; an absorbed prefill too, so that they are quantized), YaRN rope. 4 heads with the
     query compressed (V3's q_a_proj/q_b_proj): a panel of 16 query rows spans several tokens; 16 heads with a plain
-    q_proj (V2-Lite's): one token's heads fill a panel (the vector path of the softmax)."""
-    recipe = tiny_recipe(cache_mode, weights="int4", block_size=32, prefill_form="A_CC", external_data_threshold=0)
+    q_proj (V2-Lite's): one token's heads fill a panel (the vector path of the softmax). ``weights="float"``: every
+    weight float32, the per-head ones too (LatentAttention's float products)."""
+    quantized = {"block_size": 32} if weights != "float" else {}
+    recipe = tiny_recipe(cache_mode, weights=weights, prefill_form="A_CC", external_data_threshold=0, **quantized)
     return recipe.replace(model=recipe.model.replace(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32,
                                                      num_attention_heads=heads,
                                                      q_lora_rank=recipe.model.q_lora_rank if heads == 4 else None))
 
 
-@pytest.fixture(scope="module", params=[(4, "concat"), (16, "concat"), (16, "static")],
-                ids=["4-heads-q-lora", "16-heads-q-proj", "static-cache"])
+@pytest.fixture(scope="module", params=[(4, "concat"), (16, "concat"), (16, "static"), (4, "concat", "float"),
+                                        (16, "static", "float")],
+                ids=["4-heads-q-lora", "16-heads-q-proj", "static-cache", "float-4-heads", "float-static"])
 def attention_engines(libraries, tmp_path_factory, request) -> tuple[Path, Path]:
     """One export built twice: with each layer's attention core as LatentAttention, and without (its per-head
-    products HeadwiseMatMul, the rest ONNX Runtime's nodes: the same int8 compute of the per-head products)."""
+    products HeadwiseMatMul, the rest ONNX Runtime's nodes: the same int8 compute of the per-head products; float
+    weights: FloatMatMul, the same float32 products summed in another order)."""
     if libraries["native"].path is None:
         pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
     from mla_deploy.exporter import export_recipe
@@ -993,7 +998,7 @@ def _first_attention_session(engine: Path, library: Path | None = None):
     from mla_deploy.quant.formats import EXTERNAL_FOLDER_ENTRY
 
     model = onnx.load(str(engine / "cpu" / "model.onnx"), load_external_data=False)
-    o_proj = next(n for n in model.graph.node if n.op_type == own_ops.LINEAR_OP_TYPE
+    o_proj = next(n for n in model.graph.node if n.op_type in (own_ops.LINEAR_OP_TYPE, own_ops.FLOAT_LINEAR_OP_TYPE)
                   and "layers.0.self_attn.o_proj" in n.input[1])
     model.graph.output.append(onnx.ValueInfoProto(name=o_proj.input[0]))
     options = ort.SessionOptions()
@@ -1009,7 +1014,7 @@ def test_attention_operator_equals_the_nodes_it_replaces(attention_engines, libr
     """Two sequences prefilled over an empty cache (one right-padded where the cache is concatenated), then one
     decode step over what they wrote, through both engines: layer 0's attention output (o_proj's input: the same
     inputs reach both) and its present cache equal to float32 rounding (1e-5 of their scale; the per-head products
-    are the same int8 compute in both). Later layers are compared loosely: there the inputs already differ in the
+    are the same int8 compute in both, or float32 sums in another order). Later layers are compared loosely: there the inputs already differ in the
     last bits, which can move an activation's int8 rounding. The engine's graph run with the operators compiled in
     portable C (what a CPU without AVX-512 VNNI would run) equals the unswapped nodes in the same way."""
     import onnx
