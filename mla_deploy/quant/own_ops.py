@@ -558,6 +558,9 @@ ATTENTION_OP_TYPE = "LatentAttention"
 #: the op types a layer's attention core holds besides its key nodes (views, the rope, the norm, the cache write)
 _ATTENTION_VIEWS = {"Reshape", "Transpose", "Split", "Slice", "Mul", "Add", "Concat", "Pow", "Sqrt", "Div",
                     "Unsqueeze", "Squeeze", "Identity", "TensorScatter"}
+#: the latent rank's multiple the operator computes (its weighted sum's channels per item, cpu_ops.c's CHANNELS;
+#: quantized per-head weights' blocks of 32 imply it, float ones do not)
+_LATENT_CHANNELS = 32
 #: the key nodes, how many of each one layer's core holds
 _ATTENTION_KEYS = {HEADWISE_OP_TYPE: 2, "MatMul": 2, "Softmax": 1, "Where": 1, "Gather": 2, "ReduceMean": 1}
 
@@ -752,7 +755,7 @@ def _attention_core(graph, concat, initializers, constant):
     floats = {name: n.op_type == "MatMul" for name, n in (("uk", uk), ("uv", uv))}
     r = (initializers[uk.input[1]].dims[2] if floats["uk"]  # float W_UK [H, dn, r]
          else helper.get_attribute_value(next(a for a in uk.attribute if a.name == "N")))
-    if eps is None or len(weights) != 1 or list(initializers[weights[0]].dims) != [r]:
+    if eps is None or len(weights) != 1 or list(initializers[weights[0]].dims) != [r] or r % _LATENT_CHANNELS:
         return None
     # the two products: kv_a's output reaches the rows written to the cache, the query's does not
     new_rows = producer.get(concat.input[1])

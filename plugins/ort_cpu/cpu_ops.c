@@ -1148,7 +1148,8 @@ static OrtCustomOp headwise_matmul =
  * copied). Every slot of the T is a row the scores may see; the mask says which.
  * Per head h and token s: q_lat = q_nope . W_UK[h] (HeadwiseMatMul's compute: int8 activations), scores over the
  * T rows = [q_lat | rope(q_pe)] . row * scale, hidden ones set to `fill`, softmax, o = sum p * row[:r], output
- * o . W_UV[h] (HeadwiseMatMul's compute; float32 weights: head_products, in float32). Attributes: bits_uk, bits_uv
+ * o . W_UV[h] (HeadwiseMatMul's compute; float32 weights: head_products, in float32). r must be a multiple of 32
+ * (the weighted sum's CHANNELS; quantized weights' blocks imply it). Attributes: bits_uk, bits_uv
  * (4, 8, or 32 for float32 weights), hidden_when (0, 1); scale, eps, fill (float). */
 
 typedef struct {
@@ -1465,7 +1466,8 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
     const int uv_agrees = float_uv ? uv[1] == r : uv[2] == (int64_t)r * bits_uv / 8 && uvs[0] == H && uvs[1] == dv &&
                                                   uvs[2] == r / BLOCK && r % BLOCK == 0;
     if (kd[0] != B || kd[1] != S || pd[0] != B || pd[2] != C || dr <= 0 || dr % 2 || qd[2] != (int64_t)H * (dn + dr) ||
-        !uk_agrees || !uv_agrees || uv[0] != H || dn <= 0 || r <= 0 || dv <= 0 || (md[0] != 1 && md[0] != B) ||
+        !uk_agrees || !uv_agrees || uv[0] != H || dn <= 0 || r <= 0 || r % CHANNELS || dv <= 0 ||
+        (md[0] != 1 && md[0] != B) ||
         md[1] != 1 || md[2] != S || md[3] != T)
         return fail("LatentAttention: the input shapes do not agree (see cpu_ops.c)");
     const size_t tokens = (size_t)B * S;

@@ -1066,6 +1066,24 @@ def test_engine_with_the_attention_operator_gives_the_same_tokens(attention_engi
     assert [s["tokens"] for s in fused["sequences"]] == [s["tokens"] for s in unfused["sequences"]]
 
 
+def test_float_attention_core_is_kept_where_the_latent_rank_is_not_a_multiple_of_32(libraries, tmp_path):
+    """A float export whose latent rank (48) is not a multiple of the operator's 32 channels: its attention cores
+    stay ONNX Runtime's nodes around FloatMatMul (no LatentAttention), and the engine decodes the source graphs'
+    tokens."""
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
+    from mla_deploy.exporter import export_recipe
+
+    recipe = _concat_per_head_recipe(16, "static", "float")
+    recipe = recipe.replace(model=recipe.model.replace(kv_lora_rank=48))
+    art = tmp_path / "art"
+    export_recipe(recipe, art)
+    ok(cli("build", art, "--target", "cpu"))
+    record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
+    assert record["attention"] == 0 and record["float_linear"] > 0, record
+    assert _tokens(art) == _tokens(art, "--no-engine")
+
+
 def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path):
     """A float export with MoE layers (V3 routing): the CPU engine swaps each float MoE for FloatExperts and each
     MatMul of a float weight for FloatMatMul, says so, and decodes the source graphs' tokens (float32 throughout: no
