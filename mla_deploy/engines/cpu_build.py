@@ -23,8 +23,9 @@ own session options (``onnxruntime_session_options_config_keys.h``, checked agai
   ``mla_deploy.FloatMatMul``, which packs nothing: what is left to keep is that of the ``Gemm`` nodes (the
   routers').
 
-Float routed experts (``MoE``) and the products of float weights (``MatMul``) are swapped for
-``mla_deploy.FloatExperts`` and ``mla_deploy.FloatMatMul``. Quantized routed experts (``QMoE``), a layer's quantized
+Float routed experts (``MoE``, given their layer's shared experts where the graph adds them:
+:func:`~mla_deploy.quant.own_ops.fold_float_shared_experts`) and the products of float weights (``MatMul``) are
+swapped for ``mla_deploy.FloatExperts`` and ``mla_deploy.FloatMatMul``. Quantized routed experts (``QMoE``), a layer's quantized
 products (``MatMulNBits``) and the absorbed attention's per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blocks of 32, are swapped for
 mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
 ``mla_deploy.HeadwiseMatMul``
@@ -153,6 +154,8 @@ class _Operators:
         shared = own_ops.fold_shared_experts(proto) if experts and linear else 0
         linear -= 3 * shared  # each layer's shared gate, up and down products now inside its RoutedExperts
         float_experts = own_ops.swap_float_experts(proto)
+        # the float shared experts' weights, in FloatExperts' layout, open the side file swap_float_linear appends to
+        float_shared = own_ops.fold_float_shared_experts(proto, folder, transposed) if float_experts else 0
         attention = own_ops.swap_attention(proto)
         # each core takes its layer's two per-head products inside (quantized, or float32 ones, which go no further)
         heads = sum(1 for n in proto.graph.node if (n.domain, n.op_type) == (own_ops.DOMAIN, own_ops.HEADWISE_OP_TYPE))
@@ -161,7 +164,7 @@ class _Operators:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
         self.attention, self.float_experts = self.attention + attention, self.float_experts + float_experts
-        self.float_linear, self.shared = self.float_linear + float_linear, self.shared + shared
+        self.float_linear, self.shared = self.float_linear + float_linear, self.shared + shared + float_shared
         self.half_scales += own_ops.store_half_scales(proto, folder, side)
         return proto.SerializeToString(), self.library.path
 

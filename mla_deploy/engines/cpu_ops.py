@@ -20,7 +20,8 @@ in seconds at the size of its weights. Figures: the README's CPU engine section.
 ``HeadwiseMatMul`` computes them, or in float32 for float32 weights): one node where ONNX Runtime ran about 40 small
 ones per layer.
 
-A float artifact's experts become ``mla_deploy.FloatExperts`` and its ``MatMul`` nodes of a float32 weight
+A float artifact's experts become ``mla_deploy.FloatExperts`` (with the layer's shared experts as more experts
+where the graph adds them) and its ``MatMul`` nodes of a float32 weight
 ``mla_deploy.FloatMatMul`` of the weight transposed, ``[N, K]`` (the build stores it so): a decode step's few rows (up
 to 8) computed by the operator, each output a dot product over one of its rows, streamed where ONNX Runtime maps
 it; more rows (a prefill) handed to ONNX Runtime's own ``FusedMatMul`` kernel (``transB``) through the C API's

@@ -224,8 +224,8 @@ def swap_float_linear(model, folder=None, side=None) -> int:
     float32 initializer ``[K, N]`` (a float artifact's projections, MLPs and ``lm_head``) or ``[H, K, N]`` (the
     absorbed attention's per-head ``W_UK`` and ``W_UV``) that only such ``MatMul`` nodes read by
     ``mla_deploy.FloatMatMul`` over the same input and that weight transposed, ``[N, K]`` or ``[H, N, K]``; returns how
-    many nodes. The transposed copies of external weights (under ``folder``) go into the new file ``side`` (a path
-    under ``folder``, each at a 4 KiB-aligned offset), which the model then names; in-graph weights are transposed in
+    many nodes. The transposed copies of external weights (under ``folder``) go into the file ``side`` (a path
+    under ``folder``, appended to, each at a 4 KiB-aligned offset), which the model then names; in-graph weights are transposed in
     place. The weight keeps its name; its ``[K, N]`` form is no longer in the model, so nothing holds both.
 
     The operator computes a decode step's few rows itself, each output a dot product over one row of the transposed
@@ -253,7 +253,7 @@ def swap_float_linear(model, folder=None, side=None) -> int:
     if external:
         folder, side = Path(folder), Path(side)
         location = os.path.relpath(side, folder)
-        with open(side, "wb") as out:
+        with open(side, "ab") as out:  # after what fold_float_shared_experts wrote there, if anything
             for tensor in external:
                 _append_transposed(tensor, folder, out, location)
     return swapped
@@ -329,6 +329,135 @@ def swap_float_experts(model) -> int:
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return swapped
+
+
+def fold_float_shared_experts(model, folder=None, side=None) -> int:
+    """Give each ``mla_deploy.FloatExperts`` node of the ``onnx.ModelProto`` ``model`` (in place) its layer's shared
+    experts where the graph adds them to its output as a float export writes them: ``Add(Reshape(experts), down(silu(
+    gate(h)) * up(h)))``, gate, up and down ``MatMul`` nodes of float32 weights ``[D, S*I]``, ``[D, S*I]``, ``[S*I,
+    D]`` over the experts' own input ``h`` (or what it reshapes), read by nothing else, ``silu(g)`` as ``Mul(g,
+    Sigmoid(g))``, their width a multiple ``S`` of the routed experts' ``I``. The node then takes them as ``S`` more
+    experts in its own layout (inputs 5 and 6: fc1 ``[S, 2I, D]``, gate and up rows interleaved, and fc2 ``[S, D,
+    I]``; a shared MLP of ``S*I`` units is ``S`` experts of ``I``, each of weight 1) and computes them in the same
+    pass as the routed ones: the gate, sigmoid, silu, up, product, down and add nodes go (7 per MoE layer) with
+    their weights. Where those weights are external (under ``folder``) the new ones are written to the new file
+    ``side`` (a path under ``folder``, each at a 4 KiB-aligned offset; :func:`swap_float_linear` appends to it);
+    else they go into the graph. Returns how many nodes were given their shared experts."""
+    import os
+    from pathlib import Path
+
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    graph = model.graph
+    producer, consumers = _links(list(graph.node))
+    outputs = {o.name for o in graph.output}
+    tensors = {t.name: t for t in graph.initializer}
+
+    def float_weight(name, rank=2):
+        t = tensors.get(name)
+        return t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == rank
+
+    def only_reader(name):
+        found = consumers.get(name, [])
+        return found[0] if len(found) == 1 and name not in outputs else None
+
+    def made_by(name, op_type):
+        n = _made_by(producer, name, op_type)
+        return n if n is not None and (op_type != "MatMul" or (len(n.input) == 2 and float_weight(n.input[1])
+                                                               and only_reader(n.input[1]) is n)) else None
+
+    found_all = []
+    for node in [n for n in graph.node if (n.domain, n.op_type) == (DOMAIN, FLOAT_EXPERTS_OP_TYPE)]:
+        if len(node.input) > 5 or not float_weight(node.input[2], 3):
+            continue
+        E, two_i, D = (int(d) for d in tensors[node.input[2]].dims)
+        I = two_i // 2
+        sources = {node.input[0]}
+        reshaped = _made_by(producer, node.input[0], "Reshape")
+        if reshaped is not None:
+            sources.add(reshaped.input[0])
+        tail, chain = node.output[0], []
+        while (reader := only_reader(tail)) is not None and (reader.op_type, reader.domain or "") == ("Reshape", ""):
+            chain.append(reader)
+            tail = reader.output[0]
+        add = only_reader(tail)
+        if add is None or (add.op_type, add.domain or "") != ("Add", "") or len(add.input) != 2 or (
+                add.input[0] == add.input[1]):
+            continue
+        shared = add.input[1] if add.input[0] == tail else add.input[0]
+        down = made_by(shared, "MatMul") if only_reader(shared) is add else None
+        product = _made_by(producer, down.input[0], "Mul") if down is not None and only_reader(
+            down.input[0]) is down else None
+        if product is None or len(product.input) != 2:
+            continue
+        found = None
+        for silu_name, up_name in (product.input, product.input[::-1]):
+            silu, up = _made_by(producer, silu_name, "Mul"), made_by(up_name, "MatMul")
+            if silu is None or up is None or only_reader(silu_name) is not product or only_reader(up_name) is not product:
+                continue
+            gate_name = next((n for n in silu.input if made_by(n, "MatMul") is not None), None)
+            sigmoid = next((_made_by(producer, n, "Sigmoid") for n in silu.input if n != gate_name), None)
+            if (gate_name is None or sigmoid is None or sigmoid.input[0] != gate_name or len(silu.input) != 2
+                    or only_reader(sigmoid.output[0]) is not silu
+                    or sorted(id(n) for n in consumers.get(gate_name, [])) != sorted((id(sigmoid), id(silu)))
+                    or gate_name in outputs):
+                continue
+            found = producer[gate_name], sigmoid, silu, up
+        if found is None:
+            continue
+        gate, sigmoid, silu, up = found
+        g, u, d = (list(tensors[n.input[1]].dims) for n in (gate, up, down))
+        width = g[1]
+        if (gate.input[0] not in sources or up.input[0] != gate.input[0] or g != [D, width] or u != [D, width]
+                or d != [width, D] or not width or width % I):
+            continue
+        found_all.append((node, chain, add, gate, sigmoid, silu, up, product, down, width // I))
+    if not found_all:
+        return 0
+    external = any(_is_external(tensors[n.input[1]]) for f in found_all for n in (f[3], f[6], f[8]))
+    if external and (folder is None or side is None):
+        raise ValueError("fold_float_shared_experts: external weights need the folder and a side file")
+    folder = Path(folder) if folder is not None else None
+    location = os.path.relpath(side, folder) if external else None
+
+    def values(tensor):
+        if _is_external(tensor):
+            return _external_values(tensor, folder).reshape([int(x) for x in tensor.dims])
+        return numpy_helper.to_array(tensor)
+
+    dropped = []
+    with (open(side, "wb") if external else open(os.devnull, "wb")) as out:
+        for node, chain, add, gate, sigmoid, silu, up, product, down, S in found_all:
+            E, two_i, D = (int(x) for x in tensors[node.input[2]].dims)
+            I = two_i // 2
+            names = []
+            for suffix, shape, parts in (
+                    ("shared_fc1", [S, 2 * I, D], lambda s: np.stack(
+                        [values(tensors[gate.input[1]])[:, s * I:(s + 1) * I].T,
+                         values(tensors[up.input[1]])[:, s * I:(s + 1) * I].T], axis=1).reshape(2 * I, D)),
+                    ("shared_fc2", [S, D, I], lambda s: values(tensors[down.input[1]])[s * I:(s + 1) * I].T)):
+                name = f"{node.name or node.output[0]}.{suffix}"
+                tensor = graph.initializer.add()
+                tensor.name, tensor.data_type = name, TensorProto.FLOAT
+                tensor.dims.extend(shape)
+                if external:
+                    offset = _align(out)
+                    for s in range(S):  # one shared expert at a time: [2I, D] or [D, I]
+                        out.write(np.ascontiguousarray(parts(s), dtype="<f4").tobytes())
+                    _point_at(tensor, location, offset, out.tell() - offset)
+                else:
+                    tensor.raw_data = np.stack([parts(s) for s in range(S)]).astype("<f4").tobytes()
+                names.append(name)
+            node.input.extend(names)
+            (chain[-1] if chain else node).output[0] = add.output[0]
+            dropped.extend([gate, sigmoid, silu, up, product, down, add])
+    weights = [n.input[1] for n in dropped if n.op_type == "MatMul"]
+    for old in dropped:
+        graph.node.remove(old)
+    for tensor in [t for t in graph.initializer if t.name in weights]:
+        graph.initializer.remove(tensor)
+    return len(found_all)
 
 
 def _links(nodes: list) -> tuple[dict, dict]:

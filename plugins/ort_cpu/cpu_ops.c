@@ -1658,9 +1658,13 @@ static OrtCustomOp latent_attention = {
 /* ---- mla_deploy.FloatExperts: RoutedExperts for float32 expert weights, the routing given -----------------------
  * Inputs: 0 input float [T, D]; 1 weights float [T, k] (used as they are); 2 fc1 float [E, 2I, D] (gate and up rows
  * interleaved, as ONNX Runtime's MoE takes them with swiglu_fusion 1); 3 fc2 float [E, D, I]; 4 chosen int64 [T, k]
- * (each in [0, E)). Output: float [T, D] = sum_j w_j * fc2_j(silu(gate_j) * up_j), computed in float32 (ONNX
- * Runtime's MoE computes the same sums in another order). Attribute: k. The CPU engine's build swaps it for a float
- * MoE node where the export's routing round trip feeds it (mla_deploy/quant/own_ops.py). */
+ * (each in [0, E)); 5, 6 (optional) the layer's shared experts as S more experts of the same layout, fc1 float
+ * [S, 2I, D] and fc2 float [S, D, I], each added to every token with weight 1 (a shared MLP of S*I units is S such
+ * experts: SwiGLU acts unit by unit and down sums over the units). Output: float [T, D] = sum_j w_j *
+ * fc2_j(silu(gate_j) * up_j) (+ the shared experts'), computed in float32 (ONNX Runtime's MoE and MatMul compute the
+ * same sums in another order). Attribute: k. The CPU engine's build swaps it for a float MoE node where the export's
+ * routing round trip feeds it, and gives it the shared experts where the graph adds them to its output
+ * (mla_deploy/quant/own_ops.py). */
 
 typedef struct {
     int64_t k;
@@ -1668,8 +1672,8 @@ typedef struct {
 } FloatExpertsKernel;
 
 typedef struct {
-    int D, I, T, k;
-    const float *x, *fc1, *fc2;
+    int D, I, T, k, E;          /* experts e >= E are the shared ones, e - E in fc1s and fc2s */
+    const float *x, *fc1, *fc2, *fc1s, *fc2s;
     const int *count, *start, *pair_token, *used;
     float *a; /* [pairs, I]: silu(gate) * up */
     float *o; /* [pairs, D]: fc2's rows */
@@ -1748,11 +1752,19 @@ static void float_dot(const float *w, int K, int m, const float *const *x, float
     }
 }
 
+/* expert e's fc1 [2I, D] and fc2 [D, I]: a routed one's, or a shared one's (e >= E) */
+static const float *float_fc1(const FloatWork *w, int e) {
+    return e < w->E ? w->fc1 + (size_t)e * 2 * w->I * w->D : w->fc1s + (size_t)(e - w->E) * 2 * w->I * w->D;
+}
+static const float *float_fc2(const FloatWork *w, int e) {
+    return e < w->E ? w->fc2 + (size_t)e * w->D * w->I : w->fc2s + (size_t)(e - w->E) * w->D * w->I;
+}
+
 /* stage 1, one item: an expert's 64 fc1 rows (32 gate and 32 up, interleaved) for all its pairs */
 static void run_float_fc1(void *data, size_t item) {
     FloatWork *w = (FloatWork *)data;
     const int blocks = w->I / BLOCK, e = w->used[item / blocks], block = (int)(item % blocks), D = w->D;
-    const float *rows = w->fc1 + ((size_t)e * 2 * w->I + (size_t)block * 2 * BLOCK) * D;
+    const float *rows = float_fc1(w, e) + (size_t)block * 2 * BLOCK * D;
     const int first = w->start[e], n = w->count[e];
     float h[4][2 * BLOCK];
     for (int p = 0; p < n; p += 4) {
@@ -1785,57 +1797,75 @@ static void run_float_fc2(void *data, size_t item) {
         const float *x[4] = {NULL, NULL, NULL, NULL};
         for (int j = 0; j < m; j++) x[j] = w->a + (size_t)(first + p + j) * K;
         int r = r0;
+        const float *fc2 = float_fc2(w, e);
         for (; m == 4 && r + 4 <= r1; r += 4)
-            float_dots_4rows(w->fc2 + ((size_t)e * D + r) * K, K, K, 4, x, w->o + (size_t)(first + p) * D + r,
-                             (size_t)D);
-        for (; r < r1; r++)
-            float_dot(w->fc2 + ((size_t)e * D + r) * K, K, m, x, w->o + (size_t)(first + p) * D + r, (size_t)D);
+            float_dots_4rows(fc2 + (size_t)r * K, K, K, 4, x, w->o + (size_t)(first + p) * D + r, (size_t)D);
+        for (; r < r1; r++) float_dot(fc2 + (size_t)r * K, K, m, x, w->o + (size_t)(first + p) * D + r, (size_t)D);
     }
 }
 
 static OrtStatus *float_experts_compute(void *kernel_data, OrtKernelContext *ctx) {
     FloatExpertsKernel *kernel = (FloatExpertsKernel *)kernel_data;
-    const OrtValue *in[5];
-    for (size_t i = 0; i < 5; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
-    int64_t xs[2], ws[2], w1[3], w2[3], cs[2];
+    const OrtValue *in[7];
+    for (size_t i = 0; i < 7; i++) CHECK(CALL(KernelContext_GetInput)(ctx, i, &in[i]));
+    for (int i = 0; i < 5; i++)
+        if (!in[i]) return fail("FloatExperts: inputs 0 to 4 are required");
+    if (!in[5] != !in[6]) return fail("FloatExperts: the shared experts need both fc1 and fc2 (inputs 5 and 6)");
+    int64_t xs[2], ws[2], w1[3], w2[3], cs[2], s1[3] = {0, 0, 0}, s2[3] = {0, 0, 0};
     CHECK(shape_of(in[0], TYPE_FLOAT, 2, xs, "FloatExperts: input must be float [T, D]"));
     CHECK(shape_of(in[1], TYPE_FLOAT, 2, ws, "FloatExperts: the routing weights must be float [T, k]"));
     CHECK(shape_of(in[2], TYPE_FLOAT, 3, w1, "FloatExperts: fc1 must be float [E, 2I, D]"));
     CHECK(shape_of(in[3], TYPE_FLOAT, 3, w2, "FloatExperts: fc2 must be float [E, D, I]"));
     CHECK(shape_of(in[4], TYPE_INT64, 2, cs, "FloatExperts: the chosen experts must be int64 [T, k]"));
+    if (in[5]) {
+        CHECK(shape_of(in[5], TYPE_FLOAT, 3, s1, "FloatExperts: the shared fc1 must be float [S, 2I, D]"));
+        CHECK(shape_of(in[6], TYPE_FLOAT, 3, s2, "FloatExperts: the shared fc2 must be float [S, D, I]"));
+    }
     const int T = (int)xs[0], D = (int)xs[1], E = (int)w1[0], I = (int)(w1[1] / 2), k = (int)kernel->k;
+    const int S = (int)s1[0], kk = k + S; /* each token's choices: its k routed experts, then the S shared ones */
     if (ws[0] != T || ws[1] != k || cs[0] != T || cs[1] != k || w1[1] != 2 * I || w1[2] != D || w2[0] != E ||
-        w2[1] != D || w2[2] != I || I % BLOCK || k < 1)
+        w2[1] != D || w2[2] != I || I % BLOCK || k < 1 ||
+        (S && (s1[1] != 2 * I || s1[2] != D || s2[0] != S || s2[1] != D || s2[2] != I)))
         return fail("FloatExperts: the input shapes do not agree (see cpu_ops.c)");
     OrtValue *output;
     CHECK(CALL(KernelContext_GetOutput)(ctx, 0, xs, 2, &output));
-    void *ptr[6];
-    for (int i = 0; i < 5; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
-    CHECK(CALL(GetTensorMutableData)(output, &ptr[5]));
-    const void *weights[2] = {ptr[2], ptr[3]};
-    const size_t weight_bytes[2] = {(size_t)E * 2 * I * D * sizeof(float), (size_t)E * D * I * sizeof(float)};
-    advise_huge(&kernel->advised, weights, weight_bytes, 2);
+    void *ptr[8] = {NULL};
+    for (int i = 0; i < 7; i++)
+        if (in[i]) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
+    CHECK(CALL(GetTensorMutableData)(output, &ptr[7]));
+    const void *weights[4] = {ptr[2], ptr[3], ptr[5], ptr[6]};
+    const size_t weight_bytes[4] = {(size_t)E * 2 * I * D * sizeof(float), (size_t)E * D * I * sizeof(float),
+                                    (size_t)S * 2 * I * D * sizeof(float), (size_t)S * D * I * sizeof(float)};
+    advise_huge(&kernel->advised, weights, weight_bytes, S ? 4 : 2);
     if (T == 0) return NULL;
     const float *routing = (const float *)ptr[1];
     const int64_t *picked = (const int64_t *)ptr[4];
-    const size_t pairs = (size_t)T * k;
-    for (size_t i = 0; i < pairs; i++)
+    const size_t pairs = (size_t)T * kk;
+    for (size_t i = 0; i < (size_t)T * k; i++)
         if (picked[i] < 0 || picked[i] >= E) return fail("FloatExperts: a chosen expert lies outside [0, E)");
-    Scratch scratch = {malloc(aligned(pairs * sizeof(int)) * 3 + aligned(E * sizeof(int)) * 3 +
-                              aligned(pairs * I * sizeof(float)) + aligned(pairs * D * sizeof(float))), NULL};
+    Scratch scratch = {malloc(aligned(pairs * sizeof(int)) * 3 + aligned((E + S) * sizeof(int)) * 3 +
+                              aligned(pairs * sizeof(float)) + aligned(pairs * I * sizeof(float)) +
+                              aligned(pairs * D * sizeof(float))), NULL};
     if (!scratch.base) return CALL(CreateStatus)(ORT_FAIL, "FloatExperts: out of memory");
     scratch.at = scratch.base;
     int *pair_token = take(&scratch, pairs * sizeof(int)), *pair_of = take(&scratch, pairs * sizeof(int));
-    int *count = take(&scratch, E * sizeof(int)), *start = take(&scratch, E * sizeof(int));
-    int *used = take(&scratch, E * sizeof(int)), *chosen = take(&scratch, pairs * sizeof(int));
-    for (size_t i = 0; i < pairs; i++) chosen[i] = (int)picked[i];
-    const int n_used = group_pairs(chosen, pairs, k, E, count, start, used, pair_token, pair_of);
-    FloatWork w = {D, I, T, k, (const float *)ptr[0], (const float *)ptr[2], (const float *)ptr[3], count, start,
-                   pair_token, used, take(&scratch, pairs * I * sizeof(float)),
-                   take(&scratch, pairs * D * sizeof(float)), (D + TILE - 1) / TILE};
+    int *count = take(&scratch, (E + S) * sizeof(int)), *start = take(&scratch, (E + S) * sizeof(int));
+    int *used = take(&scratch, (E + S) * sizeof(int)), *chosen = take(&scratch, pairs * sizeof(int));
+    float *weight = take(&scratch, pairs * sizeof(float));
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < kk; j++) {
+            const size_t at = (size_t)t * kk + j, given = (size_t)t * k + j;
+            chosen[at] = j < k ? (int)picked[given] : E + (j - k);
+            weight[at] = j < k ? routing[given] : 1.f;
+        }
+    const int n_used = group_pairs(chosen, pairs, kk, E + S, count, start, used, pair_token, pair_of);
+    FloatWork w = {D, I, T, kk, E, (const float *)ptr[0], (const float *)ptr[2], (const float *)ptr[3],
+                   (const float *)ptr[5], (const float *)ptr[6], count, start, pair_token, used,
+                   take(&scratch, pairs * I * sizeof(float)), take(&scratch, pairs * D * sizeof(float)),
+                   (D + TILE - 1) / TILE};
     OrtStatus *status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc1, (size_t)n_used * (I / BLOCK), 0, &w);
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_float_fc2, (size_t)n_used * w.tiles2, 0, &w);
-    if (!status) combine((float *)ptr[5], T, D, k, routing, pair_of, w.o, NULL);
+    if (!status) combine((float *)ptr[7], T, D, kk, weight, pair_of, w.o, NULL);
     free(scratch.base);
     return status;
 }
@@ -1858,10 +1888,11 @@ static int float_experts_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 4 ? TYPE_INT64 : TYPE_FLOAT;
 }
-static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; return 5; }
+static size_t float_experts_input_count(const OrtCustomOp *op) { (void)op; return 7; }
+static int optional_shared(const OrtCustomOp *op, size_t i) { (void)op; return i >= 5; } /* the shared experts */
 
 static OrtCustomOp float_experts = OP_TABLE(float_experts_name, float_experts_input_type, float_experts_input_count,
-                                            float_experts_create, float_experts_compute, required);
+                                            float_experts_create, float_experts_compute, optional_shared);
 
 /* ---- mla_deploy.FloatMatMul: ONNX MatMul for float32 A and a weight given transposed ---------------------------
  * Inputs: 0 A float [..., K] (a weight of 2 dimensions) or [..., H, M, K] (of 3: a product per head); 1 WT float

@@ -699,9 +699,11 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     linear = record["linear"]  # every quantized product but the shared experts', the lm_head's too
     half = 2 * 2 + 3 * 2 + linear  # every scale tensor: the export's scales are float16 values
     assert record["experts"] == record["shared"]  # each MoE node computes its shared expert too
-    # the per-head products this export leaves float go into LatentAttention where the layer's core is the absorbed one
-    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.LatentAttention "
-            f"x{record['attention']}, mla_deploy.FloatMatMul x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
+    # the per-head products this export leaves float would go into LatentAttention, but its latent rank (16) is no
+    # multiple of 32: they stay FloatMatMul
+    assert record["attention"] == 0
+    assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
+            f"x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
             f"float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
@@ -1084,10 +1086,13 @@ def test_float_attention_core_is_kept_where_the_latent_rank_is_not_a_multiple_of
     assert _tokens(art) == _tokens(art, "--no-engine")
 
 
-def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path):
+@pytest.mark.parametrize("shared, external", [(1, False), (2, True)], ids=["1-shared-in-graph", "2-shared-external"])
+def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path, shared, external):
     """A float export with MoE layers (V3 routing): the CPU engine swaps each float MoE for FloatExperts and each
-    MatMul of a float weight for FloatMatMul, says so, and decodes the source graphs' tokens (float32 throughout: no
-    int8 rounding to move; the prompt's prefill through ONNX Runtime's MatMul, the steps through ours)."""
+    MatMul of a float weight for FloatMatMul, gives each FloatExperts its layer's shared experts (1 or 2 of the
+    routed experts' width, as V3 and V2-Lite have them; their weights in the graph or in the side file), says so,
+    and decodes the source graphs' tokens (float32 throughout: no int8 rounding to move; the prompt's prefill through
+    ONNX Runtime's FusedMatMul, the steps through ours)."""
     if libraries["native"].path is None:
         pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
     import onnx
@@ -1095,17 +1100,27 @@ def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path
     from mla_deploy.exporter import export_recipe
 
     recipe = _moe_recipe()
-    recipe = recipe.replace(export=dataclasses.replace(recipe.export, weights="float"))
+    recipe = recipe.replace(export=dataclasses.replace(recipe.export, weights="float",
+                                                       **({"external_data_threshold": 0} if external else {})),
+                            model=recipe.model.replace(n_shared_experts=shared))
     art = tmp_path / "art"
     export_recipe(recipe, art)
     out = ok(cli("build", art, "--target", "cpu"))
     record = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
     assert record["float_experts"] == 2 and "mla_deploy.FloatExperts x2" in out, out  # prefill and decode graphs
     assert record["float_linear"] > 0 and f"mla_deploy.FloatMatMul x{record['float_linear']}" in out, out
+    assert record["shared"] == 2 and "2 with their layer's shared experts" in out, out
+    assert not list((art / "cpu").glob("*.transposed"))  # the build's side file: gone
+    I = recipe.model.moe_intermediate_size
     for graph in ("prefill", "decode"):
         model = onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph
         ops = [n.op_type for n in model.node]
         assert ops.count(own_ops.FLOAT_EXPERTS_OP_TYPE) == 1 and "MoE" not in ops and "Log" not in ops
+        experts = next(n for n in model.node if n.op_type == own_ops.FLOAT_EXPERTS_OP_TYPE)
+        dims = {t.name: list(t.dims) for t in model.initializer}
+        hidden = recipe.model.hidden_size
+        assert [dims[name] for name in experts.input[5:]] == [[shared, 2 * I, hidden], [shared, hidden, I]]
+        assert not [name for name in dims if "shared_experts" in name]  # their MatMul weights went with the nodes
         weights = {t.name for t in model.initializer if len(t.dims) == 2}
         assert ops.count(own_ops.FLOAT_LINEAR_OP_TYPE) >= 4  # the projections, the MLPs, lm_head
         assert not [n.name for n in model.node if n.op_type == "MatMul" and n.input[1] in weights]
