@@ -125,6 +125,51 @@ def _give_routing(model) -> int:
     return rewritten
 
 
+def _shared_branch(node, producer: dict, consumers: dict, outputs: set, product_of):
+    """The shared experts the graph adds to the experts node ``node``'s output, as an export writes them:
+    ``Add(Reshape(experts), down(silu(gate(h)) * up(h)))``, ``silu(g)`` as ``Mul(g, Sigmoid(g))``, ``h`` the node's
+    own input or what it reshapes, every tensor between read by nothing else. ``product_of(name)`` is the product
+    node (of the caller's kind) making ``name``, or None. Returns ``(the Reshape chain after node, add, gate,
+    sigmoid, silu, up, product, down)`` or None."""
+    def only_reader(name):
+        found = consumers.get(name, [])
+        return found[0] if len(found) == 1 and name not in outputs else None
+
+    sources = {node.input[0]}
+    reshaped = _made_by(producer, node.input[0], "Reshape")
+    if reshaped is not None:
+        sources.add(reshaped.input[0])
+    tail, chain = node.output[0], []
+    while (reader := only_reader(tail)) is not None and (reader.op_type, reader.domain or "") == ("Reshape", ""):
+        chain.append(reader)
+        tail = reader.output[0]
+    add = only_reader(tail)
+    if add is None or (add.op_type, add.domain or "") != ("Add", "") or len(add.input) != 2 or (
+            add.input[0] == add.input[1]):
+        return None
+    shared = add.input[1] if add.input[0] == tail else add.input[0]
+    down = product_of(shared) if only_reader(shared) is add else None
+    product = _made_by(producer, down.input[0], "Mul") if down is not None and only_reader(
+        down.input[0]) is down else None
+    if product is None or len(product.input) != 2:
+        return None
+    for silu_name, up_name in (product.input, product.input[::-1]):
+        silu, up = _made_by(producer, silu_name, "Mul"), product_of(up_name)
+        if silu is None or up is None or only_reader(silu_name) is not product or only_reader(up_name) is not product:
+            continue
+        gate_name = next((n for n in silu.input if product_of(n) is not None), None)
+        sigmoid = next((_made_by(producer, n, "Sigmoid") for n in silu.input if n != gate_name), None)
+        if (gate_name is None or sigmoid is None or sigmoid.input[0] != gate_name or len(silu.input) != 2
+                or only_reader(sigmoid.output[0]) is not silu
+                or sorted(id(n) for n in consumers.get(gate_name, [])) != sorted((id(sigmoid), id(silu)))
+                or gate_name in outputs):
+            continue
+        gate = producer[gate_name]
+        if gate.input[0] in sources and up.input[0] == gate.input[0]:
+            return chain, add, gate, sigmoid, silu, up, product, down
+    return None
+
+
 def fold_shared_experts(model) -> int:
     """Give each ``mla_deploy.RoutedExperts`` node of the ``onnx.ModelProto`` ``model`` (in place) its layer's shared
     experts where the graph adds them to its output as the export writes them: ``Add(Reshape(experts), down(silu(
@@ -138,14 +183,6 @@ def fold_shared_experts(model) -> int:
     producer, consumers = _links(list(graph.node))
     outputs = {o.name for o in graph.output}
     dims = {t.name: list(t.dims) for t in graph.initializer}
-
-    def only_reader(name):
-        found = consumers.get(name, [])
-        return found[0] if len(found) == 1 and name not in outputs else None
-
-    def made_by(name, op_type, domain=""):
-        return _made_by(producer, name, op_type, domain)
-
     folded, dropped = 0, []
     for node in [n for n in graph.node if (n.domain, n.op_type) == (DOMAIN, OP_TYPE)]:
         if any(node.input[7:]):
@@ -155,43 +192,14 @@ def fold_shared_experts(model) -> int:
         if bits not in (4, 8) or fc1 is None or len(fc1) != 3:
             continue
         hidden = fc1[2] * 8 // bits
-        sources = {node.input[0]}
-        reshaped = made_by(node.input[0], "Reshape")
-        if reshaped is not None:
-            sources.add(reshaped.input[0])
-        tail, chain = node.output[0], []
-        while (reader := only_reader(tail)) is not None and (reader.op_type, reader.domain or "") == ("Reshape", ""):
-            chain.append(reader)
-            tail = reader.output[0]
-        add = only_reader(tail)
-        if add is None or (add.op_type, add.domain or "") != ("Add", "") or len(add.input) != 2 or (
-                add.input[0] == add.input[1]):
-            continue
-        shared = add.input[1] if add.input[0] == tail else add.input[0]
-        down = made_by(shared, LINEAR_OP_TYPE, DOMAIN) if only_reader(shared) is add else None
-        product = made_by(down.input[0], "Mul") if down is not None and only_reader(down.input[0]) is down else None
-        if product is None or len(product.input) != 2:
-            continue
-        found = None
-        for silu_name, up_name in (product.input, product.input[::-1]):
-            silu, up = made_by(silu_name, "Mul"), made_by(up_name, LINEAR_OP_TYPE, DOMAIN)
-            if silu is None or up is None or only_reader(silu_name) is not product or only_reader(up_name) is not product:
-                continue
-            gate_name = next((n for n in silu.input if made_by(n, LINEAR_OP_TYPE, DOMAIN) is not None), None)
-            sigmoid = next((made_by(n, "Sigmoid") for n in silu.input if n != gate_name), None)
-            if (gate_name is None or sigmoid is None or sigmoid.input[0] != gate_name or len(silu.input) != 2
-                    or only_reader(sigmoid.output[0]) is not silu
-                    or sorted(id(n) for n in consumers.get(gate_name, [])) != sorted((id(sigmoid), id(silu)))
-                    or gate_name in outputs):
-                continue
-            found = producer[gate_name], sigmoid, silu, up
+        found = _shared_branch(node, producer, consumers, outputs,
+                               lambda name: _made_by(producer, name, LINEAR_OP_TYPE, DOMAIN))
         if found is None:
             continue
-        gate, sigmoid, silu, up = found
+        chain, add, gate, sigmoid, silu, up, product, down = found
         g, u, d = _attributes(gate), _attributes(up), _attributes(down)
         width = g.get("N")
-        if (gate.input[0] not in sources or up.input[0] != gate.input[0] or {g.get("bits"), u.get("bits"),
-                                                                              d.get("bits")} != {bits}
+        if ({g.get("bits"), u.get("bits"), d.get("bits")} != {bits}
                 or g.get("K") != hidden or u.get("K") != hidden or u.get("N") != width or d.get("K") != width
                 or d.get("N") != hidden or not width or width % 32):
             continue
@@ -358,14 +366,10 @@ def fold_float_shared_experts(model, folder=None, side=None) -> int:
         t = tensors.get(name)
         return t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == rank
 
-    def only_reader(name):
-        found = consumers.get(name, [])
-        return found[0] if len(found) == 1 and name not in outputs else None
-
-    def made_by(name, op_type):
-        n = _made_by(producer, name, op_type)
-        return n if n is not None and (op_type != "MatMul" or (len(n.input) == 2 and float_weight(n.input[1])
-                                                               and only_reader(n.input[1]) is n)) else None
+    def float_product(name):  # a MatMul by a float32 [K, N] weight that it alone reads
+        n = _made_by(producer, name, "MatMul")
+        ok = n is not None and len(n.input) == 2 and float_weight(n.input[1]) and consumers.get(n.input[1]) == [n]
+        return n if ok else None
 
     found_all = []
     for node in [n for n in graph.node if (n.domain, n.op_type) == (DOMAIN, FLOAT_EXPERTS_OP_TYPE)]:
@@ -373,44 +377,13 @@ def fold_float_shared_experts(model, folder=None, side=None) -> int:
             continue
         E, two_i, D = (int(d) for d in tensors[node.input[2]].dims)
         I = two_i // 2
-        sources = {node.input[0]}
-        reshaped = _made_by(producer, node.input[0], "Reshape")
-        if reshaped is not None:
-            sources.add(reshaped.input[0])
-        tail, chain = node.output[0], []
-        while (reader := only_reader(tail)) is not None and (reader.op_type, reader.domain or "") == ("Reshape", ""):
-            chain.append(reader)
-            tail = reader.output[0]
-        add = only_reader(tail)
-        if add is None or (add.op_type, add.domain or "") != ("Add", "") or len(add.input) != 2 or (
-                add.input[0] == add.input[1]):
-            continue
-        shared = add.input[1] if add.input[0] == tail else add.input[0]
-        down = made_by(shared, "MatMul") if only_reader(shared) is add else None
-        product = _made_by(producer, down.input[0], "Mul") if down is not None and only_reader(
-            down.input[0]) is down else None
-        if product is None or len(product.input) != 2:
-            continue
-        found = None
-        for silu_name, up_name in (product.input, product.input[::-1]):
-            silu, up = _made_by(producer, silu_name, "Mul"), made_by(up_name, "MatMul")
-            if silu is None or up is None or only_reader(silu_name) is not product or only_reader(up_name) is not product:
-                continue
-            gate_name = next((n for n in silu.input if made_by(n, "MatMul") is not None), None)
-            sigmoid = next((_made_by(producer, n, "Sigmoid") for n in silu.input if n != gate_name), None)
-            if (gate_name is None or sigmoid is None or sigmoid.input[0] != gate_name or len(silu.input) != 2
-                    or only_reader(sigmoid.output[0]) is not silu
-                    or sorted(id(n) for n in consumers.get(gate_name, [])) != sorted((id(sigmoid), id(silu)))
-                    or gate_name in outputs):
-                continue
-            found = producer[gate_name], sigmoid, silu, up
+        found = _shared_branch(node, producer, consumers, outputs, float_product)
         if found is None:
             continue
-        gate, sigmoid, silu, up = found
+        chain, add, gate, sigmoid, silu, up, product, down = found
         g, u, d = (list(tensors[n.input[1]].dims) for n in (gate, up, down))
         width = g[1]
-        if (gate.input[0] not in sources or up.input[0] != gate.input[0] or g != [D, width] or u != [D, width]
-                or d != [width, D] or not width or width % I):
+        if g != [D, width] or u != [D, width] or d != [width, D] or not width or width % I:
             continue
         found_all.append((node, chain, add, gate, sigmoid, silu, up, product, down, width // I))
     if not found_all:
