@@ -351,6 +351,7 @@ def fold_float_shared_experts(model, folder=None, side=None) -> int:
     their weights. Where those weights are external (under ``folder``) the new ones are written to the new file
     ``side`` (a path under ``folder``, each at a 4 KiB-aligned offset; :func:`swap_float_linear` appends to it);
     else they go into the graph. Returns how many nodes were given their shared experts."""
+    import contextlib
     import os
     from pathlib import Path
 
@@ -400,7 +401,7 @@ def fold_float_shared_experts(model, folder=None, side=None) -> int:
         return numpy_helper.to_array(tensor)
 
     dropped = []
-    with (open(side, "wb") if external else open(os.devnull, "wb")) as out:
+    with (open(side, "wb") if external else contextlib.nullcontext()) as out:  # in-graph weights: no file
         for node, chain, add, gate, sigmoid, silu, up, product, down, S in found_all:
             E, two_i, D = (int(x) for x in tensors[node.input[2]].dims)
             I = two_i // 2
