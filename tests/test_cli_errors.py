@@ -337,6 +337,46 @@ def test_sigterm_during_export_removes_the_temporary_dir(tmp_path):
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
+#: a command under the contract's group that takes SIGTERM inside a weakref callback, where Python drops any
+#: exception raised ("Exception ignored in ..."), as the import system's module-lock callback does
+SWALLOWED = """
+import os, signal, sys, tempfile, time, weakref, click
+from mla_deploy.cli.contract import MainGroup
+
+@click.group(cls=MainGroup)
+def main():
+    pass
+
+class Thing:
+    pass
+
+@main.command()
+def work():
+    with tempfile.TemporaryDirectory(dir=".", prefix=".tmp-") as tmp:
+        def callback(ref):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler runs in here, and its exception is dropped
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        del thing
+        time.sleep(5)
+        print("ran on after the signal")
+
+main()
+"""
+
+
+def test_sigterm_inside_a_callback_that_drops_exceptions_still_stops_the_command(tmp_path):
+    """A stop signal whose exception Python drops (it landed in a weakref callback, a ``__del__``) is delivered
+    again until it propagates: one line, exit 128 + 15, the temporary folder removed, the command does not run on."""
+    done = subprocess.run([sys.executable, "-c", SWALLOWED, "work"], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=60)
+    assert "ran on" not in done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr
+    error_line(done, 128 + signal.SIGTERM, "interrupted (SIGTERM)")
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
 INTERRUPTED = "mla-deploy: error: interrupted (SIGINT); temporary files were removed"
 
 

@@ -6,7 +6,8 @@ prints exactly one line on stderr, ``mla-deploy: error: ...``:
 * a malformed command line (click's usage errors: unknown option, bad choice, missing argument; an argument that
   is not UTF-8): exit 2;
 * SIGINT, SIGTERM, SIGHUP: the command stops, its temporaries are removed, its child processes get the signal too
-  (and are killed if they still run 3 s later), exit 128 + the signal number; a second signal is ignored;
+  (and are killed if they still run 3 s later), exit 128 + the signal number; a second signal is ignored; one that
+  lands where Python drops exceptions (a weakref callback, a ``__del__``) is delivered again until it propagates;
 * anything else is a bug: the line names it and the file where the full traceback was written, exit 70.
 
 :class:`MainGroup` is the command group that keeps it.
@@ -58,9 +59,64 @@ def _on_signal(signum, frame):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     signal_children(signum)
+    _Redelivery.arm(signum)
+    _raise_interrupt(signum)
+
+
+def _raise_interrupt(signum: int) -> "NoReturn":
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Interrupted(signum)
+
+
+class _Redelivery:
+    """Python drops an exception raised where it cannot propagate (a weakref callback such as the import system's
+    module-lock one, a ``__del__``, a finalizer: "Exception ignored in ..."); a stop signal landing there would be
+    lost and the command would run on. While a stop signal is being handled, ``sys.unraisablehook`` watches for
+    our own interrupt being dropped and has the signal delivered to the main thread again a moment later, once the
+    callback has returned, until it propagates and :class:`MainGroup` takes it."""
+
+    signum: int | None = None
+    previous_hook = None
+
+    @classmethod
+    def arm(cls, signum: int) -> None:
+        if cls.signum is None:
+            cls.signum = signum
+            cls.previous_hook = sys.unraisablehook
+            sys.unraisablehook = cls._on_unraisable
+
+    @classmethod
+    def disarm(cls) -> None:
+        if cls.signum is not None:
+            sys.unraisablehook = cls.previous_hook
+            cls.signum = cls.previous_hook = None
+
+    @classmethod
+    def _on_unraisable(cls, unraisable) -> None:
+        signum = cls.signum
+        if signum is None or not isinstance(unraisable.exc_value, (Interrupted, KeyboardInterrupt)):
+            (cls.previous_hook or sys.__unraisablehook__)(unraisable)
+            return
+        import threading
+
+        def again(_signum, _frame):
+            signal.signal(signum, signal.SIG_IGN)
+            _raise_interrupt(signum)
+
+        try:
+            signal.signal(signum, again)  # the hook runs in the thread that ran the callback: the main one here
+        except ValueError:
+            return
+        main = threading.main_thread().ident
+
+        def deliver():
+            if cls.signum == signum:  # not yet taken by MainGroup
+                signal.pthread_kill(main, signum)
+
+        timer = threading.Timer(0.02, deliver)
+        timer.daemon = True
+        timer.start()
 
 
 def child_processes(pid: int | str = "self") -> list[int]:
@@ -175,6 +231,7 @@ class MainGroup(click.Group):
         except Exception as exc:  # noqa: BLE001 - every other failure: one line (a bug's names the traceback file)
             _fail(*_error_line(exc))
         finally:
+            _Redelivery.disarm()
             _install(handlers)
 
     def invoke(self, ctx):
