@@ -265,6 +265,8 @@ class MLAConfig:
             data: field values; ``rope_scaling`` may be a dict with ``type = "yarn"``.
             source: where the dict came from, for error messages.
         """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: must be a table of fields, got {type(data).__name__}")
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -308,7 +310,11 @@ def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
     for needed in ("factor", "original_max_position_embeddings"):
         if needed not in raw:
             raise ConfigError(f"{source}: rope_scaling of type yarn needs {needed}")
-    values = {k: (int(v) if k == "original_max_position_embeddings" else float(v)) for k, v in raw.items()}
+    try:
+        values = {k: (int(v) if k == "original_max_position_embeddings" else float(v)) for k, v in raw.items()}
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: rope_scaling values must be numbers, got "
+                          f"{', '.join(f'{k}={v!r}' for k, v in raw.items())}") from None
     return YarnScaling(**values)
 
 
@@ -366,8 +372,10 @@ def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
             raise ConfigError(f"no Hugging Face config at {path}")
         try:
             raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not a readable JSON config ({exc})") from None
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON's or UTF-8's
+            raise ConfigError(f"{path}: not a readable JSON config ({type(exc).__name__}: {str(exc)[:200]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: not a Hugging Face config (a JSON object), got {type(raw).__name__}")
         label = str(path)
         name = name or path.parent.name
     model_type = raw.get("model_type", "deepseek_v3")

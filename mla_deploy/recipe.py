@@ -359,8 +359,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raise ConfigError(f"no recipe file at {path}")
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: not a readable TOML recipe ({exc})") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable TOML recipe ({type(exc).__name__}: {str(exc)[:200]})") from None
     return recipe_from_dict(data, source=str(path), default_name=path.stem)
 
 

@@ -108,6 +108,22 @@ def ws(tmp_path_factory) -> Path:
     (root / "badjson" / "manifest.json").write_text("{ nope")
     shutil.copytree(art, root / "clash")  # a user's model.onnx beside a two-graph artifact: an export would replace it
     (root / "clash" / "model.onnx").write_text("the user's own graph\n")
+    for name, key, value in (("model_list", "model", [1, 2]), ("weights_text", "weights", "x"),
+                             ("versions_int", "versions", 5), ("recipe_text", "recipe", "x")):
+        shutil.copytree(art, root / name)  # a manifest field edited into another type
+        manifest = json.loads((root / name / "manifest.json").read_text())
+        manifest[key] = value
+        (root / name / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copytree(art, root / "data_int")
+    manifest = json.loads((root / "data_int" / "manifest.json").read_text())
+    manifest["graphs"]["decode"]["external_data"] = 5
+    (root / "data_int" / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copytree(art, root / "nested")
+    (root / "nested" / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # past Python's recursion limit
+    (root / "latin1.toml").write_bytes(b"\xff\xfe[model]\n")
+    (root / "list.json").write_text("[]")
+    (root / "rope.toml").write_text((Path(__file__).parents[1] / "export" / "tiny.toml").read_text().replace(
+        "factor = ", 'factor = "x" # '))
     (root / "genai").mkdir()  # what `export --target genai` writes (no manifest.json): no artifact
     (root / "genai" / "genai_config.json").write_text('{"model": {"type": "deepseek_v3"}}')
     (root / "genai" / "model.onnx").write_bytes(b"\x00graph")
@@ -170,6 +186,17 @@ CASES = [
     ("run_truncated_graph", ["run", "truncated", "--prompt-ids", "1"], 1, ["decode.onnx"]),
     ("run_edited_manifest", ["run", "vocab", "--prompt-ids", "1,2,500"], 1,  # refused before anything runs
      ["manifest.json prefill outputs", "1000"]),
+    ("manifest_model_not_a_table", ["run", "model_list", "--prompt-ids", "1"], 1, ["[model]", "table", "list"]),
+    ("manifest_weights_not_a_table", ["run", "weights_text", "--prompt-ids", "1"], 1, ["[weights] is not a table"]),
+    ("manifest_versions_not_a_table", ["run", "versions_int", "--prompt-ids", "1"], 1, ["[versions] is not a table"]),
+    ("manifest_recipe_not_a_table", ["run", "recipe_text", "--prompt-ids", "1"], 1, ["[recipe] is not a table"]),
+    ("manifest_data_not_a_name", ["run", "data_int", "--prompt-ids", "1"], 1, ["decode graph entry", "got 5"]),
+    ("manifest_nested_too_deep", ["build", "nested", "--target", "cpu"], 1, ["not readable JSON", "RecursionError"]),
+    ("id_past_int64", ["run", "art", "--prompt-ids", "9223372036854775808"], 1,
+     ["token id 9223372036854775808", "vocabulary"]),
+    ("recipe_not_utf8", ["inspect", "--recipe", "latin1.toml"], 1, ["latin1.toml", "not a readable TOML"]),
+    ("recipe_rope_not_a_number", ["inspect", "--recipe", "rope.toml"], 1, ["rope_scaling values must be numbers"]),
+    ("hf_config_a_list", ["inspect", "--hf", "list.json"], 1, ["list.json", "not a Hugging Face config"]),
     ("ids_not_ints", ["run", "art", "--prompt-ids", "1,x"], 1, ["comma-separated integers", "'1,x'"]),
     ("id_past_vocab", ["run", "art", "--prompt-ids", "1,2,999"], 1, ["token id 999", "vocabulary"]),
     ("id_negative", ["run", "art", "--prompt-ids=-5"], 1, ["token id -5"]),

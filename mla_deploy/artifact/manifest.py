@@ -131,10 +131,17 @@ class GraphEntry:
                        outputs=tuple(TensorSpec.from_dict(t) for t in data.get("outputs", [])),
                        attention=str(data.get("attention", "standard")),
                        experts=_experts_form(role, data.get("experts", expert_forms.LEGACY)),
-                       external_data=data.get("external_data"),
+                       external_data=_optional_name(data.get("external_data")),
                        bytes=int(data.get("bytes", 0)), sha256=str(data.get("sha256", "")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"manifest.json: the {role} graph entry is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _optional_name(value: Any) -> str | None:
+    """A graph entry's file name that may be absent (``external_data``): None or a string. Raises: TypeError."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"expected a file name, got {value!r}")
+    return value
 
 
 def _experts_form(role: str, form: Any) -> str:
@@ -294,15 +301,22 @@ class Manifest:
         capacity = data.get("max_cache_length")
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
             raise ArtifactError(f"{source}: max_cache_length {capacity!r} is not a positive integer")
-        return cls(
-            name=str(data.get("name", "")), fingerprint=str(data.get("fingerprint", "")), model=model,
-            weights=WeightsSource.from_dict(data.get("weights")), precision=data["precision"], opset=opset,
-            cache=dict(cache), max_cache_length=capacity,
-            graphs={role: GraphEntry.from_dict(role, g) for role, g in graphs.items()},
-            recipe=dict(data.get("recipe") or {}), versions=dict(data.get("versions") or {}),
-            created=str(data.get("created", "")), format_version=version, weights_data=_weights_data(data, source),
-            tokenizer=None if data.get("tokenizer") is None else TokenizerFiles.from_dict(data["tokenizer"], source),
-            quantization=from_manifest(data.get("quantization"), source))
+        for key in ("weights", "recipe", "versions"):
+            if not isinstance(data.get(key) or {}, dict):
+                raise ArtifactError(f"{source}: [{key}] is not a table")
+        try:
+            return cls(
+                name=str(data.get("name", "")), fingerprint=str(data.get("fingerprint", "")), model=model,
+                weights=WeightsSource.from_dict(data.get("weights")), precision=data["precision"], opset=opset,
+                cache=dict(cache), max_cache_length=capacity,
+                graphs={role: GraphEntry.from_dict(role, g) for role, g in graphs.items()},
+                recipe=dict(data.get("recipe") or {}), versions=dict(data.get("versions") or {}),
+                created=str(data.get("created", "")), format_version=version,
+                weights_data=_weights_data(data, source),
+                tokenizer=None if data.get("tokenizer") is None else TokenizerFiles.from_dict(data["tokenizer"], source),
+                quantization=from_manifest(data.get("quantization"), source))
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of another type than written
+            raise ArtifactError(f"{source}: a field is malformed ({type(exc).__name__}: {exc})") from None
 
     def save(self, folder: str | Path) -> Path:
         """Write ``folder/manifest.json`` atomically; returns its path."""
@@ -363,8 +377,8 @@ def load_manifest(artifact: str | Path) -> Manifest:
         raise ArtifactError(f"{root} holds no {MANIFEST}; export into it first (mla-deploy export ... --out {root})")
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path} is not readable JSON ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: arrays nested past Python's stack
+        raise ArtifactError(f"{path} is not readable JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     manifest = Manifest.from_dict(data, source=str(path))
     for role, graph in manifest.graphs.items():
         file = root / graph.file

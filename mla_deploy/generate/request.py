@@ -30,6 +30,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token id")
+    for prompt in prompts:  # before numpy sees them: an id past int64 would not convert
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     lengths = np.array([len(p) for p in prompts], dtype=np.int64)
     ids = np.zeros((len(prompts), int(lengths.max())), dtype=np.int64)
     valid = np.zeros_like(ids)
