@@ -204,6 +204,8 @@ CASES = [
     ("new_tokens_zero", ["run", "art", "--prompt-ids", "1", "--max-new-tokens", "0"], 1,
      ["--max-new-tokens must be >= 1"]),
     ("past_capacity", ["run", "art", "--prompt-ids", "1,2,3", "--max-new-tokens", "200"], 1, ["capacity"]),
+    ("past_capacity_allowed_long", ["run", "art", "--prompt-ids", "1,2,3", "--max-new-tokens", "2000", "--allow-long"],
+     1, ["capacity"]),  # only the error: no warning line before it
     ("past_positions", ["run", "art", "--prompt-ids", LONG, "--max-new-tokens", "100"], 1,
      ["1100 positions", "max_position_embeddings 1024", "--allow-long"]),
     ("run_threads_zero", ["run", "art", "--prompt-ids", "1", "--threads", "0"], 1, ["--threads must be >= 1"]),

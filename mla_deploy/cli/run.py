@@ -29,7 +29,9 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
     tokenizer = load_tokenizer(artifact)
     ids = _prompt_ids(prompts, tokenizer, artifact)
     engine = OrtEngine(artifact, provider=runtime.provider, threads=runtime.threads, use_engine=runtime.use_engine)
-    warning = check_positions(engine.config, max((len(p) for p in ids), default=0), max_new_tokens, allow_long)
+    longest = max((len(p) for p in ids), default=0)
+    warning = check_positions(engine.config, longest, max_new_tokens, allow_long)
+    engine.check_request(longest, max_new_tokens)  # a request the cache cannot hold fails before any warning
     if warning:
         click.echo(f"mla-deploy: warning: {warning}", err=True)
     result, texts = generate_and_show(engine, tokenizer, ids, max_new_tokens, sampling, prompts.stop,
