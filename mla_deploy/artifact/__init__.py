@@ -10,12 +10,13 @@ Importing this package imports neither torch nor onnx (the ONNX checks import on
 """
 
 from .check import check_artifact
-from .files import atomic_dir, atomic_file, atomic_write_bytes, atomic_write_text, replace_dir, sha256_file
+from .files import (atomic_dir, atomic_file, atomic_write_bytes, atomic_write_text, replace_dir, sampled_sha256,
+                    sha256_file)
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, REFERENCE_WEIGHTS, SUPPORTED_FORMAT_VERSIONS, GraphEntry,
                        Manifest, WeightsSource, load_manifest, now, read_fingerprint)
 from .tokenizer_files import TOKENIZER_FILES, TokenizerFiles, copy_tokenizer_files
 
 __all__ = ["check_artifact", "atomic_dir", "atomic_file", "atomic_write_bytes", "atomic_write_text", "replace_dir",
-           "sha256_file", "FORMAT", "FORMAT_VERSION", "MANIFEST", "REFERENCE_WEIGHTS", "SUPPORTED_FORMAT_VERSIONS",
+           "sha256_file", "sampled_sha256", "FORMAT", "FORMAT_VERSION", "MANIFEST", "REFERENCE_WEIGHTS", "SUPPORTED_FORMAT_VERSIONS",
            "GraphEntry", "Manifest", "WeightsSource", "load_manifest", "now", "read_fingerprint",
            "TOKENIZER_FILES", "TokenizerFiles", "copy_tokenizer_files"]

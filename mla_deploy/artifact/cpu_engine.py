@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ArtifactError
-from .files import atomic_write_text, sha256_file
+from .files import atomic_write_text, sampled_sha256, sha256_file
 from .manifest import Manifest
 
 CPU_ENGINE_DIR = "cpu"
@@ -85,6 +85,8 @@ class EngineGraph:
         engine, engine_sha256: the optimised graph in ``cpu/`` and its sha256.
         data, data_bytes: its weights and pre-packed weights file in ``cpu/`` and its size.
         roles: ``prefill``/``decode``, as the manifest assigns them to ``source``.
+        data_sample: :func:`~mla_deploy.artifact.files.sampled_sha256` of ``data`` ("" where there is none, or where
+            an older mla-deploy wrote the record).
     """
 
     source: str
@@ -94,17 +96,18 @@ class EngineGraph:
     data: str | None
     data_bytes: int
     roles: tuple[str, ...]
+    data_sample: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "source_sha256": self.source_sha256, "engine": self.engine,
                 "engine_sha256": self.engine_sha256, "data": self.data, "data_bytes": self.data_bytes,
-                "roles": list(self.roles)}
+                "data_sample": self.data_sample, "roles": list(self.roles)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineGraph":
         return cls(str(data["source"]), str(data["source_sha256"]), str(data["engine"]), str(data["engine_sha256"]),
                    None if data.get("data") is None else str(data["data"]), int(data["data_bytes"]),
-                   tuple(str(r) for r in data["roles"]))
+                   tuple(str(r) for r in data["roles"]), str(data.get("data_sample", "")))
 
 
 @dataclass(frozen=True)
@@ -304,13 +307,22 @@ def _files_difference(record: CpuEngineRecord, root: Path, manifest: Manifest) -
             return f"its graph {engine} is missing"
         if sha256_file(engine) != graph.engine_sha256:
             return f"its graph {engine} was modified (sha256 differs from {CPU_ENGINE_RECORD})"
-        if graph.data is not None:
-            data = folder / graph.data
-            if not data.is_file():
-                return f"its weights {data} are missing"
-            if data.stat().st_size != graph.data_bytes:
-                return (f"its weights {data} have {data.stat().st_size} bytes, {CPU_ENGINE_RECORD} says "
-                        f"{graph.data_bytes} (truncated or replaced)")
+        if graph.data is None:
+            data = folder / f"{Path(graph.engine).stem}.data"
+            if data.exists():
+                return f"{CPU_ENGINE_RECORD} names no weights file for {engine}, but {data} exists (an edited record)"
+            continue
+        data = folder / graph.data
+        if not data.is_file():
+            return f"its weights {data} are missing"
+        if data.stat().st_size != graph.data_bytes:
+            return (f"its weights {data} have {data.stat().st_size} bytes, {CPU_ENGINE_RECORD} says "
+                    f"{graph.data_bytes} (truncated or replaced)")
+        if not graph.data_sample:
+            return f"{CPU_ENGINE_RECORD} holds no sample digest of {data} (an older mla-deploy built it)"
+        if sampled_sha256(data) != graph.data_sample:
+            return (f"its weights {data} were modified (a sample of their pages differs from {CPU_ENGINE_RECORD}'s "
+                    f"digest)")
     return None
 
 

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..artifact import atomic_dir, check_artifact, load_manifest, now, sha256_file
+from ..artifact import atomic_dir, check_artifact, load_manifest, now, sampled_sha256, sha256_file
 from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph,
                                    CpuOperators, host_cpu, write_cpu_engine_record)
 from ..artifact.manifest import Manifest
@@ -216,11 +216,13 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     if not engine.is_file():
         raise ExportError(f"ONNX Runtime did not write the optimised {source}")
     keep_prepacked(engine, kept)
+    sample = sampled_sha256(data) if data.is_file() else ""
     if data.is_file() and library is not None:  # only our operators ask for huge pages: else keep what is cached
         drop_cached_pages(data)
     graph = next(g for g in manifest.graphs.values() if g.file == source)
     return EngineGraph(source, graph.sha256 or sha256_file(root / source), engine.name, sha256_file(engine),
-                       data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0, roles)
+                       data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0, roles,
+                       sample)
 
 
 def drop_cached_pages(path: Path) -> None:

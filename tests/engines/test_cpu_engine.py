@@ -150,6 +150,10 @@ STALE = {
     "engine edited": (lambda art: (art / "cpu" / "decode.onnx").open("ab").write(b"\0"), "decode.onnx was modified"),
     "data missing": (lambda art: (art / "cpu" / "decode.data").unlink(), "decode.data are missing"),
     "data truncated": (lambda art: (art / "cpu" / "decode.data").open("r+b").truncate(100), "truncated or replaced"),
+    "data rewritten": (lambda art: (art / "cpu" / "decode.data").write_bytes(
+        bytes(255 - b for b in (art / "cpu" / "decode.data").read_bytes())), "decode.data were modified"),
+    "data unrecorded": (_graph("data", None), "names no weights file"),
+    "no data sample": (_graph("data_sample", ""), "holds no sample digest"),
     "no record": (lambda art: (art / "cpu" / "engine.json").unlink(), "holds no engine.json"),
     "other format": (_record("format_version", lambda v: 99), "written by another mla-deploy"),
 }
@@ -177,6 +181,11 @@ def test_stale_engine_refused_by_run_and_rebuilt(built, tmp_path):
     result = cli("run", art, "--prompt-ids", PROMPT, "--max-new-tokens", "2")
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert "--target cpu` rebuilds it" in result.stderr
+    out = tmp_path / "bench"  # bench model opens the engine as run does: refused before it measures anything
+    result = cli("bench", "model", "--artifact", art, "--context", "0", "--batch", "1", "--prompt-length", "4",
+                 "--repeat", "1", "--warmup", "0", "--no-transformers", "--threads", "1", "--out", out)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "is stale" in result.stderr and not out.exists()
     ok(cli("build", art, "--target", "cpu"))
     assert tokens(art)[1] == f"engine {art / 'cpu'}"
 

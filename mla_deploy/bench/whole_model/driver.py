@@ -190,6 +190,12 @@ def _as_given(spec: WholeModelSpec) -> Prepared:
 
     manifest = load_manifest(spec.location)
     check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (worker)
+    if spec.engine:  # the worker opens the pre-built engine as OrtEngine does: a stale one is refused here, in one line
+        import onnxruntime as ort
+
+        from ...artifact.cpu_engine import check_cpu_engine, host_cpu
+
+        check_cpu_engine(spec.location, manifest, host_cpu(ort.__version__))
     weights = manifest.weights
     checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
     variant = Variant(manifest.quantization.variant("ours"), Path(spec.location), manifest)
