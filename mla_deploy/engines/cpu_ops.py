@@ -95,8 +95,10 @@ def compile_library(into: Path, native: bool = True) -> Library:
     source, cc, out = source_path(), compiler(), Path(into) / LIBRARY
     flags = ["-O3", "-fPIC", "-shared", "-std=gnu11"] + (["-march=native"] if native else [])
     try:
+        # the compiler's own temporaries (assembly, object) go into `into` too: a build that is interrupted
+        # removes them with it, where /tmp would keep them
         done = subprocess.run([cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True,
-                              timeout=COMPILE_SECONDS)
+                              timeout=COMPILE_SECONDS, env={**os.environ, "TMPDIR": str(Path(into).resolve())})
     except (subprocess.TimeoutExpired, OSError) as exc:
         return Library(None, why_not=f"{cc} could not compile {source.name}: {type(exc).__name__}")
     if done.returncode != 0 or not out.is_file():
