@@ -55,7 +55,7 @@ from ..artifact.cpu_engine import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, C
                                    CpuOperators, host_cpu, write_cpu_engine_record)
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
-from ..errors import ExportError, RuntimeMissingError
+from ..errors import ArtifactError, ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
 from ..quant import own_ops
 from ..quant.formats import EXTERNAL_FOLDER_ENTRY
@@ -90,7 +90,7 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
         raise RuntimeMissingError(f"{plugin} holds the TensorRT MlaDecode plugin node, which ONNX Runtime cannot run; "
                                   f"build it with `mla-deploy build {root} --target tensorrt`")
     manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
-    _check_replaceable(root / CPU_ENGINE_DIR)
+    _check_replaceable(root / CPU_ENGINE_DIR, _engine_files(root, manifest))
     probe_writable(root / CPU_ENGINE_DIR)
     start = time.perf_counter()
     sources: dict[str, list[str]] = {}
@@ -110,17 +110,34 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     return record
 
 
-def _check_replaceable(folder: Path) -> None:
-    """An existing ``folder`` must be an engine folder (its files ``engine.json``, ``*.onnx``, ``*.data``, ``*.so``):
-    the build replaces it whole.
+def _engine_files(root: Path, manifest: Manifest) -> set[str]:
+    """The names of the files a build of ``root``'s engine writes (``engine.json``, ``<graph>.onnx`` and
+    ``<graph>.data`` for each of its graph files, ``cpu_ops.so``), and those the engine there now records."""
+    from ..artifact.cpu_engine import read_cpu_engine_record
+    from .cpu_ops import LIBRARY
+
+    names = {CPU_ENGINE_RECORD, LIBRARY}
+    for graph in manifest.graphs.values():
+        names |= {f"{Path(graph.file).stem}.onnx", f"{Path(graph.file).stem}.data"}
+    try:
+        record = read_cpu_engine_record(root)
+    except (ArtifactError, OSError, ValueError):  # an unreadable record names nothing
+        record = None
+    for graph in record.graphs if record is not None else ():
+        names |= {graph.engine} | ({graph.data} if graph.data else set())
+    return names
+
+
+def _check_replaceable(folder: Path, engine_files: set[str]) -> None:
+    """An existing ``folder`` must be an engine folder, holding only ``engine_files`` (:func:`_engine_files`), none
+    of them a link: the build replaces it whole.
 
     Raises: ExportError: a file, a link, or a folder holding anything else (a user's file)."""
     if not os.path.lexists(folder):
         return
     if folder.is_symlink() or not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a CPU engine folder; move it away first")
-    foreign = sorted(p.name for p in folder.iterdir()
-                     if p.name != CPU_ENGINE_RECORD and p.suffix not in (".onnx", ".data", ".so"))
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in engine_files or p.is_symlink())
     if foreign:
         raise ExportError(f"{folder / foreign[0]} is not a file of a CPU engine and the build would replace it; move it "
                           f"away first")

@@ -224,6 +224,24 @@ def test_failed_build_leaves_the_previous_engine_or_none(built, tmp_path):
     assert sorted(p.name for p in art.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx"]
 
 
+@pytest.mark.parametrize("name", ["extra.onnx", "extra.data", "link.data"])
+def test_rebuild_keeps_a_users_file_named_like_an_engine_file(built, tmp_path, name):
+    """A file in cpu/ that neither the build writes nor the engine's record names, whatever its suffix (a user's
+    graph, or a link to another engine's weights), is refused in one line and kept; the engine stays as it was."""
+    art = copy(built["int4"], tmp_path)
+    user = art / "cpu" / name
+    if name.startswith("link"):
+        user.symlink_to(art / "cpu" / "decode.data")
+    else:
+        user.write_text("the user's own file\n")
+    before = {p.name: p.read_bytes() for p in (art / "cpu").iterdir() if not p.is_symlink()}
+    result = cli("build", art, "--target", "cpu")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert f"{name} is not a file of a CPU engine" in result.stderr
+    assert {p.name: p.read_bytes() for p in (art / "cpu").iterdir() if not p.is_symlink()} == before
+    assert user.is_symlink() or user.read_text() == "the user's own file\n"
+
+
 def test_bad_inputs_are_one_line_errors(built, tmp_path):
     """Not an artifact, a bf16 artifact, TensorRT options with --target cpu, a user's file where cpu/ goes, a disk
     that fills up: one line each, exit 1, nothing left behind."""
