@@ -237,6 +237,7 @@ def test_preset_writes_one_checkpoint_for_both_paths(tmp_path):
     pytest.param(["--preset", "tiny", "--batch", "0"], "--batch", id="batch_zero"),
     pytest.param(["--preset", "tiny", "--context", "x"], "--context", id="context_not_int"),
     pytest.param(["--preset", "tiny", "--context", "-1"], "--context", id="context_negative"),
+    pytest.param(["--preset", "tiny", "--context", "100000"], "max_position_embeddings 1024", id="context_past_positions"),
     pytest.param(["--preset", "tiny", "--prompt-length", "0"], "--prompt-length", id="prompt_zero"),
     pytest.param(["--preset", "tiny", "--repeat", "two"], "--repeat", id="repeat_not_int"),
     pytest.param(["--artifact", "{tmp}/missing"], "no artifact", id="artifact_missing"),

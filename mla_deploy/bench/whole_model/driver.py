@@ -183,6 +183,16 @@ def _require_fit(config, spec: WholeModelSpec) -> None:
                          f"in a smaller precision (--artifact)")
 
 
+def _require_positions(config, spec: WholeModelSpec) -> None:
+    """Refuse a run whose longest point reaches past the model's ``max_position_embeddings`` (its rope is defined
+    up to there; ``run`` refuses the same without --allow-long)."""
+    last = spec.capacity - 1  # the longest context's prompt and decode steps, or the prefill's prompt
+    if last > config.max_position_embeddings:
+        raise InputError(f"--context {max(spec.contexts)} with {spec.steps} decode steps (or --prompt-length "
+                         f"{spec.prompt_length}) reaches position {last}, past the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}; bench shorter contexts")
+
+
 def _as_given(spec: WholeModelSpec) -> Prepared:
     """``--artifact``: the artifact as exported, and the checkpoint its manifest names (if a folder)."""
     from ...artifact import load_manifest
@@ -190,6 +200,7 @@ def _as_given(spec: WholeModelSpec) -> Prepared:
 
     manifest = load_manifest(spec.location)
     check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (worker)
+    _require_positions(manifest.model, spec)
     if spec.engine:  # the worker opens the pre-built engine as OrtEngine does: a stale one is refused here, in one line
         import onnxruntime as ort
 
@@ -211,12 +222,14 @@ def _source(spec: WholeModelSpec, out: Path, echo, prepared: Prepared):
     if spec.source == "hf":
         checkpoint = Path(spec.location)
         base = Recipe(name=checkpoint.resolve().name, model=from_hf_config(checkpoint), source=str(checkpoint))
+        _require_positions(base.model, spec)
         _require_fit(base.model, spec)
         out.mkdir(parents=True, exist_ok=True)
         prepared.checkpoint = checkpoint
         return base
     recipe = load_recipe(spec.location)
     model = recipe.model.first_layers(spec.layers) if spec.layers else recipe.model
+    _require_positions(model, spec)
     _require_fit(model, spec)
     out.mkdir(parents=True, exist_ok=True)
     prepared.checkpoint = out / "checkpoint"
