@@ -243,6 +243,9 @@ class CpuEngineRecord:
             raise ArtifactError(f"{source} was written by another mla-deploy (format_version "
                                 f"{data.get('format_version')!r})")
         try:
+            for key in ("cpu_features", "graphs", "prepacked"):
+                if not isinstance(data.get(key, []), list):
+                    raise TypeError(f"{key} must be a list, got {data[key]!r}")
             host = HostCpu(str(data["onnxruntime"]), str(data["machine"]), tuple(map(str, data["cpu_features"])))
             return cls(host, str(data["fingerprint"]), data.get("weights_sha256"),
                        tuple(EngineGraph.from_dict(g) for g in data["graphs"]), dict(data["session"]),
@@ -256,7 +259,8 @@ class CpuEngineRecord:
 
         Compares, in this order: the ONNX Runtime version, the architecture, the CPU features, the baked session
         settings, the model (fingerprint, weights sha256), each source graph (the manifest's sha256 and the file's
-        own), each engine file (graph sha256, data file size), its own operators (their source, their library)."""
+        own), each engine file (graph sha256, data file size and sampled digest), its own operators (their source,
+        their library)."""
         for differs in (_host_difference(self.host, host), _session_difference(self.session),
                         _model_difference(self, manifest)):
             if differs:

@@ -156,6 +156,7 @@ STALE = {
     "no data sample": (_graph("data_sample", ""), "holds no sample digest"),
     "no record": (lambda art: (art / "cpu" / "engine.json").unlink(), "holds no engine.json"),
     "other format": (_record("format_version", lambda v: 99), "written by another mla-deploy"),
+    "features not a list": (_record("cpu_features", lambda v: "avx"), "cpu_features must be a list"),
 }
 
 
