@@ -275,6 +275,10 @@ static inline __attribute__((always_inline)) __m512 scales4(const void *s, int h
     return half ? _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + b))))
                 : _mm512_maskz_loadu_ps(0x000F, (const float *)s + b);
 }
+static inline __attribute__((always_inline)) __m512 scales2(const void *s, int half, int b) { /* b, b + 1, then 0 */
+    return half ? _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_maskz_loadu_epi16(0x03, (const uint16_t *)s + b)))
+                : _mm512_maskz_loadu_ps(0x0003, (const float *)s + b);
+}
 #endif
 
 #if VNNI
@@ -357,6 +361,17 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                 const __m512 scale = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(0x000F, d[t] + b));
                 acc[t] = scaled(acc[t], dot, four_lanes(0), scale);
                 zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x000F, corr[t] + b), zp[t]);
+            }
+        }
+        for (; bits == 8 && b + 2 <= blocks; b += 2) { /* int8: 2 blocks left at a time (an expert's 1408 = 44 x 32) */
+            const __m512 sw = scales2(s, half, b);
+            const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + BLOCK * b), flips);
+            for (int t = 0; t < n; t++) {
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed,
+                                                        _mm512_loadu_si512(q[t] + BLOCK * b));
+                const __m512 scale = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(0x0003, d[t] + b));
+                acc[t] = scaled(acc[t], dot, pair_lanes(0), scale);
+                zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x0003, corr[t] + b), zp[t]);
             }
         }
         for (int t = 0; t < n; t++) total[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t], acc2[t]), zp[t]));
