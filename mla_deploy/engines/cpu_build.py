@@ -30,7 +30,9 @@ products (``MatMulNBits``) and the absorbed attention's per-head products (:data
 mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
 ``mla_deploy.HeadwiseMatMul``
 (:mod:`~mla_deploy.engines.cpu_ops`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
-compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them). Each layer's
+compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them), only those of
+``RoutedExperts`` and of ``BlockwiseMatMul`` rows over 512 values stored interleaved in groups of 16 blocks
+(:func:`~mla_deploy.quant.own_ops.interleave_weights`: the same bytes, moved). Each layer's
 absorbed attention core (the cache write, the rope, ``kv_a_layernorm``, ``W_UK``, the
 scores, the softmax, the weighted sum and ``W_UV``: about 40 nodes) then becomes one ``mla_deploy.LatentAttention``
 (:func:`~mla_deploy.quant.own_ops.swap_attention`), its per-head products quantized or float32. Without a C
@@ -155,8 +157,10 @@ class _Operators:
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s; its weights under ``folder``)
         with its eligible nodes swapped, their scales stored as float16 where exact (into the file ``side``, which
         the model then names; :func:`~mla_deploy.quant.own_ops.store_half_scales`) and the float weights of its
-        ``FloatMatMul`` nodes transposed (into the file ``transposed``;
-        :func:`~mla_deploy.quant.own_ops.swap_float_linear`): ``(model, the library to register or None)``."""
+        ``FloatMatMul`` nodes transposed and the quantized weights of its ``RoutedExperts`` and long
+        ``BlockwiseMatMul`` rows interleaved (both into the file ``transposed``;
+        :func:`~mla_deploy.quant.own_ops.swap_float_linear`, :func:`~mla_deploy.quant.own_ops.interleave_weights`):
+        ``(model, the library to register or None)``."""
         import onnx
 
         proto = (onnx.load(str(model), load_external_data=False) if isinstance(model, str)
@@ -177,6 +181,7 @@ class _Operators:
         # each core takes its layer's two per-head products inside (quantized, or float32 ones, which go no further)
         heads = sum(1 for n in proto.graph.node if (n.domain, n.op_type) == (own_ops.DOMAIN, own_ops.HEADWISE_OP_TYPE))
         float_linear = own_ops.swap_float_linear(proto, folder, transposed)
+        own_ops.interleave_weights(proto, folder, transposed)  # appended after the float ones, if any
         if not experts + linear + heads + attention + float_experts + float_linear:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
@@ -214,7 +219,8 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
                        (SAVE_PREPACKED, "1" if kept else "0")):
         options.add_session_config_entry(key, value)
     model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
-    # float16 scales and transposed float weights: read by the session below into the engine's data, then gone
+    # float16 scales, transposed float weights, interleaved quantized ones: read by the session below into the
+    # engine's data, then gone
     side, transposed = tmp / f"{stem}.scales16", tmp / f"{stem}.transposed"
     model, library = operators.swap(model, (root / source).parent, side, transposed)
     if library is not None:

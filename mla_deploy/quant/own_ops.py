@@ -2,8 +2,9 @@
 ``plugins/ort_cpu/cpu_ops.c``) compute exactly, and the swaps that put them in place of ONNX Runtime's ``QMoE``
 (:data:`~.formats.QMOE`'s layout) and ``MatMulNBits`` (:data:`~.formats.MATMULNBITS`'s) in a CPU engine's graph, and
 in place of the per-head weights' ``DequantizeLinear -> Transpose -> MatMul`` (:data:`~.formats.HEADWISE`'s). The
-operators read these layouts as they are: nothing is re-laid out (a per-head weight's signed integers are handed to
-``HeadwiseMatMul`` as the same bytes, typed ``uint8``)."""
+operators read these layouts as they are (a per-head weight's signed integers are handed to ``HeadwiseMatMul`` as
+the same bytes, typed ``uint8``); the one re-layout is :func:`interleave_weights`, which moves the bytes of each
+``RoutedExperts`` weight and of long ``BlockwiseMatMul`` rows within groups of 16 blocks, and says so on the node."""
 
 from __future__ import annotations
 
@@ -265,6 +266,90 @@ def swap_float_linear(model, folder=None, side=None) -> int:
             for tensor in external:
                 _append_transposed(tensor, folder, out, location)
     return swapped
+
+
+#: the weight inputs of the operators that read the interleaved layout: RoutedExperts' fc1, fc2 and shared gate, up
+#: and down, BlockwiseMatMul's B; True where the input holds its rows as ``[E, N, K*bits/8]``, False as ``[N, K/32,
+#: 32*bits/8]``
+_INTERLEAVED_WEIGHTS = {OP_TYPE: {2: True, 4: True, 7: False, 9: False, 11: False}, LINEAR_OP_TYPE: {1: False}}
+#: BlockwiseMatMul rows this long or shorter stay as they are: ``cpu_ops.c`` computes a decode step's short rows 4 at
+#: a time (``dot4``, up to its ``DOT4_MAX_K``), faster than one by one in either layout
+_SHORT_ROWS = 512
+
+
+def interleave_rows(rows, bits: int):
+    """The uint8 rows ``[M, K*bits/8]`` (int4 or int8 weights in blocks of 32, each block's bytes in order) in the
+    interleaved layout of ``plugins/ort_cpu/cpu_ops.c`` (``lane_byte``): in each group of 16 whole blocks, byte
+    ``m`` of block ``j`` moves to ``64 * (m // 4) + 4 * j + m % 4`` of the group; blocks after the last whole group
+    stay. A new array ``[M, K*bits/8]``; the same bytes, only moved (AVX-512 VNNI then sums each block in its own
+    32-bit lane over all of a group's loads, and applies the group's 16 scales once)."""
+    import numpy as np
+
+    block = 32 * bits // 8
+    M, width = rows.shape
+    whole = width // (16 * block) * 16 * block
+    out = np.array(rows, dtype=np.uint8, copy=True)
+    out[:, :whole] = rows[:, :whole].reshape(M, -1, 16, block // 4, 4).transpose(0, 1, 3, 2, 4).reshape(M, whole)
+    return out
+
+
+def interleave_weights(model, folder=None, side=None) -> int:
+    """Store the weights of every ``mla_deploy.RoutedExperts`` node and of every ``BlockwiseMatMul`` of rows longer
+    than :data:`_SHORT_ROWS` values of the ``onnx.ModelProto`` ``model`` (in place) in the interleaved layout
+    (:func:`interleave_rows`) and give the node ``interleaved=1``, where the node alone reads them; returns how many
+    nodes. The new copies of external weights (under ``folder``) go into the file ``side`` (a path under ``folder``,
+    appended to, each at a 4 KiB-aligned offset), which the model then names; in-graph ones are rewritten in place.
+    The operators' products are the same integer sums per block: only the order of the float sums differs (a
+    decode step streams the rows faster: README, CPU engine)."""
+    import contextlib
+    import os
+    from pathlib import Path
+
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    tensors = {t.name: t for t in model.graph.initializer}
+    consumers = _links(list(model.graph.node))[1]
+    outputs = {o.name for o in model.graph.output}
+    chosen = []
+    for node in model.graph.node:
+        slots = _INTERLEAVED_WEIGHTS.get(node.op_type) if node.domain == DOMAIN else None
+        attrs = _attributes(node)
+        if not slots or attrs.get("interleaved", 0) or attrs.get("K", _SHORT_ROWS + 1) <= _SHORT_ROWS:
+            continue
+        names = {i: node.input[i] for i in slots if i < len(node.input) and node.input[i]}
+        if all(n in tensors and tensors[n].data_type == TensorProto.UINT8 and len(tensors[n].dims) == 3
+               and n not in outputs and consumers.get(n) == [node] for n in names.values()):
+            chosen.append((node, names))
+    if not chosen:
+        return 0
+    external = [n for _, names in chosen for n in names.values() if _is_external(tensors[n])]
+    if external and (folder is None or side is None):
+        raise ValueError("interleave_weights: external weights need the folder and a side file")
+    folder = Path(folder) if folder is not None else None
+    location = os.path.relpath(side, folder) if external else None
+    with open(side, "ab") if external else contextlib.nullcontext() as out:
+        for node, names in chosen:
+            attrs = _attributes(node)
+            bits = int(attrs["bits"] if node.op_type == LINEAR_OP_TYPE else attrs.get("expert_weight_bits", 4))
+            for slot, name in names.items():
+                tensor = tensors[name]
+                dims = [int(d) for d in tensor.dims]
+                width = dims[2] if _INTERLEAVED_WEIGHTS[node.op_type][slot] else dims[1] * dims[2]
+                if not _is_external(tensor):
+                    rows = numpy_helper.to_array(tensor).reshape(-1, width)
+                    tensor.CopyFrom(numpy_helper.from_array(interleave_rows(rows, bits).reshape(dims), name))
+                    continue
+                entries = {e.key: e.value for e in tensor.external_data}
+                values = np.memmap(folder / entries["location"], dtype=np.uint8, mode="r",
+                                   offset=int(entries.get("offset", 0)), shape=(_count(dims) // width, width))
+                offset = _align(out)
+                step = max(1, _CHUNK // width)
+                for r in range(0, values.shape[0], step):
+                    out.write(interleave_rows(np.asarray(values[r: r + step]), bits).tobytes())
+                _point_at(tensor, location, offset, out.tell() - offset)
+            node.attribute.append(helper.make_attribute("interleaved", 1))
+    return len(chosen)
 
 
 def _is_external(tensor) -> bool:

@@ -166,10 +166,22 @@ static OrtStatus *fail(const char *message) { return CALL(CreateStatus)(ORT_INVA
 
 /* ---- the arithmetic ------------------------------------------------------------------------------------------ */
 
+/* The interleaved layout of a quantized row (a RoutedExperts node's weights where its `interleaved` attribute is 1,
+ * and the activations they meet): each group of 16 whole blocks keeps its bytes where they are, but byte m of block
+ * j of the group (m < 16 for int4 weights, 32 for int8) lies at 64 * (m / 4) + 4 * j + m % 4 of the group, so that
+ * 32-bit lane j of every 64-byte load holds block j: VNNI's sums then stay per block across the group's loads, and
+ * the scales apply once per group. Blocks after the last whole group keep their order. An int4 activation row's
+ * even half and odd half (quantize_block) are each laid out as int4 weights. */
+static inline size_t lane_byte(int b, int m, int block_bytes, int blocks) {
+    if (b >= blocks / 16 * 16) return (size_t)b * block_bytes + m;
+    return (size_t)(b / 16) * 16 * block_bytes + 64 * (m / 4) + 4 * (b % 16) + m % 4;
+}
+
 /* block b of a vector of K quantized to int8 (v: its 32 values): q holds the row (int4 weights: each block's 16 even
  * elements at [16b, 16b + 16) and its 16 odd ones at K/2 + [16b, 16b + 16); int8 weights: in order), d[b] the
  * block's scale and corr[b] = -zero * sum(q in block b) * d[b] (the zero point's share of a block's product) */
-static void quantize_block(const float *v, int K, int b, int bits, int8_t *q, float *d, float *corr) {
+static void quantize_block(const float *v, int K, int b, int bits, int lane, int8_t *q, float *d, float *corr) {
+    const int blocks = K / BLOCK, spread = lane && b < blocks / 16 * 16; /* the block's bytes in 4-byte pieces */
 #if VNNI
     { /* the same arithmetic on two vectors: cvtps rounds half to even as lrintf does (the default rounding mode) */
         const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
@@ -181,8 +193,25 @@ static void quantize_block(const float *v, int K, int b, int bits, int8_t *q, fl
         if (bits == 4) { /* the 16 even elements, then the 16 odd ones */
             const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
             const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-            _mm_storeu_si128((__m128i *)(q + b * 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, even, c)));
-            _mm_storeu_si128((__m128i *)(q + K / 2 + b * 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, odd, c)));
+            const __m128i e = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, even, c));
+            const __m128i o = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, odd, c));
+            if (spread) {
+                int8_t *qe = q + lane_byte(b, 0, 16, blocks), *qo = qe + K / 2;
+                _mm_storeu_si32(qe, e), _mm_storeu_si32(qe + 64, _mm_srli_si128(e, 4));
+                _mm_storeu_si32(qe + 128, _mm_srli_si128(e, 8)), _mm_storeu_si32(qe + 192, _mm_srli_si128(e, 12));
+                _mm_storeu_si32(qo, o), _mm_storeu_si32(qo + 64, _mm_srli_si128(o, 4));
+                _mm_storeu_si32(qo + 128, _mm_srli_si128(o, 8)), _mm_storeu_si32(qo + 192, _mm_srli_si128(o, 12));
+            } else {
+                _mm_storeu_si128((__m128i *)(q + b * 16), e);
+                _mm_storeu_si128((__m128i *)(q + K / 2 + b * 16), o);
+            }
+        } else if (spread) {
+            const __m128i lo = _mm512_cvtepi32_epi8(a), hi = _mm512_cvtepi32_epi8(c);
+            int8_t *qb = q + lane_byte(b, 0, BLOCK, blocks);
+            _mm_storeu_si32(qb, lo), _mm_storeu_si32(qb + 64, _mm_srli_si128(lo, 4));
+            _mm_storeu_si32(qb + 128, _mm_srli_si128(lo, 8)), _mm_storeu_si32(qb + 192, _mm_srli_si128(lo, 12));
+            _mm_storeu_si32(qb + 256, hi), _mm_storeu_si32(qb + 320, _mm_srli_si128(hi, 4));
+            _mm_storeu_si32(qb + 384, _mm_srli_si128(hi, 8)), _mm_storeu_si32(qb + 448, _mm_srli_si128(hi, 12));
         } else {
             _mm_storeu_si128((__m128i *)(q + b * BLOCK), _mm512_cvtepi32_epi8(a));
             _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(c));
@@ -200,24 +229,25 @@ static void quantize_block(const float *v, int K, int b, int bits, int8_t *q, fl
         const int r = (int)lrintf(v[i] * inv);
         sum += r;
         if (bits == 4)
-            q[(i & 1) * (K / 2) + b * 16 + i / 2] = (int8_t)r;
+            q[(i & 1) * (K / 2) + (spread ? lane_byte(b, i / 2, 16, blocks) : (size_t)b * 16 + i / 2)] = (int8_t)r;
         else
-            q[b * BLOCK + i] = (int8_t)r;
+            q[spread ? lane_byte(b, i, BLOCK, blocks) : (size_t)b * BLOCK + i] = (int8_t)r;
     }
     d[b] = scale;
     corr[b] = -(float)(1 << (bits - 1)) * (float)sum * scale;
 }
 
-static void quantize_row(const float *x, int K, int bits, int8_t *q, float *d, float *corr) {
-    for (int b = 0; b < K / BLOCK; b++) quantize_block(x + b * BLOCK, K, b, bits, q, d, corr);
+static void quantize_row(const float *x, int K, int bits, int lane, int8_t *q, float *d, float *corr) {
+    for (int b = 0; b < K / BLOCK; b++) quantize_block(x + b * BLOCK, K, b, bits, lane, q, d, corr);
 }
 
-/* M rows of K values quantized (quantize_row): q [M, K], d and c [M, K/B] */
+/* M rows of K values quantized (quantize_row): q [M, K], d and c [M, K/B]; lane: in the interleaved layout */
 typedef struct {
     const float *x;
     int K, bits;
     int8_t *q;
     float *d, *c;
+    int lane;
 } Rows;
 
 /* row i of a Rows: its quantized values, block scales and zero-point shares */
@@ -229,7 +259,7 @@ static void row_of(const Rows *rows, size_t i, const int8_t **q, const float **d
 static void run_quantize(void *data, size_t i) {
     const Rows *rows = (const Rows *)data;
     const int K = rows->K;
-    quantize_row(rows->x + i * K, K, rows->bits, rows->q + i * K, rows->d + i * (K / BLOCK),
+    quantize_row(rows->x + i * K, K, rows->bits, rows->lane, rows->q + i * K, rows->d + i * (K / BLOCK),
                  rows->c + i * (K / BLOCK));
 }
 
@@ -311,7 +341,7 @@ static inline __attribute__((always_inline)) __m512 scaled(__m512 acc, __m512i d
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const void *s, int half, int K, int bits,
                                                           int n, const int8_t *const *q, const float *const *d,
                                                           const float *const *corr, float *out, size_t stride,
-                                                          uint8_t flip) {
+                                                          uint8_t flip, int lane) {
     const int blocks = K / BLOCK;
     float total[4] = {0.f, 0.f, 0.f, 0.f};
     int b = 0;
@@ -320,6 +350,39 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         const __m512i flips = _mm512_set1_epi8((char)flip);
         __m512 acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
         for (int t = 0; t < 4; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
+        for (; lane && b + 16 <= blocks; b += 16) { /* the interleaved layout: lane j is block j in every load */
+            const __m512 sw = scales16(s, half, b);
+            __m512i lo[4], hi[4]; /* two chains of integer sums per token */
+            for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm512_setzero_si512();
+            if (bits == 4) {
+                const __m512i low = _mm512_set1_epi8(0x0F);
+                for (int g = 0; g < 4; g++) {
+                    const int at = 16 * b + 64 * g;
+                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
+                    const __m512i even_w = _mm512_and_si512(packed, low);
+                    const __m512i odd_w = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                    for (int t = 0; t < n; t++) {
+                        lo[t] = _mm512_dpbusd_epi32(lo[t], even_w, _mm512_loadu_si512(q[t] + at));
+                        hi[t] = _mm512_dpbusd_epi32(hi[t], odd_w, _mm512_loadu_si512(q[t] + K / 2 + at));
+                    }
+                }
+            } else {
+                for (int g = 0; g < 8; g += 2) {
+                    const int at = BLOCK * b + 64 * g;
+                    const __m512i p0 = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
+                    const __m512i p1 = _mm512_xor_si512(_mm512_loadu_si512(w + at + 64), flips);
+                    for (int t = 0; t < n; t++) {
+                        lo[t] = _mm512_dpbusd_epi32(lo[t], p0, _mm512_loadu_si512(q[t] + at));
+                        hi[t] = _mm512_dpbusd_epi32(hi[t], p1, _mm512_loadu_si512(q[t] + at + 64));
+                    }
+                }
+            }
+            for (int t = 0; t < n; t++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[t], hi[t]));
+                acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_loadu_ps(d[t] + b)), acc[t]);
+                zp[t] = _mm512_fmadd_ps(sw, _mm512_loadu_ps(corr[t] + b), zp[t]);
+            }
+        }
         for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
             const __m512 sw = scales16(s, half, b);
             __m512 scale[4];
@@ -381,16 +444,16 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         for (int t = 0; t < n; t++) {
             int dot = 0;
             if (bits == 4) {
-                const uint8_t *wb = w + 16 * b;
-                const int8_t *even = q[t] + 16 * b, *odd = q[t] + K / 2 + 16 * b;
                 for (int j = 0; j < 16; j++) {
-                    const uint8_t v = wb[j] ^ flip;
-                    dot += (v & 15) * even[j] + (v >> 4) * odd[j];
+                    const size_t at = lane ? lane_byte(b, j, 16, blocks) : (size_t)16 * b + j;
+                    const uint8_t v = w[at] ^ flip;
+                    dot += (v & 15) * q[t][at] + (v >> 4) * q[t][K / 2 + at];
                 }
             } else {
-                const uint8_t *wb = w + BLOCK * b;
-                const int8_t *xb = q[t] + BLOCK * b;
-                for (int j = 0; j < BLOCK; j++) dot += (uint8_t)(wb[j] ^ flip) * xb[j];
+                for (int j = 0; j < BLOCK; j++) {
+                    const size_t at = lane ? lane_byte(b, j, BLOCK, blocks) : (size_t)BLOCK * b + j;
+                    dot += (uint8_t)(w[at] ^ flip) * q[t][at];
+                }
             }
             total[t] += scale_at(s, half, b) * ((float)dot * d[t][b] + corr[t][b]);
         }
@@ -401,13 +464,16 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
 /* dot_rows with n, bits and the scales' type constant in each call, so that its loops over tokens unroll into
  * registers */
 static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, int n, const int8_t *const *q,
-                    const float *const *d, const float *const *corr, float *out, size_t stride, uint8_t flip) {
-#define CASE(H, B, N) \
-    case 100 * H + 10 * B + N: dot_rows(w, s, H, K, B, N, q, d, corr, out, stride, flip); break;
-    switch (100 * (half != 0) + 10 * bits + n) {
-        CASE(0, 4, 1) CASE(0, 4, 2) CASE(0, 4, 3) CASE(0, 4, 4) CASE(0, 8, 1) CASE(0, 8, 2) CASE(0, 8, 3) CASE(0, 8, 4)
-        CASE(1, 4, 1) CASE(1, 4, 2) CASE(1, 4, 3) CASE(1, 4, 4) CASE(1, 8, 1) CASE(1, 8, 2) CASE(1, 8, 3) CASE(1, 8, 4)
+                    const float *const *d, const float *const *corr, float *out, size_t stride, uint8_t flip,
+                    int lane) {
+#define CASE(L, H, B, N) \
+    case 1000 * L + 100 * H + 10 * B + N: dot_rows(w, s, H, K, B, N, q, d, corr, out, stride, flip, L); break;
+#define CASES(L, H) CASE(L, H, 4, 1) CASE(L, H, 4, 2) CASE(L, H, 4, 3) CASE(L, H, 4, 4) \
+                    CASE(L, H, 8, 1) CASE(L, H, 8, 2) CASE(L, H, 8, 3) CASE(L, H, 8, 4)
+    switch (1000 * (lane != 0) + 100 * (half != 0) + 10 * bits + n) {
+        CASES(0, 0) CASES(0, 1) CASES(1, 0) CASES(1, 1)
     }
+#undef CASES
 #undef CASE
 }
 
@@ -514,7 +580,8 @@ typedef struct {
             int64_t k, bits, block, normalize;
         };
     };
-    int advised; /* the weights were advised onto huge pages (advise_huge) */
+    int advised;     /* the weights were advised onto huge pages (advise_huge) */
+    int interleaved; /* the weights are in the interleaved layout (lane_byte): the optional attribute, 0 or 1 */
 } Kernel;
 
 /* Ask for the weights the kernel streams to be read into 2 MiB pages, once, before their first read. The engine's
@@ -559,6 +626,7 @@ typedef struct {
     int tiles2;              /* fc2 tiles per expert */
     int items1, items2;      /* the routed experts' work items of each stage (the shared experts' follow) */
     Shared shared;
+    int lane; /* the weights, so the activations, in the interleaved layout */
 } Work;
 
 /* one activation block of a SwiGLU MLP for n rows of operands (the tokens first .. first + n - 1, or, where token_of,
@@ -578,9 +646,9 @@ static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, 
             row_of(&w->x, (size_t)(token_of ? token_of[first + p + j] : first + p + j), &q[j], &d[j], &c[j]);
         for (int i = 0; i < BLOCK; i++) {
             dot_row(gate + (size_t)i * step, scale_row(gs, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
-                    d, c, &h[0][2 * i], 2 * BLOCK, 0);
+                    d, c, &h[0][2 * i], 2 * BLOCK, 0, w->lane);
             dot_row(up + (size_t)i * step, scale_row(us, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
-                    d, c, &h[0][2 * i + 1], 2 * BLOCK, 0);
+                    d, c, &h[0][2 * i + 1], 2 * BLOCK, 0, w->lane);
         }
         for (int j = 0; j < m; j++) {
             const size_t row = (size_t)(first + p + j);
@@ -588,7 +656,8 @@ static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, 
                 const float g = h[j][2 * i], u = h[j][2 * i + 1];
                 a[i] = g / (1.f + expf(-g)) * u;
             }
-            quantize_block(a, K, block, w->bits, act->q + row * K, act->d + row * blocks, act->c + row * blocks);
+            quantize_block(a, K, block, w->bits, act->lane, act->q + row * K, act->d + row * blocks,
+                           act->c + row * blocks);
         }
     }
 }
@@ -606,7 +675,7 @@ static void down_rows(const Work *w, const uint8_t *weights, const void *scales,
         for (int j = 0; j < m; j++) row_of(act, (size_t)(first + p + j), &q[j], &d[j], &c[j]);
         for (int r = r0; r < r1; r++)
             dot_row(weights + (size_t)r * row_bytes, scale_row(scales, w->half, (size_t)r * (K / BLOCK)), w->half, K,
-                    w->bits, m, q, d, c, o + (size_t)(first + p) * D + r, (size_t)D, 0);
+                    w->bits, m, q, d, c, o + (size_t)(first + p) * D + r, (size_t)D, 0, act->lane);
     }
 }
 
@@ -853,14 +922,14 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
 
     Work w = {T, D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5],
               (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
-              {x, D, bits, NULL, NULL, NULL}, {NULL, I, bits, NULL, NULL, NULL}, NULL, (D + TILE - 1) / TILE,
-              n_used * (I / BLOCK), 0, shared};
+              {x, D, bits, NULL, NULL, NULL, kernel->interleaved}, {NULL, I, bits, NULL, NULL, NULL, kernel->interleaved},
+              NULL, (D + TILE - 1) / TILE, n_used * (I / BLOCK), 0, shared, kernel->interleaved};
     w.items2 = n_used * w.tiles2;
     w.x.q = take(&scratch, (size_t)T * D), w.x.d = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float));
     w.x.c = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float)), w.a.q = take(&scratch, pairs * I);
     w.a.d = take(&scratch, pairs * (I / BLOCK) * sizeof(float));
     w.a.c = take(&scratch, pairs * (I / BLOCK) * sizeof(float)), w.o = take(&scratch, pairs * D * sizeof(float));
-    w.shared.a = (Rows){NULL, Is, bits, take(&scratch, (size_t)T * Is), NULL, NULL};
+    w.shared.a = (Rows){NULL, Is, bits, take(&scratch, (size_t)T * Is), NULL, NULL, kernel->interleaved};
     w.shared.a.d = take(&scratch, (size_t)T * (Is / BLOCK) * sizeof(float));
     w.shared.a.c = take(&scratch, (size_t)T * (Is / BLOCK) * sizeof(float));
     w.shared.o = take(&scratch, (size_t)(Is ? T : 0) * D * sizeof(float));
@@ -887,6 +956,17 @@ static OrtStatus *new_kernel(const OrtKernelInfo *info, const char *const names[
     return NULL;
 }
 
+/* the optional attribute `interleaved` of a node whose weights the build may store in the interleaved layout
+ * (lane_byte): 0 where absent */
+static OrtStatus *interleaved_of(const OrtKernelInfo *info, const char *refusal, int *out) {
+    int64_t value = 0;
+    OrtStatus *absent = CALL(KernelInfoGetAttribute_int64)(info, "interleaved", &value);
+    if (absent) CALL(ReleaseStatus)(absent), value = 0;
+    if (value != 0 && value != 1) return fail(refusal);
+    *out = (int)value;
+    return NULL;
+}
+
 static int experts_valid(const int64_t *a) { /* k, bits, block, normalize */
     return (a[1] == 4 || a[1] == 8) && a[2] == BLOCK && a[0] >= 1 && (a[3] == 0 || a[3] == 1);
 }
@@ -894,8 +974,12 @@ static int experts_valid(const int64_t *a) { /* k, bits, block, normalize */
 static OrtStatus *create_kernel(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
     const char *names[4] = {"k", "expert_weight_bits", "block_size", "normalize_routing_weights"};
-    return new_kernel(info, names, experts_valid, "RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, "
-                      "k >= 1, normalize_routing_weights 0 or 1", sizeof(Kernel), out);
+    int interleaved = 0; /* 0: the weights as QMoE holds them */
+    CHECK(interleaved_of(info, "RoutedExperts: interleaved must be 0 or 1", &interleaved));
+    CHECK(new_kernel(info, names, experts_valid, "RoutedExperts: expert_weight_bits must be 4 or 8, block_size 32, "
+                     "k >= 1, normalize_routing_weights 0 or 1", sizeof(Kernel), out));
+    ((Kernel *)*out)->interleaved = interleaved;
+    return NULL;
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
@@ -945,7 +1029,8 @@ typedef struct {
             int64_t K, N, bits, block;
         };
     };
-    int advised; /* advise_huge */
+    int advised;     /* advise_huge */
+    int interleaved; /* BlockwiseMatMul: B in the interleaved layout (lane_byte), the optional attribute */
 } LinearKernel;
 _Static_assert(offsetof(Kernel, attributes) == 0 && offsetof(LinearKernel, attributes) == 0,
                "new_kernel writes the attributes at the start of each kernel");
@@ -973,7 +1058,7 @@ static void run_linear(void *data, size_t item) {
     const int r0 = tile * w->rows, r1 = r0 + w->rows < N ? r0 + w->rows : N;
     const size_t head = (size_t)h * N; /* the head's first weight row */
     float *out = w->out + (size_t)h * w->M * N;
-    if (w->M == 1 && dot4_fits(K, w->a.bits)) { /* a decode step: 4 weight rows at a time */
+    if (w->M == 1 && dot4_fits(K, w->a.bits) && !w->a.lane) { /* a decode step: 4 weight rows at a time */
         const int8_t *q;
         const float *d, *c;
         row_of(&w->a, (size_t)h, &q, &d, &c);
@@ -989,7 +1074,7 @@ static void run_linear(void *data, size_t item) {
         }
         for (; r < r1; r++)
             dot_row(w->w + (head + r) * w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)), w->half, K,
-                    w->a.bits, 1, &q, &d, &c, out + r, (size_t)N, w->flip);
+                    w->a.bits, 1, &q, &d, &c, out + r, (size_t)N, w->flip, w->a.lane);
         return;
     }
     for (int p = 0; p < w->M; p += 4) {
@@ -1000,7 +1085,7 @@ static void run_linear(void *data, size_t item) {
         for (int r = r0; r < r1; r++)
             dot_row(w->w + (head + r) * w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)), w->half, K,
                     w->a.bits, m, q, d, c,
-                    out + (size_t)p * N + r, (size_t)N, w->flip);
+                    out + (size_t)p * N + r, (size_t)N, w->flip, w->a.lane);
     }
 }
 
@@ -1069,7 +1154,8 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
     LinearWork w = {(int)M, N, 0, (const uint8_t *)ptr[1], ptr[2], type == TYPE_FLOAT16,
-                    (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL}, (float *)ptr[3], 0};
+                    (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL, kernel->interleaved},
+                    (float *)ptr[3], 0};
     return run_products(ctx, &w, 1, &((LinearKernel *)kernel_data)->advised);
 }
 
@@ -1085,7 +1171,11 @@ static OrtStatus *product_kernel(const OrtKernelInfo *info, const char *refusal,
 
 static OrtStatus *linear_create(const OrtCustomOp *op, const void *ort_api, const OrtKernelInfo *info, void **out) {
     (void)op, (void)ort_api;
-    return product_kernel(info, "BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1", out);
+    int interleaved = 0;
+    CHECK(interleaved_of(info, "BlockwiseMatMul: interleaved must be 0 or 1", &interleaved));
+    CHECK(product_kernel(info, "BlockwiseMatMul: bits must be 4 or 8, block_size 32, K a multiple of 32, N >= 1", out));
+    ((LinearKernel *)*out)->interleaved = interleaved;
+    return NULL;
 }
 
 static const char *linear_name(const OrtCustomOp *op) { (void)op; return "BlockwiseMatMul"; }
@@ -1124,7 +1214,7 @@ static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
     LinearWork w = {(int)a[1], N, 0, (const uint8_t *)ptr[1], ptr[2], 0,
-                    (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL},
+                    (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL, 0},
                     (float *)ptr[3], 0};
     return run_products(ctx, &w, (int)a[0], &((LinearKernel *)kernel_data)->advised);
 }
@@ -1571,7 +1661,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
         status = head_products(ctx, &uk_work);
     } else {
         LinearWork uk_work = {(int)tokens, r, 0, (const uint8_t *)ptr[11], ptr[12], 0, (size_t)dn * bits_uk / 8,
-                              bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL}, lat, 0};
+                              bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL, 0}, lat, 0};
         status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
     }
 
@@ -1619,7 +1709,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
         status = head_products(ctx, &uv_work);
     } else if (!status) {
         LinearWork uv_work = {(int)tokens, dv, 0, (const uint8_t *)ptr[13], ptr[14], 0, (size_t)r * bits_uv / 8,
-                              bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL}, ov, 0};
+                              bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL, 0}, ov, 0};
         status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
     }
     for (size_t token = 0; !status && token < tokens; token++)

@@ -96,20 +96,30 @@ def _qmoe(bits: int, normalize: int, block: int = 32, level: int = 4):
                             accuracy_level=level)
 
 
-def _ours(bits: int, normalize: int, block: int = 32):
+def _ours(bits: int, normalize: int, block: int = 32, **extra):
     return helper.make_node(own_ops.OP_TYPE, ["x", "r", "w1", "s1", "w2", "s2"], ["y"], domain=own_ops.DOMAIN, k=K,
-                            expert_weight_bits=bits, block_size=block, normalize_routing_weights=normalize)
+                            expert_weight_bits=bits, block_size=block, normalize_routing_weights=normalize, **extra)
+
+
+def _interleaved(weights, bits: int):
+    """fc1, its scales, fc2, its scales with both weights in the interleaved layout (``own_ops.interleave_rows``)."""
+    w1, s1, w2, s2 = weights
+    return (own_ops.interleave_rows(w1.reshape(-1, w1.shape[-1]), bits).reshape(w1.shape), s1,
+            own_ops.interleave_rows(w2.reshape(-1, w2.shape[-1]), bits).reshape(w2.shape), s2)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("tokens", [1, 6])
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize("scales", ["float", "float16"])
-def test_operator_equals_qmoe(libraries, bits, tokens, build, scales):
+@pytest.mark.parametrize("layout", ["source", "interleaved"])
+def test_operator_equals_qmoe(libraries, bits, tokens, build, scales, layout):
     """The same weights, tokens and routing scores through QMoE and through ours: equal to float32 rounding (both
     quantize each token to int8 per block and sum integer products; only the order of float sums differs). Six
     tokens over 8 experts with 3 each: experts with one token, several, and none. Ours reads the scales as float or
-    as float16 (the CPU engine's storage), the same values."""
+    as float16 (the CPU engine's storage), the same values, and the weights as QMoE holds them or, given
+    ``interleaved=1``, in the interleaved layout the CPU engine stores (fc1's rows: a group of 16 blocks and 4 left
+    over; fc2's: 5 left over)."""
     library = libraries[build]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
@@ -119,11 +129,14 @@ def test_operator_equals_qmoe(libraries, bits, tokens, build, scales):
     weights = _weights(bits)
     want = _session(_qmoe(bits, 1), weights, None).run(None, {"x": x, "r": r})[0]
     mine = _as_half(weights) if scales == "float16" else weights
-    got = _session(_ours(bits, 1), mine, library.path).run(None, {"x": x, "r": r})[0]
+    extra = {}
+    if layout == "interleaved":
+        mine, extra = _interleaved(mine, bits), {"interleaved": 1}
+    got = _session(_ours(bits, 1, **extra), mine, library.path).run(None, {"x": x, "r": r})[0]
     scale = np.abs(want).max()
     assert scale > 0 and np.abs(got - want).max() <= 2e-5 * scale, np.abs(got - want).max() / scale
     # routing matters: other scores give other outputs (the test could not pass by ignoring r)
-    other = _session(_ours(bits, 1), mine, library.path).run(None, {"x": x, "r": -r})[0]
+    other = _session(_ours(bits, 1, **extra), mine, library.path).run(None, {"x": x, "r": -r})[0]
     assert np.abs(other - want).max() > 0.1 * scale
 
 
@@ -289,14 +302,16 @@ def _shared_experts_model(bits: int, reader: str | None = None):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("tokens", [1, 6])
 @pytest.mark.parametrize("build", ["native", "portable"])
-def test_shared_experts_fold_into_the_operator(libraries, bits, tokens, build):
+@pytest.mark.parametrize("layout", ["source", "interleaved"])
+def test_shared_experts_fold_into_the_operator(libraries, bits, tokens, build, layout):
     """The build's fold (``fold_shared_experts``): the layer's shared experts become inputs 7 to 12 of its
     RoutedExperts, and the gate, sigmoid, silu, up, product, down and add nodes go; the output equals ONNX Runtime's
     QMoE plus its three MatMulNBits products to float32 rounding (the same int8 quantization of each token and of
     the activation), but for one thing: ONNX Runtime's Sigmoid and the operator's expf differ in the last bits, so an
     activation value on a rounding boundary may quantize one int8 step apart. One token of a batch may then differ by
     at most that step times the largest down weight (measured: one of the 140 tokens below). Other shared weights
-    give another output (the operator reads them)."""
+    give another output (the operator reads them). The same with every weight of the node interleaved by the build's
+    ``interleave_weights`` (the weights in the graph: rewritten in place)."""
     library = libraries[build]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
@@ -315,6 +330,14 @@ def test_shared_experts_fold_into_the_operator(libraries, bits, tokens, build):
     node = model.graph.node[2]
     assert list(node.input[6:]) == ["", "gate.q", "gate.s", "up.q", "up.s", "down.q", "down.s"]
     assert model.graph.node[-1].output[0] == "y"
+    if layout == "interleaved":
+        before = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        assert own_ops.interleave_weights(model) == 1
+        assert own_ops.interleave_weights(model) == 0  # once only
+        after = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        moved = {n for n in before if not np.array_equal(before[n], after[n])}
+        assert moved == {"w1", "gate.q", "up.q"}  # rows of 20 blocks; fc2's and down's (5 and 3 blocks) stay
+        assert [a.i for a in node.attribute if a.name == "interleaved"] == [1]
     got = _run(model, feeds, library.path)[0]
     scale = np.abs(want).max()
     assert got.shape == want.shape == (1, tokens, D) and scale > 0
@@ -524,6 +547,72 @@ def test_float_matmul_transposes_external_weights_into_the_side_file(libraries, 
         own_ops.swap_float_linear(onnx.load(str(path), load_external_data=False))
 
 
+def test_weights_interleave_into_the_side_file(libraries, tmp_path):
+    """The build's interleaving of external weights (``interleave_weights`` with a folder and a side file): a
+    RoutedExperts' fc1 and fc2 and a BlockwiseMatMul's B of rows of 640 values are written to the side file at 4
+    KiB-aligned offsets, their source file untouched, the nodes given ``interleaved=1``, and the outputs equal the
+    source layout's to float32 rounding; a BlockwiseMatMul of rows of 128 values (computed 4 rows at a time) stays,
+    and so do weights something else reads too, with their node."""
+    import onnx
+
+    library = libraries["native"] if libraries["native"].path else libraries["portable"]
+    rng = np.random.default_rng(5)
+    bits, dims = 4, {"w1": (E, 2 * 2 * D, D // 2), "w2": (E, D, 2 * D // 2)}  # fc2 rows of 40 blocks
+    weights = {n: rng.integers(0, 256, size=shape, dtype=np.uint8) for n, shape in dims.items()}
+    scales = {"s1": _half_values(rng.random((E, 4 * D, D // 32), dtype=np.float32) * 0.02 + 0.005),
+              "s2": _half_values(rng.random((E, D, 2 * D // 32), dtype=np.float32) * 0.02 + 0.005)}
+    products = {"long": (D, 200), "short": (128, 64)}  # K, N
+    for name, (k, n) in products.items():
+        weights[f"{name}.q"] = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
+        scales[f"{name}.s"] = _half_values(rng.random(n * k // 32, dtype=np.float32) * 0.02 + 0.005)
+    linear = [helper.make_node(own_ops.LINEAR_OP_TYPE, [f"a.{name}", f"{name}.q", f"{name}.s"], [f"y.{name}"],
+                               domain=own_ops.DOMAIN, K=k, N=n, bits=bits, block_size=32)
+              for name, (k, n) in products.items()]
+    graph = helper.make_graph(
+        [_ours(bits, 1), *linear], "experts",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E]),
+         *(helper.make_tensor_value_info(f"a.{name}", TensorProto.FLOAT, ["T", k]) for name, (k, _) in products.items())],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y.long", "y.short")],
+        [numpy_helper.from_array(v, n) for n, v in {**weights, **scales}.items()])
+    path = tmp_path / "model.onnx"
+    onnx.save_model(_model(graph, own_ops.DOMAIN), str(path), save_as_external_data=True, location="model.data",
+                    size_threshold=0)
+    source = (tmp_path / "model.data").read_bytes()
+    feeds = {"x": rng.standard_normal((3, D), dtype=np.float32), "r": rng.standard_normal((3, E), dtype=np.float32),
+             **{f"a.{name}": rng.standard_normal((1, k), dtype=np.float32) for name, (k, _) in products.items()}}
+    model = onnx.load(str(path), load_external_data=False)
+    want = _run(model, feeds, library.path, tmp_path)
+    side = tmp_path / "side.weights"
+    assert own_ops.interleave_weights(model, tmp_path, side) == 2
+    tensors = {t.name: t for t in model.graph.initializer}
+    assert {e.key: e.value for e in tensors["short.q"].external_data}["location"] == "model.data"
+    ends = []
+    for name, value in weights.items():
+        if name == "short.q":
+            continue
+        entries = {e.key: e.value for e in tensors[name].external_data}
+        assert entries["location"] == "side.weights" and int(entries["offset"]) % 4096 == 0
+        assert int(entries["length"]) == value.size
+        ends.append(int(entries["offset"]) + value.size)
+        stored = np.fromfile(side, np.uint8, value.size, offset=int(entries["offset"])).reshape(value.shape)
+        rows = value.reshape(value.shape[0], -1) if name.endswith(".q") else value.reshape(-1, value.shape[-1])
+        assert np.array_equal(stored, own_ops.interleave_rows(rows, bits).reshape(value.shape))
+    assert side.stat().st_size == max(ends)
+    assert (tmp_path / "model.data").read_bytes() == source
+    assert [[a.i for a in n.attribute if a.name == "interleaved"] for n in model.graph.node] == [[1], [1], []]
+    got = _run(model, feeds, library.path, tmp_path)
+    for mine, theirs in zip(got, want):
+        assert np.abs(mine - theirs).max() <= 2e-5 * np.abs(theirs).max()
+    with pytest.raises(ValueError, match="side file"):  # a build that forgot to say where
+        own_ops.interleave_weights(onnx.load(str(path), load_external_data=False))
+    shared = onnx.load(str(path), load_external_data=False)  # fc2 also read by another node: the node stays
+    shared.graph.node.append(helper.make_node("Identity", ["w2"], ["w2_copy"]))
+    shared.graph.node.append(helper.make_node("Identity", ["long.q"], ["long_copy"]))
+    assert own_ops.interleave_weights(shared, tmp_path, tmp_path / "other.weights") == 0
+    assert not (tmp_path / "other.weights").exists()
+
+
 def _linear_session(node, weights, library: Path | None):
     b, scales = weights
     graph = helper.make_graph(
@@ -542,9 +631,11 @@ def _matmulnbits(bits: int, **extra):
 @pytest.mark.parametrize("rows", [(1, 1), (2, 5)])
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize("stored", ["float", "float16"])
-def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build, stored):
+@pytest.mark.parametrize("layout", ["source", "interleaved"])
+def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build, stored, layout):
     """``A [B, T, K]`` through MatMulNBits and through ours: equal to float32 rounding, for one row (decode) and ten
-    (two groups of four and two left: the prefill path), ours reading the scales as float or as float16."""
+    (two groups of four and two left: the prefill path), ours reading the scales as float or as float16, and B as
+    MatMulNBits holds it or, given ``interleaved=1``, in the interleaved layout (a group of 16 blocks, 4 left)."""
     library = libraries[build]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
@@ -553,9 +644,12 @@ def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build, store
     scales = _half_values(rng.random(2 * I * D // 32, dtype=np.float32) * 0.02 + 0.005)
     a = rng.standard_normal((*rows, D), dtype=np.float32)
     want = _linear_session(_matmulnbits(bits), (b, scales), None).run(None, {"a": a})[0]
+    extra = {"interleaved": 1} if layout == "interleaved" else {}
     ours = helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", "b", "s"], ["y"], domain=own_ops.DOMAIN, K=D, N=2 * I,
-                            bits=bits, block_size=32)
+                            bits=bits, block_size=32, **extra)
     mine = scales.astype(np.float16) if stored == "float16" else scales
+    if extra:
+        b = own_ops.interleave_rows(b.reshape(2 * I, -1), bits).reshape(b.shape)
     got = _linear_session(ours, (b, mine), library.path).run(None, {"a": a})[0]
     scale = np.abs(want).max()
     assert got.shape == want.shape == (*rows, 2 * I)
@@ -564,9 +658,11 @@ def test_blockwise_matmul_equals_matmulnbits(libraries, bits, rows, build, store
 
 @pytest.mark.parametrize("bits, k", [(4, 128), (4, 512), (8, 512), (4, 384)])
 @pytest.mark.parametrize("stored", ["float", "float16"])
-def test_short_rows_of_one_token_equal_matmulnbits(libraries, bits, k, stored):
+@pytest.mark.parametrize("layout", ["source", "interleaved"])
+def test_short_rows_of_one_token_equal_matmulnbits(libraries, bits, k, stored, layout):
     """One token against rows of at most 512 values (the absorbed attention's W_UK, K 128, and W_UV, K 512): the
-    native build takes them 4 rows at a time; 43 rows leave 3 over. Equal to MatMulNBits to float32 rounding."""
+    native build takes them 4 rows at a time; 43 rows leave 3 over. Equal to MatMulNBits to float32 rounding. The
+    build leaves such rows as they are, but interleaved ones are computed too (one row at a time)."""
     library = libraries["native"]
     if library.path is None:
         pytest.skip(f"no native build: {library.why_not}")
@@ -578,12 +674,15 @@ def test_short_rows_of_one_token_equal_matmulnbits(libraries, bits, k, stored):
     for node, mine in ((helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n,
                                          bits=bits, block_size=32, accuracy_level=4), scales),
                        (helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", "b", "s"], ["y"], domain=own_ops.DOMAIN, K=k,
-                                         N=n, bits=bits, block_size=32),
+                                         N=n, bits=bits, block_size=32, interleaved=int(layout == "interleaved")),
                         scales.astype(np.float16) if stored == "float16" else scales)):
+        weight = b
+        if node.op_type != "MatMulNBits" and layout == "interleaved":
+            weight = own_ops.interleave_rows(b.reshape(n, -1), bits).reshape(b.shape)
         graph = helper.make_graph(
             [node], "linear", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 1, k])],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
-            [numpy_helper.from_array(b, "b"), numpy_helper.from_array(mine, "s")])
+            [numpy_helper.from_array(weight, "b"), numpy_helper.from_array(mine, "s")])
         outputs.append(_open(graph, None if node.op_type == "MatMulNBits" else library.path).run(None, {"a": a})[0])
     want, got = outputs
     scale = np.abs(want).max()
@@ -719,6 +818,7 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
         experts = next(n for n in model.graph.node if n.op_type == own_ops.OP_TYPE)
         assert [next(p for p in ("gate", "up", "down") if f".shared_experts.{p}_proj." in name)
                 for name in experts.input[7:]] == ["gate", "gate", "up", "up", "down", "down"]
+        assert [a.i for a in experts.attribute if a.name == "interleaved"] == [1]  # its weights stored so
         types = {t.name: t.data_type for t in model.graph.initializer}
         scales = [n.input[i] for n in model.graph.node for i in ((3, 5, 8, 10, 12) if n.op_type == own_ops.OP_TYPE else
                                                                  (2,) if n.op_type == own_ops.LINEAR_OP_TYPE else ())]
