@@ -114,6 +114,10 @@ def ws(tmp_path_factory) -> Path:
         manifest = json.loads((root / name / "manifest.json").read_text())
         manifest[key] = value
         (root / name / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copytree(art, root / "no_capacity")  # a static cache's capacity edited away
+    manifest = json.loads((root / "no_capacity" / "manifest.json").read_text())
+    manifest["max_cache_length"] = None
+    (root / "no_capacity" / "manifest.json").write_text(json.dumps(manifest))
     shutil.copytree(art, root / "data_int")
     manifest = json.loads((root / "data_int" / "manifest.json").read_text())
     manifest["graphs"]["decode"]["external_data"] = 5
@@ -190,6 +194,8 @@ CASES = [
     ("manifest_weights_not_a_table", ["run", "weights_text", "--prompt-ids", "1"], 1, ["[weights] is not a table"]),
     ("manifest_versions_not_a_table", ["run", "versions_int", "--prompt-ids", "1"], 1, ["[versions] is not a table"]),
     ("manifest_recipe_not_a_table", ["run", "recipe_text", "--prompt-ids", "1"], 1, ["[recipe] is not a table"]),
+    ("manifest_static_without_capacity", ["run", "no_capacity", "--prompt-ids", "1"], 1,
+     ["a static cache needs its max_cache_length"]),
     ("manifest_data_not_a_name", ["run", "data_int", "--prompt-ids", "1"], 1, ["decode graph entry", "got 5"]),
     ("manifest_nested_too_deep", ["build", "nested", "--target", "cpu"], 1, ["not readable JSON", "RecursionError"]),
     ("id_past_int64", ["run", "art", "--prompt-ids", "9223372036854775808"], 1,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import expert_forms
+from ..cache_layout import STATIC
 from ..errors import ArtifactError
 from ..io_spec import ROLES
 from ..quant import observe_graphs
@@ -92,6 +93,9 @@ def _check_capacity(manifest: Manifest, path: Path) -> None:
     """A static cache's capacity must be the one its graphs were exported with (the recorded recipe's
     ``[export] max_cache_length``; nothing to compare when the recipe is not recorded)."""
     recorded = (manifest.recipe.get("export") or {}).get("max_cache_length")
+    if manifest.layout.mode == STATIC.mode and manifest.capacity is None:
+        raise ArtifactError(f"{path}: a static cache needs its max_cache_length, and the manifest has none (edited?); "
+                            f"export again")
     if manifest.capacity is not None and recorded is not None and recorded != manifest.capacity:
         raise ArtifactError(f"{path}: max_cache_length {manifest.capacity} is not the {recorded} its graphs were "
                             f"exported with (recipe.export.max_cache_length; edited?); export again with "
