@@ -43,33 +43,31 @@ def sampled_sha256(path: str | Path, pages: int = SAMPLED_PAGES) -> str:
     size, not one edited byte between the samples. The pages are read with ``O_DIRECT`` where the file system takes
     it, so that they do not enter the page cache in 4 KiB pages: a weights file later read into 2 MiB pages
     (``mla_deploy.engines.huge_pages``) keeps them."""
-    import mmap
-
     size = os.path.getsize(path)
     count = -(-size // _PAGE)
     picks = sorted({(count - 1) * i // max(pages - 1, 1) for i in range(min(pages, count))}) if count else []
+    try:
+        read = _read_pages(path, picks, direct=True)
+    except OSError:  # a file system without O_DIRECT (tmpfs refuses the open or the read)
+        read = _read_pages(path, picks, direct=False)
     digest = hashlib.sha256(str(size).encode())
-    buffer = mmap.mmap(-1, _PAGE)  # page-aligned, as O_DIRECT wants
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    for page in read:
+        digest.update(page)
+    return digest.hexdigest()
+
+
+def _read_pages(path: str | Path, picks: list[int], direct: bool) -> list[bytes]:
+    """The 4 KiB pages ``picks`` of ``path`` (the last one as long as the file), with ``O_DIRECT`` where
+    ``direct``, into a page-aligned buffer as it wants."""
+    import mmap
+
+    buffer = mmap.mmap(-1, _PAGE)
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
     try:
-        fd = os.open(path, flags)
-    except OSError:  # a file system without O_DIRECT (tmpfs): through the page cache
-        fd = os.open(path, os.O_RDONLY)
-    try:
-        for page in picks:
-            try:
-                got = os.preadv(fd, [buffer], page * _PAGE)
-            except OSError:  # O_DIRECT refused at the read: read this one through the page cache
-                with open(path, "rb") as f:
-                    f.seek(page * _PAGE)
-                    data = f.read(_PAGE)
-            else:
-                data = buffer[:got]
-            digest.update(data)
+        return [bytes(buffer[:os.preadv(fd, [buffer], page * _PAGE)]) for page in picks]
     finally:
         os.close(fd)
         buffer.close()
-    return digest.hexdigest()
 
 
 def temp_name(target: str | Path) -> Path:

@@ -153,12 +153,12 @@ class _Operators:
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
         self.attention = self.float_experts = self.half_scales = self.float_linear = self.shared = 0
 
-    def swap(self, model: str | bytes, folder: Path, side: Path, transposed: Path):
+    def swap(self, model: str | bytes, folder: Path, side: Path, rewritten: Path):
         """``model`` (a path or bytes, :meth:`~mla_deploy.quant.Quantization.session`'s; its weights under ``folder``)
         with its eligible nodes swapped, their scales stored as float16 where exact (into the file ``side``, which
         the model then names; :func:`~mla_deploy.quant.own_ops.store_half_scales`) and the float weights of its
         ``FloatMatMul`` nodes transposed and the quantized weights of its ``RoutedExperts`` and long
-        ``BlockwiseMatMul`` rows interleaved (both into the file ``transposed``;
+        ``BlockwiseMatMul`` rows interleaved (both into the file ``rewritten``;
         :func:`~mla_deploy.quant.own_ops.swap_float_linear`, :func:`~mla_deploy.quant.own_ops.interleave_weights`):
         ``(model, the library to register or None)``."""
         import onnx
@@ -176,12 +176,12 @@ class _Operators:
         linear -= 3 * shared  # each layer's shared gate, up and down products now inside its RoutedExperts
         float_experts = own_ops.swap_float_experts(proto)
         # the float shared experts' weights, in FloatExperts' layout, open the side file swap_float_linear appends to
-        float_shared = own_ops.fold_float_shared_experts(proto, folder, transposed) if float_experts else 0
+        float_shared = own_ops.fold_float_shared_experts(proto, folder, rewritten) if float_experts else 0
         attention = own_ops.swap_attention(proto)
         # each core takes its layer's two per-head products inside (quantized, or float32 ones, which go no further)
         heads = sum(1 for n in proto.graph.node if (n.domain, n.op_type) == (own_ops.DOMAIN, own_ops.HEADWISE_OP_TYPE))
-        float_linear = own_ops.swap_float_linear(proto, folder, transposed)
-        own_ops.interleave_weights(proto, folder, transposed)  # appended after the float ones, if any
+        float_linear = own_ops.swap_float_linear(proto, folder, rewritten)
+        own_ops.interleave_weights(proto, folder, rewritten)  # appended after the float ones, if any
         if not experts + linear + heads + attention + float_experts + float_linear:
             return model, None
         self.experts, self.linear, self.heads = self.experts + experts, self.linear + linear, self.heads + heads
@@ -221,8 +221,8 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     model, entries = manifest.quantization.session(root / source, FAST_COMPUTE)
     # float16 scales, transposed float weights, interleaved quantized ones: read by the session below into the
     # engine's data, then gone
-    side, transposed = tmp / f"{stem}.scales16", tmp / f"{stem}.transposed"
-    model, library = operators.swap(model, (root / source).parent, side, transposed)
+    side, rewritten = tmp / f"{stem}.scales16", tmp / f"{stem}.rewritten"
+    model, library = operators.swap(model, (root / source).parent, side, rewritten)
     if library is not None:
         cpu_ops.register(options, library)
         entries = {**entries, EXTERNAL_FOLDER_ENTRY: str((root / source).parent)}  # the swapped graph, as bytes
@@ -235,7 +235,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
         raise ExportError(f"ONNX Runtime could not optimise {source}: {first[:300]}") from exc
     del session  # the files are complete once the session is created; its packed weights are freed here
     side.unlink(missing_ok=True)
-    transposed.unlink(missing_ok=True)
+    rewritten.unlink(missing_ok=True)
     if not engine.is_file():
         raise ExportError(f"ONNX Runtime did not write the optimised {source}")
     keep_prepacked(engine, kept)

@@ -77,6 +77,15 @@ def host_array(ort, value, copy: bool = True) -> np.ndarray:
     return host.view(numpy_dtype("bf16"))
 
 
+def fresh_cpu_engine(artifact: str | Path, manifest):
+    """The record of ``artifact``'s pre-built CPU engine when it is fresh for its ``manifest`` on this machine and
+    this process's ONNX Runtime; None when it has none.
+
+    Raises: ArtifactError: a stale or foreign engine (:func:`~mla_deploy.artifact.cpu_engine.check_cpu_engine`)."""
+    ort = require_onnxruntime()
+    return check_cpu_engine(artifact, manifest, host_cpu(ort.__version__))
+
+
 def check_precision(precision: str, provider: str) -> None:
     """Refuse, before any session is opened, an artifact precision that ``provider`` has no kernels for.
 
@@ -240,7 +249,7 @@ class OrtEngine(Engine):
         self.sessions = {}
         self.built = None  # the CPU engine's record when its graphs are run
         if use_engine and provider == "cpu" and quantized_compute == FAST_COMPUTE:
-            self.built = check_cpu_engine(self.root, manifest, host_cpu(ort.__version__))
+            self.built = fresh_cpu_engine(self.root, manifest)
         for role, graph in manifest.graphs.items():
             if graph.uses_plugin:
                 raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "

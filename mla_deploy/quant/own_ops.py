@@ -340,9 +340,7 @@ def interleave_weights(model, folder=None, side=None) -> int:
                     rows = numpy_helper.to_array(tensor).reshape(-1, width)
                     tensor.CopyFrom(numpy_helper.from_array(interleave_rows(rows, bits).reshape(dims), name))
                     continue
-                entries = {e.key: e.value for e in tensor.external_data}
-                values = np.memmap(folder / entries["location"], dtype=np.uint8, mode="r",
-                                   offset=int(entries.get("offset", 0)), shape=(_count(dims) // width, width))
+                values = _external_values(tensor, folder, "u1").reshape(-1, width)
                 offset = _align(out)
                 step = max(1, _CHUNK // width)
                 for r in range(0, values.shape[0], step):
@@ -1089,12 +1087,13 @@ def _float_chunks(tensor, folder):
         yield np.asarray(values[lo: lo + _CHUNK])
 
 
-def _external_values(tensor, folder):
-    """The float32 values of the external TensorProto ``tensor`` (its file under ``folder``), mapped, flat."""
+def _external_values(tensor, folder, dtype: str = "<f4"):
+    """The values of the external TensorProto ``tensor`` (its file under ``folder``; float32 unless ``dtype`` says
+    otherwise), mapped, flat."""
     import numpy as np
 
     entries = {e.key: e.value for e in tensor.external_data}
-    return np.memmap(folder / entries["location"], dtype="<f4", mode="r", offset=int(entries.get("offset", 0)),
+    return np.memmap(folder / entries["location"], dtype=dtype, mode="r", offset=int(entries.get("offset", 0)),
                      shape=(_count(list(tensor.dims)),))
 
 

@@ -166,8 +166,8 @@ static OrtStatus *fail(const char *message) { return CALL(CreateStatus)(ORT_INVA
 
 /* ---- the arithmetic ------------------------------------------------------------------------------------------ */
 
-/* The interleaved layout of a quantized row (a RoutedExperts node's weights where its `interleaved` attribute is 1,
- * and the activations they meet): each group of 16 whole blocks keeps its bytes where they are, but byte m of block
+/* The interleaved layout of a quantized row (the weights of a RoutedExperts or BlockwiseMatMul node whose
+ * `interleaved` attribute is 1, and the activations they meet): each group of 16 whole blocks keeps its bytes where they are, but byte m of block
  * j of the group (m < 16 for int4 weights, 32 for int8) lies at 64 * (m / 4) + 4 * j + m % 4 of the group, so that
  * 32-bit lane j of every 64-byte load holds block j: VNNI's sums then stay per block across the group's loads, and
  * the scales apply once per group. Blocks after the last whole group keep their order. An int4 activation row's
@@ -176,6 +176,14 @@ static inline size_t lane_byte(int b, int m, int block_bytes, int blocks) {
     if (b >= blocks / 16 * 16) return (size_t)b * block_bytes + m;
     return (size_t)(b / 16) * 16 * block_bytes + 64 * (m / 4) + 4 * (b % 16) + m % 4;
 }
+
+#if VNNI
+/* the 16 bytes of v as 4 pieces of 4 bytes, 64 bytes apart from dst on (a block's 16 bytes in the interleaved layout) */
+static inline void spread16(int8_t *dst, __m128i v) {
+    _mm_storeu_si32(dst, v), _mm_storeu_si32(dst + 64, _mm_srli_si128(v, 4));
+    _mm_storeu_si32(dst + 128, _mm_srli_si128(v, 8)), _mm_storeu_si32(dst + 192, _mm_srli_si128(v, 12));
+}
+#endif
 
 /* block b of a vector of K quantized to int8 (v: its 32 values): q holds the row (int4 weights: each block's 16 even
  * elements at [16b, 16b + 16) and its 16 odd ones at K/2 + [16b, 16b + 16); int8 weights: in order), d[b] the
@@ -196,22 +204,15 @@ static void quantize_block(const float *v, int K, int b, int bits, int lane, int
             const __m128i e = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, even, c));
             const __m128i o = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, odd, c));
             if (spread) {
-                int8_t *qe = q + lane_byte(b, 0, 16, blocks), *qo = qe + K / 2;
-                _mm_storeu_si32(qe, e), _mm_storeu_si32(qe + 64, _mm_srli_si128(e, 4));
-                _mm_storeu_si32(qe + 128, _mm_srli_si128(e, 8)), _mm_storeu_si32(qe + 192, _mm_srli_si128(e, 12));
-                _mm_storeu_si32(qo, o), _mm_storeu_si32(qo + 64, _mm_srli_si128(o, 4));
-                _mm_storeu_si32(qo + 128, _mm_srli_si128(o, 8)), _mm_storeu_si32(qo + 192, _mm_srli_si128(o, 12));
+                spread16(q + lane_byte(b, 0, 16, blocks), e);
+                spread16(q + K / 2 + lane_byte(b, 0, 16, blocks), o);
             } else {
                 _mm_storeu_si128((__m128i *)(q + b * 16), e);
                 _mm_storeu_si128((__m128i *)(q + K / 2 + b * 16), o);
             }
         } else if (spread) {
-            const __m128i lo = _mm512_cvtepi32_epi8(a), hi = _mm512_cvtepi32_epi8(c);
-            int8_t *qb = q + lane_byte(b, 0, BLOCK, blocks);
-            _mm_storeu_si32(qb, lo), _mm_storeu_si32(qb + 64, _mm_srli_si128(lo, 4));
-            _mm_storeu_si32(qb + 128, _mm_srli_si128(lo, 8)), _mm_storeu_si32(qb + 192, _mm_srli_si128(lo, 12));
-            _mm_storeu_si32(qb + 256, hi), _mm_storeu_si32(qb + 320, _mm_srli_si128(hi, 4));
-            _mm_storeu_si32(qb + 384, _mm_srli_si128(hi, 8)), _mm_storeu_si32(qb + 448, _mm_srli_si128(hi, 12));
+            int8_t *qb = q + lane_byte(b, 0, BLOCK, blocks); /* bytes 0-15, then 16-31: pieces 0-3 and 4-7 */
+            spread16(qb, _mm512_cvtepi32_epi8(a)), spread16(qb + 256, _mm512_cvtepi32_epi8(c));
         } else {
             _mm_storeu_si128((__m128i *)(q + b * BLOCK), _mm512_cvtepi32_epi8(a));
             _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(c));
@@ -626,7 +627,6 @@ typedef struct {
     int tiles2;              /* fc2 tiles per expert */
     int items1, items2;      /* the routed experts' work items of each stage (the shared experts' follow) */
     Shared shared;
-    int lane; /* the weights, so the activations, in the interleaved layout */
 } Work;
 
 /* one activation block of a SwiGLU MLP for n rows of operands (the tokens first .. first + n - 1, or, where token_of,
@@ -646,9 +646,9 @@ static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, 
             row_of(&w->x, (size_t)(token_of ? token_of[first + p + j] : first + p + j), &q[j], &d[j], &c[j]);
         for (int i = 0; i < BLOCK; i++) {
             dot_row(gate + (size_t)i * step, scale_row(gs, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
-                    d, c, &h[0][2 * i], 2 * BLOCK, 0, w->lane);
+                    d, c, &h[0][2 * i], 2 * BLOCK, 0, w->x.lane);
             dot_row(up + (size_t)i * step, scale_row(us, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
-                    d, c, &h[0][2 * i + 1], 2 * BLOCK, 0, w->lane);
+                    d, c, &h[0][2 * i + 1], 2 * BLOCK, 0, w->x.lane);
         }
         for (int j = 0; j < m; j++) {
             const size_t row = (size_t)(first + p + j);
@@ -923,7 +923,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *ctx) {
     Work w = {T, D, I, bits, half1, (const uint8_t *)ptr[2], (const uint8_t *)ptr[4], ptr[3], ptr[5],
               (size_t)D * bits / 8, (size_t)I * bits / 8, count, start, pair_token, used,
               {x, D, bits, NULL, NULL, NULL, kernel->interleaved}, {NULL, I, bits, NULL, NULL, NULL, kernel->interleaved},
-              NULL, (D + TILE - 1) / TILE, n_used * (I / BLOCK), 0, shared, kernel->interleaved};
+              NULL, (D + TILE - 1) / TILE, n_used * (I / BLOCK), 0, shared};
     w.items2 = n_used * w.tiles2;
     w.x.q = take(&scratch, (size_t)T * D), w.x.d = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float));
     w.x.c = take(&scratch, (size_t)T * (D / BLOCK) * sizeof(float)), w.a.q = take(&scratch, pairs * I);

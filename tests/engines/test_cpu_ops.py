@@ -1210,7 +1210,7 @@ def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path
     assert record["float_experts"] == 2 and "mla_deploy.FloatExperts x2" in out, out  # prefill and decode graphs
     assert record["float_linear"] > 0 and f"mla_deploy.FloatMatMul x{record['float_linear']}" in out, out
     assert record["shared"] == 2 and "2 with their layer's shared experts" in out, out
-    assert not list((art / "cpu").glob("*.transposed"))  # the build's side file: gone
+    assert not list((art / "cpu").glob("*.rewritten"))  # the build's side file: gone
     I = recipe.model.moe_intermediate_size
     for graph in ("prefill", "decode"):
         model = onnx.load(str(art / "cpu" / f"{graph}.onnx"), load_external_data=False).graph

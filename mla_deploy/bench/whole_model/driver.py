@@ -151,15 +151,13 @@ def _export(recipe, checkpoint: Path, artifact: Path, echo, quantization=quant.F
 def _engine(artifact: Path, echo) -> tuple[float, str]:
     """Build ``artifact``'s CPU engine (``mla-deploy build ARTIFACT --target cpu``) unless it has a fresh one, so
     that the bench runs what a user runs after that one-time step. Returns (seconds, what was done)."""
-    import onnxruntime
-
     from ...artifact import load_manifest
-    from ...artifact.cpu_engine import check_cpu_engine, host_cpu
     from ...engines.cpu_build import build_cpu_engine
+    from ...engines.ort_engine import fresh_cpu_engine
     from ...errors import ArtifactError
 
     try:
-        if check_cpu_engine(artifact, load_manifest(artifact), host_cpu(onnxruntime.__version__)) is not None:
+        if fresh_cpu_engine(artifact, load_manifest(artifact)) is not None:
             return 0.0, f"reused the CPU engine in {artifact / 'cpu'}"
     except ArtifactError:
         pass  # stale: rebuilt below
@@ -196,17 +194,13 @@ def _require_positions(config, spec: WholeModelSpec) -> None:
 def _as_given(spec: WholeModelSpec) -> Prepared:
     """``--artifact``: the artifact as exported, and the checkpoint its manifest names (if a folder)."""
     from ...artifact import load_manifest
-    from ...engines.ort_engine import check_precision
+    from ...engines.ort_engine import check_precision, fresh_cpu_engine
 
     manifest = load_manifest(spec.location)
     check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (worker)
     _require_positions(manifest.model, spec)
     if spec.engine:  # the worker opens the pre-built engine as OrtEngine does: a stale one is refused here, in one line
-        import onnxruntime as ort
-
-        from ...artifact.cpu_engine import check_cpu_engine, host_cpu
-
-        check_cpu_engine(spec.location, manifest, host_cpu(ort.__version__))
+        fresh_cpu_engine(spec.location, manifest)
     weights = manifest.weights
     checkpoint = Path(weights.path) if weights.kind == "hf" and weights.path else None
     variant = Variant(manifest.quantization.variant("ours"), Path(spec.location), manifest)
