@@ -209,6 +209,8 @@ CASES = [
     ("empty_prompt", ["run", "art", "--prompt-ids", ""], 1, ["at least one token id"]),
     ("new_tokens_zero", ["run", "art", "--prompt-ids", "1", "--max-new-tokens", "0"], 1,
      ["--max-new-tokens must be >= 1"]),
+    ("prefill_chunk_zero", ["run", "art", "--prompt-ids", "1", "--prefill-chunk", "0"], 1,
+     ["--prefill-chunk must be >= 1"]),
     ("past_capacity", ["run", "art", "--prompt-ids", "1,2,3", "--max-new-tokens", "200"], 1, ["capacity"]),
     ("past_capacity_allowed_long", ["run", "art", "--prompt-ids", "1,2,3", "--max-new-tokens", "2000", "--allow-long"],
      1, ["capacity"]),  # only the error: no warning line before it

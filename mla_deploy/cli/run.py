@@ -17,8 +17,12 @@ from .options import Int
 @SamplingArgs()
 @click.option("--json", "as_json", is_flag=True, help="Print the tokens, the text and the timings as JSON.")
 @RuntimeArgs()
+@click.option("--prefill-chunk", type=Int(), default=None,
+              help="Prefill at most N prompt tokens per sequence in one call, the rest in further calls over the "
+                   "cache. Default: as many as keep one layer's attention scores within 1 GiB (a short prompt "
+                   "in one call; a batch of 32 prompts of 4096 tokens of DeepSeek-V2-Lite in chunks of 128).")
 @click.option("--allow-long", is_flag=True, help="Run past the model's max_position_embeddings (with a warning).")
-def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: Runtime, allow_long):
+def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: Runtime, prefill_chunk, allow_long):
     """Generate from an exported artifact with ONNX Runtime: text in and text out (--prompt, streamed as it is
     generated), or token ids (--prompt-ids). Stops at the checkpoint's end-of-sequence ids and --stop strings;
     greedy unless --temperature > 0."""
@@ -28,7 +32,8 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
 
     tokenizer = load_tokenizer(artifact)
     ids = _prompt_ids(prompts, tokenizer, artifact)
-    engine = OrtEngine(artifact, provider=runtime.provider, threads=runtime.threads, use_engine=runtime.use_engine)
+    engine = OrtEngine(artifact, provider=runtime.provider, threads=runtime.threads, use_engine=runtime.use_engine,
+                       prefill_chunk=prefill_chunk)
     longest = max((len(p) for p in ids), default=0)
     warning = check_positions(engine.config, longest, max_new_tokens, allow_long)
     engine.check_request(longest, max_new_tokens)  # a request the cache cannot hold fails before any warning

@@ -32,6 +32,47 @@ from ..generate.sampling import SamplingConfig
 from ..io_spec import present_name
 
 
+#: the most bytes one layer's attention scores may take in one prefill call (``[B, heads, S, W]`` counted in float32):
+#: a longer prompt, or a larger batch of them, is prefilled in chunks (:func:`prefill_chunk_size`)
+PREFILL_SCORE_BYTES = 1 << 30
+#: a chunk holds a multiple of this many tokens per sequence, and at least this many
+PREFILL_CHUNK_STEP = 64
+
+
+def prefill_chunk_size(batch: int, heads: int, width: int, budget: int = PREFILL_SCORE_BYTES) -> int:
+    """Tokens per sequence in one prefill call over ``batch`` prompts ``width`` tokens wide: ``width`` when the
+    scores ``[batch, heads, width, width]`` fit ``budget`` bytes in float32 (one call), else the most tokens ``S``
+    whose scores ``[batch, heads, S, width]`` fit, rounded down to a multiple of :data:`PREFILL_CHUNK_STEP` (at least
+    one step)."""
+    fit = budget // (4 * max(batch, 1) * max(heads, 1) * max(width, 1))
+    if fit >= width:
+        return max(width, 1)
+    return max(PREFILL_CHUNK_STEP, fit // PREFILL_CHUNK_STEP * PREFILL_CHUNK_STEP)
+
+
+def prefill_chunks(lengths: np.ndarray, chunk: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The calls of a prefill of right-padded prompts of ``lengths [B]`` in chunks of at most ``chunk`` tokens per
+    sequence: one ``(start [B], count [B])`` per call, row ``b`` taking its tokens ``start[b] .. start[b] + count[b]
+    - 1`` (``count[b]`` 0: the row only pads that call).
+
+    Each row is cut from its end: its first chunk takes what is left over (``1 .. chunk`` tokens), the others
+    ``chunk`` each, and a row needing fewer calls than the longest sits the first ones out. So every row's last
+    token, whose logits a prefill returns, is in the last call, and each row's tokens stay in order and contiguous.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    assert chunk >= 1 and (lengths >= 1).all()
+    needed = -(-lengths // chunk)  # calls per row
+    first = lengths - (needed - 1) * chunk  # the leftover chunk, 1 .. chunk tokens
+    calls = int(needed.max(initial=0))
+    plan = []
+    for k in range(calls):
+        j = k - (calls - needed)  # this call's chunk of each row (< 0: not begun)
+        count = np.where(j < 0, 0, np.where(j == 0, first, chunk))
+        start = np.where(j <= 0, 0, first + (j - 1) * chunk)
+        plan.append((start.astype(np.int64), count.astype(np.int64)))
+    return plan
+
+
 def logits_positions(shape: tuple[int, int], logits_index=None) -> np.ndarray:
     """The ``logits_index [B, K]`` int64 of a step over ``shape = (B, S)`` new tokens: ``logits_index`` checked,
     or every position (``K = S``) when None.
@@ -58,20 +99,29 @@ class Engine:
         root: the artifact directory.
         manifest: its manifest (already loaded and checked by the subclass).
         capacity: static layouts: cache rows per sequence (default: the manifest's ``max_cache_length``).
+        prefill_chunk: the most prompt tokens per sequence in one prefill call (:meth:`prefill`); None: as many as
+            keep one layer's attention scores within :data:`PREFILL_SCORE_BYTES` (:func:`prefill_chunk_size`).
 
     Attributes:
-        root, manifest, config, layout, precision, capacity; ``provider`` is set by the subclass.
+        root, manifest, config, layout, precision, capacity, prefill_chunk; ``provider`` is set by the subclass.
+
+    Raises:
+        InputError: ``prefill_chunk`` below 1.
     """
 
     provider: str = ""
 
-    def __init__(self, root: str | Path, manifest: Manifest, capacity: int | None = None):
+    def __init__(self, root: str | Path, manifest: Manifest, capacity: int | None = None,
+                 prefill_chunk: int | None = None):
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
+            raise InputError(f"the prefill chunk must be at least 1 token, got {prefill_chunk!r}")
         self.root = Path(root)
         self.manifest = manifest
         self.config = manifest.config
         self.layout = manifest.layout
         self.precision = manifest.precision
         self.capacity = int(capacity or manifest.capacity or 0) if self.layout.has_capacity else None
+        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
 
     @property
     def cache_mode(self) -> str:
@@ -108,6 +158,10 @@ class Engine:
         :meth:`_run` binds like the array itself."""
         raise RuntimeMissingError(f"{type(self).__name__} cannot run some rows of its cache alone (continuous "
                                   f"batching runs on ONNX Runtime)")
+
+    def _prefill_limit(self) -> int | None:
+        """The most new tokens per sequence the runtime's prefill takes in one call (None: no limit of its own)."""
+        return None
 
     def _sliceable(self, cache):
         """``cache`` as an array that can be sliced (default: itself; a GPU cache is sliced before it is copied)."""
@@ -216,8 +270,18 @@ class Engine:
         return out
 
     # the generation loop's interface (GenerationEngine) --------------------------------------------------------
+    def prefill_chunk_for(self, batch: int, width: int) -> int:
+        """Tokens per sequence in each call of a prefill of ``batch`` prompts ``width`` tokens wide:
+        :attr:`prefill_chunk`, or the scores' budget (:func:`prefill_chunk_size`), within the runtime's own limit;
+        ``width`` means one call."""
+        chunk = self.prefill_chunk or prefill_chunk_size(batch, self.config.num_attention_heads, width)
+        limit = self._prefill_limit()
+        return max(1, min(chunk, width, limit or width))
+
     def prefill(self, ids, lengths, state: CacheState):
-        """The ``prefill`` graph over right-padded prompts, into an empty ``state``.
+        """The ``prefill`` graph over right-padded prompts, into an empty ``state``: in one call, or, past
+        :meth:`prefill_chunk_for` tokens, in chunks (:func:`prefill_chunks`), each attending to the rows the
+        earlier ones cached, so that a long prompt needs the scores of one chunk at a time.
 
         Args:
             ids: ``[B, S]`` int64; row b's real tokens are its first ``lengths[b]``, at positions ``0 ..
@@ -234,9 +298,21 @@ class Engine:
         if lengths.shape != ids.shape[:1] or not ((lengths >= 1) & (lengths <= width)).all():
             raise ShapeError(f"prefill takes ids [B, S] and lengths [B], each in [1, S]; got ids {list(ids.shape)}, "
                              f"lengths {lengths.tolist()}")
-        positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)
-        valid = (positions < lengths[:, None]).astype(np.int64)
-        return self.step("prefill", ids, positions, state, valid, logits_index=(lengths - 1)[:, None])[:, 0]
+        chunk = self.prefill_chunk_for(len(lengths), width)
+        if chunk >= width:
+            positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)
+            valid = (positions < lengths[:, None]).astype(np.int64)
+            return self.step("prefill", ids, positions, state, valid, logits_index=(lengths - 1)[:, None])[:, 0]
+        check_ids(ids, self.config.vocab_size)  # every id, before the first chunk writes the cache
+        offsets = np.arange(chunk, dtype=np.int64)
+        logits = None
+        for start, count in prefill_chunks(lengths, chunk):
+            valid = offsets[None, :] < count[:, None]
+            positions = start[:, None] + offsets
+            part = np.where(valid, np.take_along_axis(ids, np.minimum(positions, width - 1), axis=1), 0)
+            logits = self.step("prefill", part, positions, state, valid.astype(np.int64),
+                               logits_index=np.maximum(count - 1, 0)[:, None])
+        return logits[:, 0]
 
     def decode(self, tokens, state: CacheState):
         """The ``decode`` graph over one new token per row, ``tokens [B]`` int64, each at its row's own next

@@ -227,6 +227,8 @@ class OrtEngine(Engine):
             False: always the source graphs. :meth:`info` says which (``graphs``).
         spin: the intra-op threads spin for the next operator's work (:func:`session_options`); False for an
             engine sharing its cores with other work (a server's event loop).
+        prefill_chunk: the most prompt tokens per sequence in one prefill call (None: as many as keep one layer's
+            attention scores within 1 GiB; :meth:`Engine.prefill <mla_deploy.engines.base.Engine.prefill>`).
 
     The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
     describes its graphs, their I/O and the weights they hold quantized).
@@ -234,13 +236,13 @@ class OrtEngine(Engine):
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
                  capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
-                 use_engine: bool = True, spin: bool = True):
+                 use_engine: bool = True, spin: bool = True, prefill_chunk: int | None = None):
         ort = require_onnxruntime()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         manifest = check_artifact(artifact, verify_hashes=False)
         check_precision(manifest.precision, provider)
-        super().__init__(artifact, manifest, capacity)
+        super().__init__(artifact, manifest, capacity, prefill_chunk)
         self.ort = ort
         self.dtype = numpy_dtype(self.precision)
         self.device = "cuda" if provider == "cuda" else "cpu"

@@ -75,18 +75,21 @@ class TrtEngine(Engine):
     Args:
         artifact: the export directory (``manifest.json`` and ``trt/``).
         device: CUDA device index.
+        prefill_chunk: the most prompt tokens per sequence in one prefill call (None: the scores' budget of
+            :meth:`Engine.prefill <mla_deploy.engines.base.Engine.prefill>`); never more than the prefill profile's
+            largest ``prompt_length``, so a longer prompt is prefilled in chunks of that.
     Raises:
         RuntimeMissingError: no TensorRT or no GPU. ArtifactError: engines missing, stale or unloadable.
     """
 
-    def __init__(self, artifact: str | Path, device: int = 0):
+    def __init__(self, artifact: str | Path, device: int = 0, prefill_chunk: int | None = None):
         from ..trt.build import TRT_DIR, read_build_record, require_tensorrt
 
         trt, self.gpu = require_tensorrt()
         import torch
 
         manifest = load_manifest(artifact)
-        super().__init__(artifact, manifest)
+        super().__init__(artifact, manifest, prefill_chunk=prefill_chunk)
         self.trt, self.torch = trt, torch
         self.record = read_build_record(self.root)
         if self.record.get("fingerprint") != manifest.fingerprint:
@@ -161,6 +164,12 @@ class TrtEngine(Engine):
             return self.torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 
     resizable_capacity = False  # the engine's profile fixes the capacity axis at the exported max_cache_length
+
+    def _prefill_limit(self) -> int | None:
+        """The prefill profile's largest sequence length (``[build] prompt_length``'s max): a longer prompt is
+        prefilled in chunks of it."""
+        shape = self.profiles.get("prefill", {}).get("input_ids")
+        return int(shape[2][1]) if shape is not None else None
 
     def new_state(self, batch: int, rows: int | None = None) -> CacheState:
         """An empty cache for ``batch`` sequences; an in-place layout whose engines do not alias the present

@@ -13,7 +13,8 @@ import pytest
 
 from artifacts import tiny_artifact
 from mla_deploy.cache_layout import CONCAT, STATIC
-from mla_deploy.engines.base import Engine
+from mla_deploy.engines.base import Engine, prefill_chunk_size, prefill_chunks
+from mla_deploy.engines.ort_engine import OrtEngine
 from mla_deploy.generate.loop import Generation
 from mla_deploy.generate.request import check_ids, pad_prompts
 from mla_deploy.errors import CacheCapacityError, InputError, ShapeError
@@ -260,3 +261,69 @@ def test_trt_engine_imports_nothing_from_the_ort_engine():
     assert issubclass(trt_engine.TrtEngine, Engine)
     for name in ("generate", "stream", "step", "forward", "prefill", "decode"):  # not redefined: the base's
         assert name not in vars(trt_engine.TrtEngine)
+
+
+# prefill in chunks ----------------------------------------------------------------------------------------
+def test_prefill_chunks_cut_each_row_from_its_end():
+    """Rows of 10, 4 and 1 tokens in chunks of 4: the longest takes 2 + 4 + 4, the others sit out until their one
+    chunk; every row's tokens are covered once, in order, and every row ends in the last call."""
+    plan = prefill_chunks(np.array([10, 4, 1]), 4)
+    assert [(s.tolist(), c.tolist()) for s, c in plan] == [([0, 0, 0], [2, 0, 0]), ([2, 0, 0], [4, 0, 0]),
+                                                           ([6, 0, 0], [4, 4, 1])]
+    for lengths, chunk in (([7, 7], 7), ([130, 64, 65, 1], 64), ([5], 1), ([9, 3], 2)):
+        plan = prefill_chunks(np.array(lengths), chunk)
+        assert len(plan) == -(-max(lengths) // chunk)
+        for b, length in enumerate(lengths):
+            taken = [i for start, count in plan for i in range(start[b], start[b] + count[b])]
+            assert taken == list(range(length)) and plan[-1][1][b] >= 1
+            assert all(count[b] <= chunk for _, count in plan)
+
+
+def test_prefill_chunk_size_keeps_one_layers_scores_within_the_budget():
+    """DeepSeek-V2-Lite's 16 heads: a 4096-token prompt in one call (1 GiB of float32 scores), 8192 in chunks of 2048;
+    32 such prompts in chunks of 128; V3's 128 heads, 4096 tokens: 512; never under 64 tokens, never above the width."""
+    assert prefill_chunk_size(1, 16, 4096) == 4096 and prefill_chunk_size(1, 16, 8192) == 2048
+    assert prefill_chunk_size(32, 16, 4096) == 128 and prefill_chunk_size(1, 128, 4096) == 512
+    assert prefill_chunk_size(64, 128, 32768) == 64 and prefill_chunk_size(1, 16, 7) == 7
+    for batch, heads, width in ((1, 16, 4097), (3, 16, 9000), (2, 128, 3000)):
+        chunk = prefill_chunk_size(batch, heads, width)
+        assert chunk % 64 == 0 and 4 * batch * heads * chunk * width <= 1 << 30 < 4 * batch * heads * (chunk + 64) * width
+
+
+@pytest.mark.parametrize("mode", ["static", "concat"])
+@pytest.mark.parametrize("form", ["CC", "A_CC"])
+def test_prefill_in_chunks_equals_one_call(mode, form):
+    """Prompts of 40, 29, 3 and 1 tokens prefilled in chunks of 1, 7 and 16 tokens (each chunk a call of the prefill
+    graph over the rows the earlier ones cached): the last tokens' logits and the cached rows equal one call's to
+    float32 rounding, and 8 greedy tokens after it are the same; the chunks are really separate calls."""
+    root = tiny_artifact(mode, **({} if form == "CC" else {"prefill_form": form}))  # the tiny preset: CC
+    one = OrtEngine(root, threads=1)
+    lengths = np.array([40, 29, 3, 1])
+    ids = np.random.default_rng(0).integers(0, one.vocab_size, size=(len(lengths), 40))
+    prompts = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
+    state = one.new_state(len(lengths), 48)
+    want = one.to_host(one.prefill(ids, lengths, state))
+    held = [one.layout.held(one.to_host(c), state) for c in state.caches]
+    tokens = one.generate(prompts, 8).tokens
+    for chunk in (1, 7, 16):
+        engine = OrtEngine(root, threads=1, prefill_chunk=chunk)
+        calls = []
+        step = engine.step
+        engine.step = lambda *args, **kwargs: calls.append(args[1].shape) or step(*args, **kwargs)
+        chunked = engine.new_state(len(lengths), 48)
+        got = engine.to_host(engine.prefill(ids, lengths, chunked))
+        assert calls == [(len(lengths), chunk)] * -(-40 // chunk)
+        assert chunked.lengths.tolist() == lengths.tolist()
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+        keep = one.layout.slot_valid(state, held[0].shape[1])
+        for i, cache in enumerate(chunked.caches):
+            rows = engine.layout.held(engine.to_host(cache), chunked)
+            mine = engine.layout.slot_valid(chunked, rows.shape[1])
+            for b in range(len(lengths)):  # the real tokens' rows, in order (a concat cache also keeps padding slots)
+                np.testing.assert_allclose(rows[b][mine[b]], held[i][b][keep[b]], rtol=0, atol=1e-5)
+        assert engine.generate(prompts, 8).tokens == tokens
+
+
+def test_prefill_chunk_below_one_is_refused():
+    with pytest.raises(InputError, match="prefill chunk"):
+        OrtEngine(tiny_artifact("static"), threads=1, prefill_chunk=0)

@@ -80,6 +80,12 @@ def test_engine_gives_the_source_graphs_tokens_and_logits(built, kind):
     assert np.isfinite(outs[0]).all()
 
 
+def test_engine_prefills_in_chunks(built):
+    """`run --prefill-chunk 2` on the built int4 engine (its own attention over the rows earlier chunks cached, with
+    the prompt's 5 tokens cut 1 + 2 + 2): the same 12 tokens as one prefill call."""
+    assert tokens(built["int4"], "--prefill-chunk", "2") == tokens(built["int4"])
+
+
 def test_engine_opens_without_graph_optimisation(built):
     """What ONNX Runtime reports of the sessions: the engine's with ORT_DISABLE_ALL, the source graphs' (--no-engine,
     and the exact fp32 compute validation uses, which the engine does not bake) with ORT's default ORT_ENABLE_ALL."""
