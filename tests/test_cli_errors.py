@@ -122,6 +122,14 @@ def ws(tmp_path_factory) -> Path:
     manifest = json.loads((root / "data_int" / "manifest.json").read_text())
     manifest["graphs"]["decode"]["external_data"] = 5
     (root / "data_int" / "manifest.json").write_text(json.dumps(manifest))
+    for name, edit in (("dtype_edited", lambda m: m.__setitem__("dtype", "float16")),
+                       ("width_edited", lambda m: m["cache"].__setitem__("width", 100)),
+                       ("channels_edited", lambda m: m["cache"]["channels"].__setitem__("c_kv", [0, 400])),
+                       ("form_edited", lambda m: m["graphs"]["decode"].__setitem__("form", "CC"))):
+        shutil.copytree(art, root / name)  # what the manifest says of its dtype, cache or graphs contradicted
+        manifest = json.loads((root / name / "manifest.json").read_text())
+        edit(manifest)
+        (root / name / "manifest.json").write_text(json.dumps(manifest))
     shutil.copytree(art, root / "nested")
     (root / "nested" / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # past Python's recursion limit
     (root / "latin1.toml").write_bytes(b"\xff\xfe[model]\n")
@@ -197,6 +205,12 @@ CASES = [
     ("manifest_static_without_capacity", ["run", "no_capacity", "--prompt-ids", "1"], 1,
      ["a static cache needs its max_cache_length"]),
     ("manifest_data_not_a_name", ["run", "data_int", "--prompt-ids", "1"], 1, ["decode graph entry", "got 5"]),
+    ("manifest_dtype_edited", ["run", "dtype_edited", "--prompt-ids", "1"], 1,
+     ["dtype 'float16' is not 'float32'", "precision fp32"]),
+    ("manifest_cache_width_edited", ["validate", "width_edited"], 1, ["cache width is 100", "give 24"]),
+    ("manifest_cache_channels_edited", ["build", "channels_edited", "--target", "cpu"], 1, ["cache channels"]),
+    ("manifest_form_edited", ["run", "form_edited", "--prompt-ids", "1"], 1,
+     ["decode graph's form is 'CC'", "'A_CC' of its recorded recipe"]),
     ("manifest_nested_too_deep", ["build", "nested", "--target", "cpu"], 1, ["not readable JSON", "RecursionError"]),
     ("id_past_int64", ["run", "art", "--prompt-ids", "9223372036854775808"], 1,
      ["token id 9223372036854775808", "vocabulary"]),

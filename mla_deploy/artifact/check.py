@@ -47,9 +47,6 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
     _check_capacity(manifest, root / MANIFEST)
     config, layout, precision = manifest.config, manifest.layout, manifest.precision
     inputs, outputs = layout.io(config, precision)
-    layers = manifest.cache.get("layers")
-    if layers is not None and len(layers) != config.num_hidden_layers:
-        raise ArtifactError(f"{MANIFEST}: cache lists {len(layers)} layers, the model has {config.num_hidden_layers}")
     expected = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
     for role in ROLES:
         graph = manifest.graphs.get(role)
@@ -62,6 +59,7 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
         path = root / graph.file
         if verify_hashes and graph.sha256 and sha256_file(path) != graph.sha256:
             raise ArtifactError(f"{role} graph {path} does not match the sha256 in {MANIFEST} (modified or replaced)")
+    _check_descriptions(manifest)
     if check_graphs:
         _check_graph_files(root, manifest)
     if manifest.tokenizer is not None and verify_hashes:
@@ -87,6 +85,35 @@ def _same_io(label: str, actual, expected: list[dict], against: str) -> None:
         if have.get("dtype") != spec["dtype"] or list(have.get("shape", [])) != spec["shape"]:
             raise ArtifactError(f"{label}: {spec['name']} is {have.get('dtype')} {have.get('shape')}, "
                                 f"{against} gives {spec['dtype']} {spec['shape']}")
+
+
+#: the [cache] entries that describe the layout to a reader of the manifest (:meth:`CacheLayout.describe`)
+_CACHE_FACTS = ("width", "channels", "sequence_axis", "layers", "aliased")
+
+
+def _check_descriptions(manifest: Manifest) -> None:
+    """What the manifest says about its cache and its graphs' attention forms must be what its model, layout and
+    recorded recipe give: a reader of the manifest (another runtime) takes the cache's width and channel split from
+    it. Entries an older manifest lacks are not compared."""
+    config, layout = manifest.config, manifest.layout
+    layers = manifest.cache.get("layers")
+    if isinstance(layers, list) and len(layers) != config.num_hidden_layers:
+        raise ArtifactError(f"{MANIFEST}: cache lists {len(layers)} layers, the model has {config.num_hidden_layers}")
+    described = layout.describe(config)
+    for key in _CACHE_FACTS:
+        if key in manifest.cache and manifest.cache[key] != described[key]:
+            raise ArtifactError(f"{MANIFEST}: cache {key} is {manifest.cache[key]!r}, but its model and {layout.mode} "
+                                f"cache give {described[key]!r} (edited?)")
+    export = manifest.recipe.get("export") if isinstance(manifest.recipe.get("export"), dict) else {}
+    for role, graph in manifest.graphs.items():
+        recorded = export.get(f"{role}_form")
+        if graph.form not in _ATTENTION_FORMS or (recorded is not None and graph.form != recorded):
+            want = f"the {recorded!r} of its recorded recipe" if recorded is not None else " or ".join(_ATTENTION_FORMS)
+            raise ArtifactError(f"{MANIFEST}: the {role} graph's form is {graph.form!r}, not {want} (edited?)")
+
+
+#: the attention forms a graph of an artifact can hold (:class:`mla_deploy.recipe.ExportSettings`)
+_ATTENTION_FORMS = ("CC", "A_CC", "A_CC_ME")
 
 
 def _check_capacity(manifest: Manifest, path: Path) -> None:

@@ -281,6 +281,9 @@ class Manifest:
             raise ArtifactError(str(exc)) from None
         if data["precision"] not in PRECISIONS:
             raise ArtifactError(f"{source}: precision {data['precision']!r} is not one of {', '.join(PRECISIONS)}")
+        if "dtype" in data and data["dtype"] != PRECISIONS[data["precision"]]:
+            raise ArtifactError(f"{source}: dtype {data['dtype']!r} is not {PRECISIONS[data['precision']]!r}, the "
+                                f"element type of precision {data['precision']} (edited?)")
         cache = data["cache"]
         if not isinstance(cache, dict):
             raise ArtifactError(f"{source}: [cache] is not a table")
