@@ -47,6 +47,9 @@ def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_g
     _check_capacity(manifest, root / MANIFEST)
     config, layout, precision = manifest.config, manifest.layout, manifest.precision
     inputs, outputs = layout.io(config, precision)
+    layers = manifest.cache.get("layers")
+    if isinstance(layers, list) and len(layers) != config.num_hidden_layers:
+        raise ArtifactError(f"{MANIFEST}: cache lists {len(layers)} layers, the model has {config.num_hidden_layers}")
     expected = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
     for role in ROLES:
         graph = manifest.graphs.get(role)
@@ -96,9 +99,6 @@ def _check_descriptions(manifest: Manifest) -> None:
     recorded recipe give: a reader of the manifest (another runtime) takes the cache's width and channel split from
     it. Entries an older manifest lacks are not compared."""
     config, layout = manifest.config, manifest.layout
-    layers = manifest.cache.get("layers")
-    if isinstance(layers, list) and len(layers) != config.num_hidden_layers:
-        raise ArtifactError(f"{MANIFEST}: cache lists {len(layers)} layers, the model has {config.num_hidden_layers}")
     described = layout.describe(config)
     for key in _CACHE_FACTS:
         if key in manifest.cache and manifest.cache[key] != described[key]:
