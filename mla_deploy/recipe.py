@@ -29,6 +29,8 @@ else:  # pragma: no cover
 SECTIONS = ("model", "export", "build", "validate")
 #: the smallest ``[export] max_cache_length`` (a prompt token and one generated token); the CLI's bound too
 MIN_CACHE_LENGTH = 2
+#: the attention forms an exported graph can hold, by role (the original CD form is for PyTorch only)
+GRAPH_FORMS = {"prefill": ("CC", "A_CC", "A_CC_ME"), "decode": ("A_CC", "A_CC_ME")}
 
 
 def _check_keys(section: str, data: dict, cls, source: str) -> None:
@@ -98,10 +100,10 @@ class ExportSettings:
         layout = get_layout(self.cache_mode)
         if self.max_cache_length < MIN_CACHE_LENGTH:
             raise ConfigError(f"[export] max_cache_length must be at least {MIN_CACHE_LENGTH}")
-        if self.prefill_form not in ("CD", "CC", "A_CC", "A_CC_ME") or self.prefill_form == "CD":
-            raise ConfigError(f"[export] prefill_form must be CC, A_CC or A_CC_ME, got {self.prefill_form!r}")
-        if self.decode_form not in ("A_CC", "A_CC_ME"):
-            raise ConfigError(f"[export] decode_form must be A_CC or A_CC_ME, got {self.decode_form!r}")
+        for role, form in (("prefill", self.prefill_form), ("decode", self.decode_form)):
+            if form not in GRAPH_FORMS[role]:
+                raise ConfigError(f"[export] {role}_form must be {', '.join(GRAPH_FORMS[role][:-1])} or "
+                                  f"{GRAPH_FORMS[role][-1]}, got {form!r}")
         if not self.init_std > 0:
             raise ConfigError("[export] init_std must be positive")
         if self.opset < layout.min_opset:

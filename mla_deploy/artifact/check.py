@@ -20,6 +20,7 @@ from ..cache_layout import STATIC
 from ..errors import ArtifactError
 from ..io_spec import ROLES
 from ..quant import observe_graphs
+from ..recipe import GRAPH_FORMS
 from .files import sha256_file
 from .manifest import MANIFEST, GraphEntry, Manifest, load_manifest
 
@@ -107,13 +108,10 @@ def _check_descriptions(manifest: Manifest) -> None:
     export = manifest.recipe.get("export") if isinstance(manifest.recipe.get("export"), dict) else {}
     for role, graph in manifest.graphs.items():
         recorded = export.get(f"{role}_form")
-        if graph.form not in _ATTENTION_FORMS or (recorded is not None and graph.form != recorded):
-            want = f"the {recorded!r} of its recorded recipe" if recorded is not None else " or ".join(_ATTENTION_FORMS)
+        if graph.form not in GRAPH_FORMS.get(role, ()) or (recorded is not None and graph.form != recorded):
+            want = f"the {recorded!r} of its recorded recipe" if recorded is not None else " or ".join(GRAPH_FORMS[role])
             raise ArtifactError(f"{MANIFEST}: the {role} graph's form is {graph.form!r}, not {want} (edited?)")
 
-
-#: the attention forms a graph of an artifact can hold (:class:`mla_deploy.recipe.ExportSettings`)
-_ATTENTION_FORMS = ("CC", "A_CC", "A_CC_ME")
 
 
 def _check_capacity(manifest: Manifest, path: Path) -> None:
