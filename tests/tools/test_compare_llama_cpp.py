@@ -19,7 +19,7 @@ SCRIPT = ROOT / "tools" / "compare_llama_cpp.sh"
 DATA = Path(__file__).resolve().parent / "data" / "llama_compare"
 sys.path.insert(0, str(ROOT / "tools"))
 
-from llama_compare import gguf, table  # noqa: E402
+from llama_compare import gguf, paired, table  # noqa: E402
 from llama_compare.settings import CompareError  # noqa: E402
 
 #: llama.cpp's converter on hf_oracle.hf_model(2) (2 layers, 8 experts, top-2, vocabulary 128), --outtype q8_0
@@ -177,6 +177,69 @@ def test_an_engine_faster_than_the_measured_bandwidth_is_said_plainly():
     assert "THE BOUND DID NOT HOLD" in table.text(rows, broken, "title")
 
 
+# paired decode ------------------------------------------------------------------------------------------------------
+
+
+def _pair(probes, ours, llama, ours_bytes=2.0e9, llama_bytes=2.1e9):
+    return {"probes": probes, "ours_tokens_per_s": ours, "llama_tokens_per_s": llama, "ours_bytes": ours_bytes,
+            "llama_bytes": llama_bytes}
+
+
+def test_paired_decode_keeps_the_pairs_whose_probes_agree():
+    """A pair whose bandwidth moved between its probes (36 -> 64 GB/s) compares two states and is left out of the
+    medians; the steady ones give the ratio (taken within each pair) and each engine's step against the bandwidth
+    probed beside it."""
+    pairs = [_pair([36.0, 37.0, 36.5], 15.0, 16.0),   # slow state: 0.9375x
+             _pair([64.0, 36.0, 36.0], 24.0, 15.0),   # moved: 1.6x, not counted
+             _pair([63.0, 64.0, 65.0], 24.0, 22.0),   # fast state: 1.0909x
+             _pair([35.0, 36.0, 35.5], 16.0, 15.0)]   # slow state: 1.0667x
+    got = paired.summarize(pairs)
+    assert (got["pairs"], got["steady"]) == (4, 3)
+    assert got["ratios"] == pytest.approx([15 / 16, 24 / 22, 16 / 15])
+    assert got["ratio"] == pytest.approx(16 / 15)  # the median of the three, not of the medians
+    assert got["ours_tokens_per_s"] == 16.0 and got["llama_tokens_per_s"] == 16.0
+    assert got["probe_gbps"] == pytest.approx([35.5, 64.0])
+    # probed GB/s over streamed GB/s, per pair: ours 36.5/30, 64/48, 35.5/32 -> median 36.5/30
+    assert got["ours_of_probe"] == pytest.approx(36.5 / 30.0)
+    assert got["llama_of_probe"] == pytest.approx(35.5 / 31.5)
+    assert paired.steady([36.0, 41.0, 38.0]) and not paired.steady([36.0, 42.0, 38.0])
+    none = paired.summarize([pairs[1]])
+    assert none["steady"] == 0 and none["ratio"] is None and none["probe_gbps"] is None
+    text = paired.text([dict(got, weights="float", llama_type="F32", context=0),
+                        dict(none, weights="float", llama_type="F32", context=1024)])
+    assert "3 of 4" in text and "1.07x" in text and "0.94-1.09x" in text and "0 of 1" in text
+    assert "| float / F32 | 0 | 3 of 4 |" in paired.markdown([dict(got, weights="float", llama_type="F32", context=0)])
+
+
+def test_paired_worker_times_our_decode_on_a_real_engine(tmp_path):
+    """Our side of a pair is a worker process holding the artifact open: each window is a timed decode after an
+    untimed prompt; a request it cannot serve is one error line and it serves the next; an artifact it cannot open
+    is one error."""
+    from artifacts import tiny_artifact
+
+    from llama_compare.settings import CompareError
+
+    with paired.OursWorker(tiny_artifact(), 1) as worker:
+        assert worker.window(0, 4, 0) > 0 and worker.window(5, 3, 1) > 0
+        with pytest.raises(CompareError, match="the paired worker: .*"):
+            worker.window(10 ** 7, 2, 0)  # more rows than the model has positions
+        assert worker.window(2, 2, 2) > 0
+    assert worker.proc.returncode == 0
+    with pytest.raises(CompareError, match=f"could not open {tmp_path}"):
+        paired.OursWorker(tmp_path, 1)
+
+
+def test_paired_llama_bench_is_one_repetition_of_the_decode_after_each_context(tmp_path):
+    from llama_compare.settings import CompareError, Settings
+
+    s = Settings(checkpoint=tmp_path, out=tmp_path / "out", cache=tmp_path / "cache", generate=32, threads=2)
+    argv = paired.llama_argv(s, tmp_path / "model-F32.gguf", 1024)
+    assert argv[1:] == ("-m", str(tmp_path / "model-F32.gguf"), "-t", "2", "-r", "1", "-p", "0", "-n", "32", "-d",
+                        "1024", "-lm", "none", "-o", "json")
+    with pytest.raises(CompareError, match="paired llama-bench: cannot run .*llama-bench"):
+        paired.llama_window(s, tmp_path / "model-F32.gguf", 0)  # not built
+
+
 # the plan and the refusals --------------------------------------------------------------------------------------
 
 
@@ -229,6 +292,24 @@ def test_dry_run_of_one_precision_with_llama_cpp_built(checkpoint, tmp_path):
     assert [n for n in names if not n.startswith("[cached]") and n != "converter-deps"] == [
         "convert-F32", "quantize-Q4_0", "mla-deploy-bench-int4-1", "llama-bench-Q4_0-1", "llama-bench-Q4_0-2",
         "mla-deploy-bench-int4-2", "mla-deploy-bench-int4-3", "llama-bench-Q4_0-3"]
+
+
+def test_dry_run_with_pairs_plans_each_precision_and_context_after_the_rounds(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache"), "--out", str(out), "--weights",
+                   "float,int4", "--context", "0,512", "-n", "16", "--rounds", "1", "--pairs", "4")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "paired: 4 pairs per precision and context" in proc.stdout
+    planned = [line.split(":", 1)[0] for line in lines if line.startswith("paired-")]
+    assert planned == ["paired-float-0", "paired-float-512", "paired-int4-0", "paired-int4-512"]
+    int4 = next(line for line in lines if line.startswith("paired-int4-512"))
+    assert f"{out}/mla-deploy/artifact-int4 beside " in int4 and "model-Q4_0.gguf -t 2 -r 1 -p 0 -n 16 -d 512" in int4
+    assert lines.index(next(line for line in lines if line.startswith("llama-bench-Q4_0-1"))) < lines.index(
+        next(line for line in lines if line.startswith("paired:")))
+    bad = compare(str(checkpoint), "--dry-run", "--pairs", "-1")
+    assert bad.returncode == 2 and "--pairs: expected integers >= 0" in bad.stderr
+    assert "paired" not in compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache")).stdout
 
 
 @pytest.mark.parametrize("weights, blocks", [("float", False), ("float,int4", True), ("int8", True)])

@@ -5,7 +5,10 @@ each round's llama-bench JSON and bench.json under rounds/, the logs) into --out
 
 Both engines are measured --rounds times, alternating per precision (ours first in odd rounds, llama.cpp first in
 even ones): this machine's read bandwidth moves between states minutes apart, so each ratio is taken within one
-round and the table gives the median of the rounds' ratios with their range.
+round and the table gives the median of the rounds' ratios with their range. --pairs N adds, after the rounds, N
+paired decode measurements per precision and context (:mod:`.paired`): both engines back to back within seconds, a
+read probe before, between and after, and a second table from the pairs whose probes agree (both engines at one
+bandwidth), with each engine's step against the bandwidth probed beside it.
 
 llama.cpp comes from the llama-cpp-python source distribution on the package index (its vendored llama.cpp,
 built natively with cmake: llama-bench, llama-quantize and llama-server, Release), kept under the cache with the GGUF files
@@ -16,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from . import gguf, steps, table
+from . import gguf, paired, steps, table
 from .checks import check_checkpoint, fingerprint, missing_build_tools, pip_command, require_build_tools
 from .settings import DEFAULT_VERSION, PRECISIONS, QUANTIZE_SOURCES, CompareError, Settings, default_cache
 
@@ -62,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--our-repeat", type=_ints(1), default=(10,), help="mla-deploy bench --repeat (default 10)")
     p.add_argument("--rounds", type=_ints(1), default=(3,), help="times both engines are measured, alternating "
                    "(default 3)")
+    p.add_argument("--pairs", type=_ints(0), default=(0,), help="after the rounds, this many paired decode "
+                   "measurements per precision and context: both engines back to back with a read probe before, "
+                   "between and after, so that a ratio compares them at one bandwidth (default 0: none)")
     p.add_argument("--quantize-from", type=str.upper, choices=QUANTIZE_SOURCES, default="F32",
                    help="the GGUF llama-quantize makes Q4_0 from, removed afterwards unless requested (default F32; "
                    "BF16: the same Q4_0 from a bf16 checkpoint at half the disk; Q8_0: requantized, a different Q4_0, "
@@ -75,11 +82,19 @@ def settings(args) -> Settings:
                     cache=(args.cache or default_cache()).resolve(), version=args.version, precisions=args.weights,
                     contexts=args.context, threads=args.threads[0], repetitions=args.repetitions[0],
                     prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0],
-                    quantize_from=args.quantize_from, rounds=args.rounds[0])
+                    quantize_from=args.quantize_from, rounds=args.rounds[0], pairs=args.pairs[0])
 
 
-def dry_run(s: Settings, planned: list[steps.Step]) -> int:
+def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
     print("\n".join(step.line() for step in planned))
+    if s.pairs:
+        print(f"paired: {s.pairs} pairs per precision and context, each a read probe, then (order alternating) our "
+              f"decode of {s.generate} steps in a worker holding the export open and one llama-bench, a probe after "
+              f"each:")
+        for weights in s.precisions:
+            for context in s.contexts:
+                print(f"paired-{weights}-{context}: {s.ours_artifact(weights)} beside "
+                      f"{shlex.join(paired.llama_argv(s, s.gguf(key, PRECISIONS[weights]), context))}")
     missing = missing_build_tools()
     if missing and not s.built:
         print(f"missing to build llama.cpp: {', '.join(missing)}")
@@ -154,13 +169,17 @@ def main(argv=None) -> int:
         key = fingerprint(s.checkpoint, s.version)
         planned = steps.plan(s, key, pip_command())
         if args.dry_run:
-            return dry_run(s, planned)
+            return dry_run(s, key, planned)
         if not s.built:
             require_build_tools()
         s.out.mkdir(parents=True, exist_ok=True)
         s.gguf_dir(key).mkdir(parents=True, exist_ok=True)
         probes = execute(s, planned, lambda line: print(line, flush=True))
         data, text, md = collect(s, key, probes, [step.line() for step in planned])
+        if s.pairs:
+            data["paired"] = paired.run(s, key, data["rows"], lambda: probe(s), lambda line: print(line, flush=True))
+            text += "\n\n" + paired.text(data["paired"])
+            md += "\n" + paired.markdown(data["paired"])
         table.write(s.out, data, md)
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -53,6 +53,8 @@ class Settings:
         rounds: how many times both engines are measured, alternating per precision (ours then llama.cpp in odd
             rounds, llama.cpp then ours in even ones): this machine's read bandwidth moves between states for
             minutes at a time (README), so a ratio is taken within one round and the table gives their median.
+        pairs: how many paired decode measurements follow the rounds per precision and context (0: none;
+            :mod:`.paired`).
         quantize_from: the GGUF type (:data:`QUANTIZE_SOURCES`) llama-quantize makes Q4_0 from; removed once used
             when no requested precision is that type (a 27-layer V2-Lite F32 file is 63 GB).
     """
@@ -70,6 +72,7 @@ class Settings:
     our_repeat: int = 10
     quantize_from: str = "F32"
     rounds: int = 3
+    pairs: int = 0
 
     @property
     def llama_dir(self) -> Path:
@@ -127,6 +130,13 @@ class Settings:
     def bench_out(self) -> Path:
         """``mla-deploy bench model --out`` of every round (the exported artifacts there are reused)."""
         return self.out / "mla-deploy"
+
+    def ours_artifact(self, weights: str) -> Path:
+        """The export ``mla-deploy bench model`` made of ``weights`` under :attr:`bench_out` (its ``artifact`` or
+        ``artifact-int8`` ... folder)."""
+        from mla_deploy import quant
+
+        return self.bench_out / quant.plan(weights, 32 if weights != "float" else None).variant("artifact")
 
     def ours_json(self, weights: str, round_: int) -> Path:
         """The bench.json of one precision in one round (1-based), moved here once that bench succeeded."""

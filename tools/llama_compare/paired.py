@@ -1,0 +1,211 @@
+"""Paired decode (``--pairs N``): after the rounds, our decode and llama.cpp's measured back to back, ``N`` times per
+precision and context, with a read-bandwidth probe before, between and after each pair.
+
+Why: this machine's read bandwidth moves between states (about 36 and 64 GB/s with 2 threads on the development
+machine) that last seconds to minutes (``tools/bandwidth_states.py``), and a round runs each engine's whole bench
+minutes apart, so a round's ratio can set one engine's fast state against the other's slow one. A pair takes
+seconds. A pair whose three probes agree within :data:`STEADY` ran both engines at one bandwidth: the median ratio
+of those pairs compares the engines at equal bandwidth, and each engine's bytes per second in them, against the
+bandwidth probed beside it, says how near that state's limit each one ran.
+
+Ours: the rounds' export of the precision (``mla-deploy bench model``'s, :meth:`.Settings.ours_artifact`), opened
+once in a worker process (:mod:`.paired_worker`, with the huge-page setting of mla-deploy's command line), a prompt
+of ``context`` random tokens (1 at context 0), then ``generate`` decode steps of random tokens, timed. llama.cpp:
+``llama-bench -r 1 -p 0 -n generate -d context`` in a fresh process per pair (its ``tg`` test: random tokens after an
+untimed prompt of ``context`` tokens; it loads and warms the model first, untimed). The order alternates: ours first
+in even pairs, llama.cpp first in odd ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from .settings import PRECISIONS, CompareError, Settings
+from .table import parse_llama_bench
+
+#: a pair is steady when its three probes' highest is at most this much above their lowest (the development
+#: machine's two states are 1.8x apart; one state's probes spread about 10%)
+STEADY = 0.15
+
+
+def llama_argv(s: Settings, gguf: Path, context: int) -> tuple[str, ...]:
+    """One pair's llama-bench: ``generate`` tokens after ``context``, one repetition, JSON on standard output."""
+    return (str(s.tool("llama-bench")), "-m", str(gguf), "-t", str(s.threads), "-r", "1", "-p", "0", "-n",
+            str(s.generate), "-d", str(context), "-lm", "none", "-o", "json")
+
+
+def llama_window(s: Settings, gguf: Path, context: int) -> float:
+    """llama.cpp's decode tokens/s in one pair (:func:`llama_argv`); :class:`CompareError` when it fails."""
+    argv = llama_argv(s, gguf, context)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True)
+    except OSError as exc:
+        raise CompareError(f"paired llama-bench: cannot run {argv[0]}: {exc.strerror}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CompareError(f"paired llama-bench failed (exit {proc.returncode}): {last}")
+    tests = [t for t in parse_llama_bench(proc.stdout, "paired llama-bench") if t["n_gen"]]
+    if not tests:
+        raise CompareError("paired llama-bench reported no generation test")
+    return tests[0]["tokens_per_s"]
+
+
+class OursWorker:
+    """Our engine of one artifact in a :mod:`.paired_worker` process; :meth:`window` asks it for one timed window.
+
+    Raises (on start): CompareError when the worker cannot open the artifact, in one line."""
+
+    def __init__(self, artifact: Path, threads: int):
+        from mla_deploy.engines.huge_pages import environment_with_huge_pages
+
+        environ = environment_with_huge_pages(os.environ) or dict(os.environ)
+        here = str(Path(__file__).resolve().parent.parent)
+        environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "llama_compare.paired_worker", str(artifact), str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=environ)
+        first = self._reply(f"the paired worker on {artifact}")
+        if not first.get("ready"):
+            self.close()
+            raise CompareError(f"the paired worker could not open {artifact}: {first.get('error')}")
+
+    def _reply(self, what: str) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            last = (self.proc.stderr.read().strip().splitlines() or ["no output"])[-1]
+            raise CompareError(f"{what} ended (exit {code}): {last}")
+        return json.loads(line)
+
+    def window(self, context: int, steps: int, seed: int) -> float:
+        """Our decode tokens/s over ``steps`` steps after ``context`` tokens."""
+        self.proc.stdin.write(json.dumps({"context": context, "steps": steps, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply("the paired worker")
+        if "error" in reply:
+            raise CompareError(f"the paired worker: {reply['error']}")
+        return float(reply["tokens_per_s"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def steady(probes: list[float], tolerance: float = STEADY) -> bool:
+    """Whether a pair's probes (GB/s) agree: the highest at most ``tolerance`` above the lowest."""
+    return max(probes) <= (1 + tolerance) * min(probes)
+
+
+def summarize(pairs: list[dict], tolerance: float = STEADY) -> dict:
+    """The steady pairs (:func:`steady`) of one precision and context.
+
+    Args:
+        pairs: ``{"probes" [3 GB/s], "ours_tokens_per_s", "llama_tokens_per_s", "ours_bytes", "llama_bytes"}``
+            each (bytes: what a decode step reads, None where unknown).
+    Returns: ``{"pairs", "steady", "ratio" (median of the steady pairs' ratios), "ratios" (theirs, in order),
+        "ours_tokens_per_s", "llama_tokens_per_s" (medians over them), "probe_gbps" ([lowest, highest] of their
+        probes' means), "ours_of_probe", "llama_of_probe" (medians of the probes' mean over the engine's bytes per
+        second, in each steady pair: 1.0 at the probed bandwidth)}``; the medians None where no pair was steady."""
+    kept = [p for p in pairs if steady(p["probes"], tolerance)]
+    out = {"pairs": len(pairs), "steady": len(kept), "ratios": [p["ours_tokens_per_s"] / p["llama_tokens_per_s"]
+                                                               for p in kept]}
+    out["ratio"] = statistics.median(out["ratios"]) if kept else None
+    for side in ("ours", "llama"):
+        out[f"{side}_tokens_per_s"] = statistics.median(p[f"{side}_tokens_per_s"] for p in kept) if kept else None
+        of_probe = [statistics.fmean(p["probes"]) * 1e9 / (p[f"{side}_bytes"] * p[f"{side}_tokens_per_s"])
+                    for p in kept if p.get(f"{side}_bytes")]
+        out[f"{side}_of_probe"] = statistics.median(of_probe) if of_probe else None
+    means = [statistics.fmean(p["probes"]) for p in kept]
+    out["probe_gbps"] = [min(means), max(means)] if kept else None
+    return out
+
+
+def run(s: Settings, key: str, rows: list[dict], probe, echo) -> list[dict]:
+    """``s.pairs`` pairs per precision and context (the table's ``rows`` give each side's bytes per decode step);
+    ``probe()``: one read-bandwidth probe (``{"read_gbps", ...}``). Returns one entry per precision and context:
+    ``{"weights", "llama_type", "context", "pairs": [...], **summarize(...)}``."""
+    out = []
+    for weights in s.precisions:
+        kind = PRECISIONS[weights]
+        gguf = s.gguf(key, kind)
+        with OursWorker(s.ours_artifact(weights), s.threads) as ours:
+            for context in s.contexts:
+                row = next((r for r in rows if r["weights"] == weights and r["context"] == context), {})
+                pairs = []
+                for i in range(s.pairs):
+                    sides = [("ours", lambda: ours.window(context, s.generate, i)),
+                             ("llama", lambda: llama_window(s, gguf, context))]
+                    if i % 2:
+                        sides.reverse()
+                    probes, speed = [probe()["read_gbps"]], {}
+                    for side, measure in sides:
+                        speed[side] = measure()
+                        probes.append(probe()["read_gbps"])
+                    pair = {"order": [side for side, _ in sides], "probes": probes,
+                            "ours_tokens_per_s": speed["ours"], "llama_tokens_per_s": speed["llama"],
+                            "ours_bytes": row.get("ours_bytes_per_token"), "llama_bytes": row.get("llama_bytes_per_token")}
+                    pair["steady"] = steady(probes)
+                    pairs.append(pair)
+                    echo(f"[compare] pair {i + 1}/{s.pairs} {weights} @ {context}: ours {speed['ours']:.1f}, llama.cpp "
+                         f"{speed['llama']:.1f} tok/s ({speed['ours'] / speed['llama']:.2f}x), probes "
+                         f"{'/'.join(f'{p:.1f}' for p in probes)} GB/s{'' if pair['steady'] else ' (moved)'}")
+                out.append({"weights": weights, "llama_type": kind, "context": context, "pairs": pairs,
+                            **summarize(pairs)})
+    return out
+
+
+HEAD = ("weights", "context", "steady pairs", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp", "pairs' ratios",
+        "probed GB/s", "ours x probe", "llama.cpp x probe")
+
+
+def _cell(value, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + suffix
+
+
+def cells(paired: list[dict]) -> list[tuple[str, ...]]:
+    return [(f"{p['weights']} / {p['llama_type']}", str(p["context"]), f"{p['steady']} of {p['pairs']}",
+             _cell(p["ours_tokens_per_s"], ".1f"), _cell(p["llama_tokens_per_s"], ".1f"), _cell(p["ratio"], ".2f", "x"),
+             f"{min(p['ratios']):.2f}-{max(p['ratios']):.2f}x" if p["ratios"] else "-",
+             f"{p['probe_gbps'][0]:.1f}-{p['probe_gbps'][1]:.1f}" if p["probe_gbps"] else "-",
+             _cell(p["ours_of_probe"], ".2f", "x"), _cell(p["llama_of_probe"], ".2f", "x")) for p in paired]
+
+
+TITLE = (f"Paired decode: both engines back to back, a read probe before, between and after; a pair is steady when "
+         f"its probes agree within {STEADY:.0%}")
+NOTES = ("Figures are medians over the steady pairs; a ratio is taken within each pair. `x probe`: the probed "
+         "bandwidth (the mean of the pair's probes) over the bytes per second the engine streamed: 1.00x is the "
+         "bandwidth measured beside it.")
+
+
+def text(paired: list[dict]) -> str:
+    body = [HEAD] + cells(paired)
+    widths = [max(len(r[i]) for r in body) for i in range(len(HEAD))]
+    lines = [TITLE, ""]
+    for i, r in enumerate(body):
+        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                     .rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines + ["", NOTES])
+
+
+def markdown(paired: list[dict]) -> str:
+    lines = [f"## {TITLE}", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    lines += ["| " + " | ".join(r) + " |" for r in cells(paired)]
+    return "\n".join(lines + ["", NOTES, ""])

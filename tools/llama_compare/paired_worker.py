@@ -1,0 +1,65 @@
+"""python -m llama_compare.paired_worker ARTIFACT THREADS: our side of the paired decode (:mod:`.paired`), one
+process per precision holding the engine open between pairs.
+
+It opens ``ARTIFACT`` as ``mla-deploy run`` does (:class:`~mla_deploy.engines.ort_engine.OrtEngine`, its CPU engine
+where built), warms it (twice a 64-token prompt and 32 decode steps, all random tokens: a first window after the
+engine opened ran at about 60% of the later ones' speed on a 4-layer V2-Lite int4 engine), prints ``{"ready": true}``, then answers each request
+line ``{"context": C, "steps": N, "seed": S}`` on standard input with one line ``{"tokens_per_s": x, "steps": N,
+"seconds": t}``: a prompt of ``C`` random tokens (1 at context 0), untimed, then ``N`` decode steps of random
+tokens, timed, as llama-bench's ``tg`` test after ``-d C``. A request it cannot serve is answered
+``{"error": "..."}``; end of input ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def window(engine, context: int, steps: int, seed: int) -> dict:
+    """``steps`` timed decode steps after an untimed prompt of ``max(context, 1)`` random tokens, batch 1.
+
+    Returns: ``{"tokens_per_s", "steps", "seconds"}`` (the steps' own time, each ended by reading its logits)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.vocab_size
+    prompt = max(context, 1)
+    state = engine.new_state(1, prompt + steps)
+    engine.to_host(engine.prefill(rng.integers(0, vocab, (1, prompt)), np.array([prompt]), state))
+    tokens = rng.integers(0, vocab, steps)
+    seconds = 0.0
+    for token in tokens:
+        start = time.perf_counter()
+        engine.to_host(engine.decode(np.array([token]), state))
+        seconds += time.perf_counter() - start
+    return {"tokens_per_s": steps / seconds, "steps": steps, "seconds": seconds}
+
+
+def main(argv: list[str]) -> int:
+    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.errors import MLADeployError
+
+    artifact, threads = argv[0], int(argv[1])
+    try:
+        engine = OrtEngine(artifact, threads=threads)
+        room = engine.capacity or 96  # a static cache's rows (a small test model's may be fewer than 96)
+        for seed in (0, 1):
+            window(engine, min(64, room // 2), min(32, room - min(64, room // 2)), seed)
+    except MLADeployError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    print(json.dumps({"ready": True, "engine": "cpu engine" if engine.built else "source graphs"}), flush=True)
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            reply = window(engine, int(request["context"]), int(request["steps"]), int(request["seed"]))
+        except (ValueError, KeyError, TypeError, MLADeployError) as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
