@@ -219,14 +219,14 @@ def test_paired_worker_times_our_decode_on_a_real_engine(tmp_path):
 
     from llama_compare.settings import CompareError
 
-    with paired.OursWorker(tiny_artifact(), 1) as worker:
-        assert worker.window(0, 4, 0) > 0 and worker.window(5, 3, 1) > 0
-        with pytest.raises(CompareError, match="the paired worker: .*"):
-            worker.window(10 ** 7, 2, 0)  # more rows than the model has positions
+    with paired.OursWorker(tiny_artifact(), 1, 100) as worker:  # past the export's capacity of 64 rows
+        assert worker.window(0, 4, 0) > 0 and worker.window(90, 8, 1) > 0
+        with pytest.raises(CompareError, match="the paired worker: CacheCapacityError: .*capacity 100"):
+            worker.window(95, 8, 0)
         assert worker.window(2, 2, 2) > 0
     assert worker.proc.returncode == 0
     with pytest.raises(CompareError, match=f"could not open {tmp_path}"):
-        paired.OursWorker(tmp_path, 1)
+        paired.OursWorker(tmp_path, 1, 16)
 
 
 def test_paired_llama_bench_is_one_repetition_of_the_decode_after_each_context(tmp_path):

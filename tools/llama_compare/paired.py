@@ -8,12 +8,16 @@ seconds. A pair whose three probes agree within :data:`STEADY` ran both engines 
 of those pairs compares the engines at equal bandwidth, and each engine's bytes per second in them, against the
 bandwidth probed beside it, says how near that state's limit each one ran.
 
-Ours: the rounds' export of the precision (``mla-deploy bench model``'s, :meth:`.Settings.ours_artifact`), opened
-once in a worker process (:mod:`.paired_worker`, with the huge-page setting of mla-deploy's command line), a prompt
-of ``context`` random tokens (1 at context 0), then ``generate`` decode steps of random tokens, timed. llama.cpp:
-``llama-bench -r 1 -p 0 -n generate -d context`` in a fresh process per pair (its ``tg`` test: random tokens after an
-untimed prompt of ``context`` tokens; it loads and warms the model first, untimed). The order alternates: ours first
-in even pairs, llama.cpp first in odd ones.
+Ours: the rounds' export of the precision (``mla-deploy bench model``'s, :meth:`.Settings.ours_artifact`), opened in
+a worker process of its own per pair (:mod:`.paired_worker`, with the huge-page setting of mla-deploy's command
+line; it faults the weights in and warms the engine untimed), a prompt of ``context`` random tokens (1 at context 0),
+then ``generate`` decode steps of random tokens, timed. llama.cpp: ``llama-bench -r 1 -p 0 -n generate -d context
+-lm none`` in a fresh process per pair (its ``tg`` test: random tokens after an untimed prompt of ``context`` tokens;
+it reads the weights into memory and warms the model first, untimed). Each engine starts afresh in each pair because
+one held open beside the other does not fit: on 4 layers of V2-Lite in float, our engine's 8.6 GB mapped and
+llama-bench's 8.5 GB read into memory (with the page cache of its file) passed this machine's 24 GiB, and a worker
+held open across pairs had its weights evicted between windows (7-13 tokens/s where the round's bench gave 15). The
+order alternates: ours first in even pairs, llama.cpp first in odd ones.
 """
 
 from __future__ import annotations
@@ -60,13 +64,14 @@ class OursWorker:
 
     Raises (on start): CompareError when the worker cannot open the artifact, in one line."""
 
-    def __init__(self, artifact: Path, threads: int):
+    def __init__(self, artifact: Path, threads: int, capacity: int):
         from mla_deploy.engines.huge_pages import environment_with_huge_pages
 
         environ = environment_with_huge_pages(os.environ) or dict(os.environ)
         here = str(Path(__file__).resolve().parent.parent)
         environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "llama_compare.paired_worker", str(artifact), str(threads)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "llama_compare.paired_worker", str(artifact), str(threads),
+                                      str(capacity)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=environ)
         first = self._reply(f"the paired worker on {artifact}")
@@ -140,33 +145,37 @@ def run(s: Settings, key: str, rows: list[dict], probe, echo) -> list[dict]:
     """``s.pairs`` pairs per precision and context (the table's ``rows`` give each side's bytes per decode step);
     ``probe()``: one read-bandwidth probe (``{"read_gbps", ...}``). Returns one entry per precision and context:
     ``{"weights", "llama_type", "context", "pairs": [...], **summarize(...)}``."""
-    out = []
+    out, capacity = [], max(s.contexts) + s.generate
+
+    def ours(weights: str, context: int, seed: int) -> float:
+        with OursWorker(s.ours_artifact(weights), s.threads, capacity) as worker:
+            return worker.window(context, s.generate, seed)
+
     for weights in s.precisions:
         kind = PRECISIONS[weights]
         gguf = s.gguf(key, kind)
-        with OursWorker(s.ours_artifact(weights), s.threads) as ours:
-            for context in s.contexts:
-                row = next((r for r in rows if r["weights"] == weights and r["context"] == context), {})
-                pairs = []
-                for i in range(s.pairs):
-                    sides = [("ours", lambda: ours.window(context, s.generate, i)),
-                             ("llama", lambda: llama_window(s, gguf, context))]
-                    if i % 2:
-                        sides.reverse()
-                    probes, speed = [probe()["read_gbps"]], {}
-                    for side, measure in sides:
-                        speed[side] = measure()
-                        probes.append(probe()["read_gbps"])
-                    pair = {"order": [side for side, _ in sides], "probes": probes,
-                            "ours_tokens_per_s": speed["ours"], "llama_tokens_per_s": speed["llama"],
-                            "ours_bytes": row.get("ours_bytes_per_token"), "llama_bytes": row.get("llama_bytes_per_token")}
-                    pair["steady"] = steady(probes)
-                    pairs.append(pair)
-                    echo(f"[compare] pair {i + 1}/{s.pairs} {weights} @ {context}: ours {speed['ours']:.1f}, llama.cpp "
-                         f"{speed['llama']:.1f} tok/s ({speed['ours'] / speed['llama']:.2f}x), probes "
-                         f"{'/'.join(f'{p:.1f}' for p in probes)} GB/s{'' if pair['steady'] else ' (moved)'}")
-                out.append({"weights": weights, "llama_type": kind, "context": context, "pairs": pairs,
-                            **summarize(pairs)})
+        for context in s.contexts:
+            row = next((r for r in rows if r["weights"] == weights and r["context"] == context), {})
+            pairs = []
+            for i in range(s.pairs):
+                sides = [("ours", lambda: ours(weights, context, i)),
+                         ("llama", lambda: llama_window(s, gguf, context))]
+                if i % 2:
+                    sides.reverse()
+                probes, speed = [probe()["read_gbps"]], {}
+                for side, measure in sides:
+                    speed[side] = measure()
+                    probes.append(probe()["read_gbps"])
+                pair = {"order": [side for side, _ in sides], "probes": probes,
+                        "ours_tokens_per_s": speed["ours"], "llama_tokens_per_s": speed["llama"],
+                        "ours_bytes": row.get("ours_bytes_per_token"), "llama_bytes": row.get("llama_bytes_per_token")}
+                pair["steady"] = steady(probes)
+                pairs.append(pair)
+                echo(f"[compare] pair {i + 1}/{s.pairs} {weights} @ {context}: ours {speed['ours']:.1f}, llama.cpp "
+                     f"{speed['llama']:.1f} tok/s ({speed['ours'] / speed['llama']:.2f}x), probes "
+                     f"{'/'.join(f'{p:.1f}' for p in probes)} GB/s{'' if pair['steady'] else ' (moved)'}")
+            out.append({"weights": weights, "llama_type": kind, "context": context, "pairs": pairs,
+                        **summarize(pairs)})
     return out
 
 

@@ -1,8 +1,8 @@
-"""python -m llama_compare.paired_worker ARTIFACT THREADS: our side of the paired decode (:mod:`.paired`), one
-process per precision holding the engine open between pairs.
+"""python -m llama_compare.paired_worker ARTIFACT THREADS CAPACITY: our side of one paired decode (:mod:`.paired`), a
+fresh process per pair as llama-bench is.
 
 It opens ``ARTIFACT`` as ``mla-deploy run`` does (:class:`~mla_deploy.engines.ort_engine.OrtEngine`, its CPU engine
-where built), warms it (twice a 64-token prompt and 32 decode steps, all random tokens: a first window after the
+where built, its weights faulted in; a cache of ``CAPACITY`` rows where the layout has one), warms it (twice a 64-token prompt and 32 decode steps, all random tokens: a first window after the
 engine opened ran at about 60% of the later ones' speed on a 4-layer V2-Lite int4 engine), prints ``{"ready": true}``, then answers each request
 line ``{"context": C, "steps": N, "seed": S}`` on standard input with one line ``{"tokens_per_s": x, "steps": N,
 "seconds": t}``: a prompt of ``C`` random tokens (1 at context 0), untimed, then ``N`` decode steps of random
@@ -41,9 +41,9 @@ def main(argv: list[str]) -> int:
     from mla_deploy.engines.ort_engine import OrtEngine
     from mla_deploy.errors import MLADeployError
 
-    artifact, threads = argv[0], int(argv[1])
+    artifact, threads, capacity = argv[0], int(argv[1]), int(argv[2])
     try:
-        engine = OrtEngine(artifact, threads=threads)
+        engine = OrtEngine(artifact, threads=threads, capacity=capacity)
         room = engine.capacity or 96  # a static cache's rows (a small test model's may be fewer than 96)
         for seed in (0, 1):
             window(engine, min(64, room // 2), min(32, room - min(64, room // 2)), seed)
