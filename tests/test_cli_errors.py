@@ -125,7 +125,9 @@ def ws(tmp_path_factory) -> Path:
     for name, edit in (("dtype_edited", lambda m: m.__setitem__("dtype", "float16")),
                        ("width_edited", lambda m: m["cache"].__setitem__("width", 100)),
                        ("channels_edited", lambda m: m["cache"]["channels"].__setitem__("c_kv", [0, 400])),
-                       ("form_edited", lambda m: m["graphs"]["decode"].__setitem__("form", "CC"))):
+                       ("form_edited", lambda m: m["graphs"]["decode"].__setitem__("form", "CC")),
+                       ("attention_edited", lambda m: m["graphs"]["decode"].__setitem__("attention", "plugin")),
+                       ("attention_unknown", lambda m: m["graphs"]["prefill"].__setitem__("attention", "flash"))):
         shutil.copytree(art, root / name)  # what the manifest says of its dtype, cache or graphs contradicted
         manifest = json.loads((root / name / "manifest.json").read_text())
         edit(manifest)
@@ -211,6 +213,11 @@ CASES = [
     ("manifest_cache_channels_edited", ["build", "channels_edited", "--target", "cpu"], 1, ["cache channels"]),
     ("manifest_form_edited", ["run", "form_edited", "--prompt-ids", "1"], 1,
      ["decode graph's form is 'CC'", "'A_CC' of its recorded recipe"]),
+    ("manifest_attention_edited", ["run", "attention_edited", "--prompt-ids", "1"], 1,
+     ["says its decode graph's attention is 'plugin'", "holds 0 MlaDecode plugin nodes"]),
+    ("manifest_attention_edited_build", ["build", "attention_edited", "--target", "cpu"], 1,
+     ["says its decode graph's attention is 'plugin'", "holds 0 MlaDecode plugin nodes"]),
+    ("manifest_attention_unknown", ["validate", "attention_unknown"], 1, ["prefill graph's attention is 'flash'"]),
     ("manifest_nested_too_deep", ["build", "nested", "--target", "cpu"], 1, ["not readable JSON", "RecursionError"]),
     ("id_past_int64", ["run", "art", "--prompt-ids", "9223372036854775808"], 1,
      ["token id 9223372036854775808", "vocabulary"]),

@@ -22,7 +22,7 @@ from ..io_spec import ROLES
 from ..quant import observe_graphs
 from ..recipe import GRAPH_FORMS
 from .files import sha256_file
-from .manifest import MANIFEST, GraphEntry, Manifest, load_manifest
+from .manifest import ATTENTIONS, MANIFEST, PLUGIN_DOMAIN, PLUGIN_OP, GraphEntry, Manifest, load_manifest
 
 
 def check_artifact(artifact_dir: str | Path, verify_hashes: bool = True, check_graphs: bool = True,
@@ -107,6 +107,9 @@ def _check_descriptions(manifest: Manifest) -> None:
                                 f"cache give {described[key]!r} (edited?)")
     export = manifest.recipe.get("export") if isinstance(manifest.recipe.get("export"), dict) else {}
     for role, graph in manifest.graphs.items():
+        if graph.attention not in ATTENTIONS:
+            raise ArtifactError(f"{MANIFEST}: the {role} graph's attention is {graph.attention!r}, not "
+                                f"{' or '.join(ATTENTIONS)} (edited?)")
         recorded = export.get(f"{role}_form")
         if graph.form not in GRAPH_FORMS.get(role, ()) or (recorded is not None and graph.form != recorded):
             want = f"the {recorded!r} of its recorded recipe" if recorded is not None else " or ".join(GRAPH_FORMS[role])
@@ -133,6 +136,10 @@ def _check_graph_files(root: Path, manifest: Manifest) -> None:
     for role, graph in manifest.graphs.items():
         if graph.file not in models:  # prefill and decode may be one file
             models[graph.file] = _check_onnx_io(root / graph.file, role, graph)
+        plugins = _plugin_nodes(models[graph.file])
+        if (plugins > 0) != graph.uses_plugin:
+            raise ArtifactError(f"{root / MANIFEST} says its {role} graph's attention is {graph.attention!r}, but "
+                                f"{graph.file} holds {plugins} {PLUGIN_OP} plugin nodes (edited?); export again")
         reason = expert_forms.disagreement(graph.experts, models[graph.file], manifest.config.is_moe)
         if reason:
             raise ArtifactError(f"{root / MANIFEST} does not describe its {role} graph {graph.file}: {reason} "
@@ -140,6 +147,12 @@ def _check_graph_files(root: Path, manifest: Manifest) -> None:
     disagreement = manifest.quantization.disagreement(observe_graphs(models.values()))
     if disagreement:
         raise ArtifactError(f"{root / MANIFEST} does not describe its graphs: {disagreement} (edited?); export again")
+
+
+def _plugin_nodes(model) -> int:
+    """How many TensorRT decode-attention plugin nodes ``model`` holds (in its graph or its local functions)."""
+    nodes = list(model.graph.node) + [n for f in model.functions for n in f.node]
+    return sum(1 for n in nodes if (n.domain, n.op_type) == (PLUGIN_DOMAIN, PLUGIN_OP))
 
 
 def _check_onnx_io(path: Path, role: str, graph: GraphEntry):

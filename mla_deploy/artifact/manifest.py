@@ -76,6 +76,13 @@ class WeightsSource:
         return cls(**data)
 
 
+#: a graph's ``attention``: ONNX ops, or the TensorRT plugin's node (:data:`PLUGIN_DOMAIN` ``::`` :data:`PLUGIN_OP`)
+ATTENTIONS = ("standard", "plugin")
+#: the TensorRT decode-attention plugin's ONNX node (``plugins/mla_decode``; written by
+#: :mod:`mla_deploy.exporter.decode_plugin`)
+PLUGIN_DOMAIN, PLUGIN_OP = "mla_deploy", "MlaDecode"
+
+
 @dataclass(frozen=True)
 class GraphEntry:
     """One exported graph.

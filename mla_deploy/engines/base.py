@@ -18,6 +18,7 @@ Shapes: ``B`` batch, ``S`` new tokens per sequence, ``V`` vocabulary, ``C`` late
 
 from __future__ import annotations
 
+from numbers import Integral
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -106,15 +107,16 @@ class Engine:
         root, manifest, config, layout, precision, capacity, prefill_chunk; ``provider`` is set by the subclass.
 
     Raises:
-        InputError: ``prefill_chunk`` below 1.
+        InputError: ``prefill_chunk`` not an integer, or below 1.
     """
 
     provider: str = ""
 
     def __init__(self, root: str | Path, manifest: Manifest, capacity: int | None = None,
                  prefill_chunk: int | None = None):
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
-            raise InputError(f"the prefill chunk must be at least 1 token, got {prefill_chunk!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, Integral)
+                                          or prefill_chunk < 1):
+            raise InputError(f"the prefill chunk must be a whole number of tokens, at least 1; got {prefill_chunk!r}")
         self.root = Path(root)
         self.manifest = manifest
         self.config = manifest.config

@@ -87,11 +87,11 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     root = Path(artifact)
     manifest = load_manifest(root)
     check_precision(manifest.precision, "cpu")
+    manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
     plugin = next((g.file for g in manifest.graphs.values() if g.uses_plugin), None)
-    if plugin is not None:
+    if plugin is not None:  # check_artifact saw the node in the file
         raise RuntimeMissingError(f"{plugin} holds the TensorRT MlaDecode plugin node, which ONNX Runtime cannot run; "
                                   f"build it with `mla-deploy build {root} --target tensorrt`")
-    manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
     _check_replaceable(root / CPU_ENGINE_DIR, _engine_files(root, manifest))
     probe_writable(root / CPU_ENGINE_DIR)
     start = time.perf_counter()

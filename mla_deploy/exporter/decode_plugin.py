@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from ..artifact.manifest import PLUGIN_DOMAIN, PLUGIN_OP
 from ..errors import CacheCapacityError, ConfigError
 from ..model.cache import StaticCache
 from ..model.mla import AbsorbedMLAttention, masked_softmax
 
-DOMAIN = "mla_deploy"
-OP_TYPE = "MlaDecode"
+DOMAIN, OP_TYPE = PLUGIN_DOMAIN, PLUGIN_OP
 
 
 @torch.library.custom_op("mla_deploy::mla_decode", mutates_args=())

@@ -324,6 +324,9 @@ def test_prefill_in_chunks_equals_one_call(mode, form):
         assert engine.generate(prompts, 8).tokens == tokens
 
 
-def test_prefill_chunk_below_one_is_refused():
-    with pytest.raises(InputError, match="prefill chunk"):
-        OrtEngine(tiny_artifact("static"), threads=1, prefill_chunk=0)
+@pytest.mark.parametrize("chunk", [0, -3, "abc", "128", 2.5, True])
+def test_prefill_chunk_that_is_no_whole_number_of_tokens_is_refused(chunk):
+    """Python callers too: a string or a float was a ValueError or was truncated, never the one-line error."""
+    with pytest.raises(InputError, match="prefill chunk must be a whole number of tokens, at least 1"):
+        OrtEngine(tiny_artifact("static"), threads=1, prefill_chunk=chunk)
+    assert OrtEngine(tiny_artifact("static"), threads=1, prefill_chunk=np.int64(4)).prefill_chunk == 4
