@@ -208,6 +208,9 @@ def test_paired_decode_keeps_the_pairs_whose_probes_agree():
     text = paired.text([dict(got, weights="float", llama_type="F32", context=0),
                         dict(none, weights="float", llama_type="F32", context=1024)])
     assert "3 of 4" in text and "1.07x" in text and "0.94-1.09x" in text and "0 of 1" in text
+    one = paired.summarize([pairs[0]])  # one steady pair: its ratio and probe once, not as a range
+    row = paired.cells([dict(one, weights="float", llama_type="F32", context=0)])[0]
+    assert row[6:8] == ("0.94x", "36.5")
     assert "| float / F32 | 0 | 3 of 4 |" in paired.markdown([dict(got, weights="float", llama_type="F32", context=0)])
 
 

@@ -187,11 +187,18 @@ def _cell(value, fmt: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, fmt) + suffix
 
 
+def _span(values, fmt: str, suffix: str = "") -> str:
+    """``low-high`` (one value where they are equal), "-" for none."""
+    if not values:
+        return "-"
+    low, high = format(min(values), fmt), format(max(values), fmt)
+    return (low if low == high else f"{low}-{high}") + suffix
+
+
 def cells(paired: list[dict]) -> list[tuple[str, ...]]:
     return [(f"{p['weights']} / {p['llama_type']}", str(p["context"]), f"{p['steady']} of {p['pairs']}",
              _cell(p["ours_tokens_per_s"], ".1f"), _cell(p["llama_tokens_per_s"], ".1f"), _cell(p["ratio"], ".2f", "x"),
-             f"{min(p['ratios']):.2f}-{max(p['ratios']):.2f}x" if p["ratios"] else "-",
-             f"{p['probe_gbps'][0]:.1f}-{p['probe_gbps'][1]:.1f}" if p["probe_gbps"] else "-",
+             _span(p["ratios"], ".2f", "x"), _span(p["probe_gbps"], ".1f"),
              _cell(p["ours_of_probe"], ".2f", "x"), _cell(p["llama_of_probe"], ".2f", "x")) for p in paired]
 
 
