@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from .settings import PRECISIONS, CompareError, Settings
-from .table import parse_llama_bench
+from .table import aligned, parse_llama_bench
 
 #: a pair is steady when its three probes' highest is at most this much above their lowest (the development
 #: machine's two states are 1.8x apart; one state's probes spread about 10%)
@@ -210,15 +210,7 @@ NOTES = ("Figures are medians over the steady pairs; a ratio is taken within eac
 
 
 def text(paired: list[dict]) -> str:
-    body = [HEAD] + cells(paired)
-    widths = [max(len(r[i]) for r in body) for i in range(len(HEAD))]
-    lines = [TITLE, ""]
-    for i, r in enumerate(body):
-        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                     .rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines + ["", NOTES])
+    return "\n".join([TITLE, ""] + aligned(HEAD, cells(paired)) + ["", NOTES])
 
 
 def markdown(paired: list[dict]) -> str:

@@ -161,17 +161,23 @@ def bound_lines(b: dict) -> list[str]:
             bound_check_line(b["check"])]
 
 
-def text(table: list[dict], b: dict, title: str) -> str:
-    """The printed table."""
-    body = [HEAD] + cells(table)
-    widths = [max(len(r[i]) for r in body) for i in range(len(HEAD))]
-    lines = [title, ""]
+def aligned(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """``head`` and ``rows`` as lines of a plain-text table: the first column left-aligned, the others right-aligned,
+    a rule under the head."""
+    body = [head] + rows
+    widths = [max(len(r[i]) for r in body) for i in range(len(head))]
+    lines = []
     for i, r in enumerate(body):
         lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
                      .rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines + [""] + bound_lines(b))
+    return lines
+
+
+def text(table: list[dict], b: dict, title: str) -> str:
+    """The printed table."""
+    return "\n".join([title, ""] + aligned(HEAD, cells(table)) + [""] + bound_lines(b))
 
 
 def markdown(table: list[dict], b: dict, title: str, commands: list[str]) -> str:
