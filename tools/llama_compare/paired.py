@@ -3,8 +3,8 @@ precision and context, with a read-bandwidth probe before, between and after eac
 
 Why: this machine's read bandwidth moves between states (about 36 and 64 GB/s with 2 threads on the development
 machine) that last seconds to minutes (``tools/bandwidth_states.py``), and a round runs each engine's whole bench
-minutes apart, so a round's ratio can set one engine's fast state against the other's slow one. A pair takes
-seconds. A pair whose three probes agree within :data:`STEADY` ran both engines at one bandwidth: the median ratio
+minutes apart, so a round's ratio can set one engine's fast state against the other's slow one. A pair takes under
+a minute, most of it untimed loading and prompts. A pair whose three probes agree within :data:`STEADY` ran both engines at one bandwidth: the median ratio
 of those pairs compares the engines at equal bandwidth, and each engine's bytes per second in them, against the
 bandwidth probed beside it, says how near that state's limit each one ran.
 
