@@ -116,7 +116,6 @@ def _check_descriptions(manifest: Manifest) -> None:
             raise ArtifactError(f"{MANIFEST}: the {role} graph's form is {graph.form!r}, not {want} (edited?)")
 
 
-
 def _check_capacity(manifest: Manifest, path: Path) -> None:
     """A static cache's capacity must be the one its graphs were exported with (the recorded recipe's
     ``[export] max_cache_length``; nothing to compare when the recipe is not recorded)."""

@@ -215,21 +215,18 @@ def test_paired_decode_keeps_the_pairs_whose_probes_agree():
 
 
 def test_paired_worker_times_our_decode_on_a_real_engine(tmp_path):
-    """Our side of a pair is a worker process holding the artifact open: each window is a timed decode after an
-    untimed prompt; a request it cannot serve is one error line and it serves the next; an artifact it cannot open
-    is one error."""
+    """Our side of a pair is a worker process of its own: a timed decode after an untimed prompt, with a cache past
+    the export's capacity; a window past that cache, or an artifact it cannot open, is one error."""
     from artifacts import tiny_artifact
 
     from llama_compare.settings import CompareError
 
-    with paired.OursWorker(tiny_artifact(), 1, 100) as worker:  # past the export's capacity of 64 rows
-        assert worker.window(0, 4, 0) > 0 and worker.window(90, 8, 1) > 0
-        with pytest.raises(CompareError, match="the paired worker: CacheCapacityError: .*capacity 100"):
-            worker.window(95, 8, 0)
-        assert worker.window(2, 2, 2) > 0
-    assert worker.proc.returncode == 0
-    with pytest.raises(CompareError, match=f"could not open {tmp_path}"):
-        paired.OursWorker(tmp_path, 1, 16)
+    art = tiny_artifact()  # exported with 64 rows
+    assert paired.ours_window(art, 1, 100, 0, 4, 0) > 0 and paired.ours_window(art, 1, 100, 90, 8, 1) > 0
+    with pytest.raises(CompareError, match="the paired worker on .*: CacheCapacityError: .*capacity 100"):
+        paired.ours_window(art, 1, 100, 95, 8, 0)
+    with pytest.raises(CompareError, match=f"the paired worker on {tmp_path} \\(exit 1\\)"):
+        paired.ours_window(tmp_path, 1, 16, 0, 2, 0)
 
 
 def test_paired_llama_bench_is_one_repetition_of_the_decode_after_each_context(tmp_path):

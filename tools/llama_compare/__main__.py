@@ -89,8 +89,8 @@ def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
     print("\n".join(step.line() for step in planned))
     if s.pairs:
         print(f"paired: {s.pairs} pairs per precision and context, each a read probe, then (order alternating) our "
-              f"decode of {s.generate} steps in a worker holding the export open and one llama-bench, a probe after "
-              f"each:")
+              f"decode of {s.generate} steps in a fresh worker process on the rounds' export and one llama-bench, a "
+              f"probe after each:")
         for weights in s.precisions:
             for context in s.contexts:
                 print(f"paired-{weights}-{context}: {s.ours_artifact(weights)} beside "

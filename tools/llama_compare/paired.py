@@ -59,57 +59,24 @@ def llama_window(s: Settings, gguf: Path, context: int) -> float:
     return tests[0]["tokens_per_s"]
 
 
-class OursWorker:
-    """Our engine of one artifact in a :mod:`.paired_worker` process; :meth:`window` asks it for one timed window.
+def ours_window(artifact: Path, threads: int, capacity: int, context: int, steps: int, seed: int) -> float:
+    """Our decode tokens/s in one pair: a :mod:`.paired_worker` process of its own (mla-deploy's huge-page setting)
+    opens ``artifact`` with a cache of ``capacity`` rows, warms it, and times ``steps`` steps after ``context``
+    tokens; :class:`CompareError` in one line when it cannot."""
+    from mla_deploy.engines.huge_pages import environment_with_huge_pages
 
-    Raises (on start): CompareError when the worker cannot open the artifact, in one line."""
-
-    def __init__(self, artifact: Path, threads: int, capacity: int):
-        from mla_deploy.engines.huge_pages import environment_with_huge_pages
-
-        environ = environment_with_huge_pages(os.environ) or dict(os.environ)
-        here = str(Path(__file__).resolve().parent.parent)
-        environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "llama_compare.paired_worker", str(artifact), str(threads),
-                                      str(capacity)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=environ)
-        first = self._reply(f"the paired worker on {artifact}")
-        if not first.get("ready"):
-            self.close()
-            raise CompareError(f"the paired worker could not open {artifact}: {first.get('error')}")
-
-    def _reply(self, what: str) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            last = (self.proc.stderr.read().strip().splitlines() or ["no output"])[-1]
-            raise CompareError(f"{what} ended (exit {code}): {last}")
-        return json.loads(line)
-
-    def window(self, context: int, steps: int, seed: int) -> float:
-        """Our decode tokens/s over ``steps`` steps after ``context`` tokens."""
-        self.proc.stdin.write(json.dumps({"context": context, "steps": steps, "seed": seed}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply("the paired worker")
-        if "error" in reply:
-            raise CompareError(f"the paired worker: {reply['error']}")
-        return float(reply["tokens_per_s"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    environ = environment_with_huge_pages(os.environ) or dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, environ.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", "llama_compare.paired_worker", *map(str, (artifact, threads, capacity, context,
+                                                                            steps, seed))]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=environ)
+    lines = proc.stdout.strip().splitlines()
+    reply = json.loads(lines[-1]) if lines else {}
+    if "tokens_per_s" not in reply:
+        why = reply.get("error") or (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CompareError(f"the paired worker on {artifact} (exit {proc.returncode}): {why}")
+    return float(reply["tokens_per_s"])
 
 
 def steady(probes: list[float], tolerance: float = STEADY) -> bool:
@@ -147,10 +114,6 @@ def run(s: Settings, key: str, rows: list[dict], probe, echo) -> list[dict]:
     ``{"weights", "llama_type", "context", "pairs": [...], **summarize(...)}``."""
     out, capacity = [], max(s.contexts) + s.generate
 
-    def ours(weights: str, context: int, seed: int) -> float:
-        with OursWorker(s.ours_artifact(weights), s.threads, capacity) as worker:
-            return worker.window(context, s.generate, seed)
-
     for weights in s.precisions:
         kind = PRECISIONS[weights]
         gguf = s.gguf(key, kind)
@@ -158,7 +121,8 @@ def run(s: Settings, key: str, rows: list[dict], probe, echo) -> list[dict]:
             row = next((r for r in rows if r["weights"] == weights and r["context"] == context), {})
             pairs = []
             for i in range(s.pairs):
-                sides = [("ours", lambda: ours(weights, context, i)),
+                sides = [("ours", lambda: ours_window(s.ours_artifact(weights), s.threads, capacity, context,
+                                                      s.generate, i)),
                          ("llama", lambda: llama_window(s, gguf, context))]
                 if i % 2:
                     sides.reverse()

@@ -1,13 +1,11 @@
-"""python -m llama_compare.paired_worker ARTIFACT THREADS CAPACITY: our side of one paired decode (:mod:`.paired`), a
-fresh process per pair as llama-bench is.
+"""python -m llama_compare.paired_worker ARTIFACT THREADS CAPACITY CONTEXT STEPS SEED: our side of one paired
+decode (:mod:`.paired`), a fresh process per pair as llama-bench is.
 
 It opens ``ARTIFACT`` as ``mla-deploy run`` does (:class:`~mla_deploy.engines.ort_engine.OrtEngine`, its CPU engine
-where built, its weights faulted in; a cache of ``CAPACITY`` rows where the layout has one), warms it (twice a 64-token prompt and 32 decode steps, all random tokens: a first window after the
-engine opened ran at about 60% of the later ones' speed on a 4-layer V2-Lite int4 engine), prints ``{"ready": true}``, then answers each request
-line ``{"context": C, "steps": N, "seed": S}`` on standard input with one line ``{"tokens_per_s": x, "steps": N,
-"seconds": t}``: a prompt of ``C`` random tokens (1 at context 0), untimed, then ``N`` decode steps of random
-tokens, timed, as llama-bench's ``tg`` test after ``-d C``. A request it cannot serve is answered
-``{"error": "..."}``; end of input ends it.
+where built, its weights faulted in; a cache of ``CAPACITY`` rows where the layout has one), warms it (twice a
+64-token prompt and 32 decode steps of random tokens: a first window after the engine opened ran at about 60% of the
+later ones' speed on a 4-layer V2-Lite int4 engine), then times one window (:func:`window`) and prints one line,
+``{"tokens_per_s": x, "steps": N, "seconds": t}``, or ``{"error": "..."}`` with exit status 1.
 """
 
 from __future__ import annotations
@@ -18,7 +16,8 @@ import time
 
 
 def window(engine, context: int, steps: int, seed: int) -> dict:
-    """``steps`` timed decode steps after an untimed prompt of ``max(context, 1)`` random tokens, batch 1.
+    """``steps`` timed decode steps of random tokens after an untimed prompt of ``max(context, 1)`` random tokens,
+    batch 1, as llama-bench's ``tg`` test after ``-d context``.
 
     Returns: ``{"tokens_per_s", "steps", "seconds"}`` (the steps' own time, each ended by reading its logits)."""
     import numpy as np
@@ -41,23 +40,18 @@ def main(argv: list[str]) -> int:
     from mla_deploy.engines.ort_engine import OrtEngine
     from mla_deploy.errors import MLADeployError
 
-    artifact, threads, capacity = argv[0], int(argv[1]), int(argv[2])
+    artifact, (threads, capacity, context, steps, seed) = argv[0], map(int, argv[1:6])
     try:
         engine = OrtEngine(artifact, threads=threads, capacity=capacity)
         room = engine.capacity or 96  # a static cache's rows (a small test model's may be fewer than 96)
-        for seed in (0, 1):
-            window(engine, min(64, room // 2), min(32, room - min(64, room // 2)), seed)
+        warm = min(64, room // 2)
+        for warm_seed in (seed + 1, seed + 2):
+            window(engine, warm, min(32, room - warm), warm_seed)
+        reply = window(engine, context, steps, seed)
     except MLADeployError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
-    print(json.dumps({"ready": True, "engine": "cpu engine" if engine.built else "source graphs"}), flush=True)
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            reply = window(engine, int(request["context"]), int(request["steps"]), int(request["seed"]))
-        except (ValueError, KeyError, TypeError, MLADeployError) as exc:
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(reply), flush=True)
+    print(json.dumps(reply), flush=True)
     return 0
 
 
