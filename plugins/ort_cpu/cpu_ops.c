@@ -350,28 +350,35 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     {
         const __m512i flips = _mm512_set1_epi8((char)flip);
         __m512 acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
-        for (int t = 0; t < 4; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
         for (; lane && b + 16 <= blocks; b += 16) { /* the interleaved layout: lane j is block j in every load */
             const __m512 sw = scales16(s, half, b);
             __m512i lo[4], hi[4]; /* two chains of integer sums per token */
-            for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm512_setzero_si512();
+            for (int t = 0; t < n; t++) lo[t] = hi[t] = _mm512_setzero_si512();
             if (bits == 4) {
-                const __m512i low = _mm512_set1_epi8(0x0F);
+                /* the odd weights are taken in place, as 16 times their value (the high nibble, masked): their
+                 * sums are 16 times the odd products' exactly (at most 4 loads x 4 x 240 x 128 in a lane), and
+                 * one shift per group divides them back, where shifting every load down cost an instruction per
+                 * 64 bytes; the sums are the same integers */
+                const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
                 for (int g = 0; g < 4; g++) {
                     const int at = 16 * b + 64 * g;
-                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
-                    const __m512i even_w = _mm512_and_si512(packed, low);
-                    const __m512i odd_w = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                    const __m512i packed = flip ? _mm512_xor_si512(_mm512_loadu_si512(w + at), flips)
+                                                : _mm512_loadu_si512(w + at);
+                    const __m512i even_w = _mm512_and_si512(packed, low), odd_w = _mm512_and_si512(packed, high);
                     for (int t = 0; t < n; t++) {
                         lo[t] = _mm512_dpbusd_epi32(lo[t], even_w, _mm512_loadu_si512(q[t] + at));
                         hi[t] = _mm512_dpbusd_epi32(hi[t], odd_w, _mm512_loadu_si512(q[t] + K / 2 + at));
                     }
                 }
+                for (int t = 0; t < n; t++) hi[t] = _mm512_srai_epi32(hi[t], 4);
             } else {
                 for (int g = 0; g < 8; g += 2) {
                     const int at = BLOCK * b + 64 * g;
-                    const __m512i p0 = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
-                    const __m512i p1 = _mm512_xor_si512(_mm512_loadu_si512(w + at + 64), flips);
+                    const __m512i p0 = flip ? _mm512_xor_si512(_mm512_loadu_si512(w + at), flips)
+                                            : _mm512_loadu_si512(w + at);
+                    const __m512i p1 = flip ? _mm512_xor_si512(_mm512_loadu_si512(w + at + 64), flips)
+                                            : _mm512_loadu_si512(w + at + 64);
                     for (int t = 0; t < n; t++) {
                         lo[t] = _mm512_dpbusd_epi32(lo[t], p0, _mm512_loadu_si512(q[t] + at));
                         hi[t] = _mm512_dpbusd_epi32(hi[t], p1, _mm512_loadu_si512(q[t] + at + 64));
@@ -463,12 +470,17 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
 }
 
 /* dot_rows with n, bits and the scales' type constant in each call, so that its loops over tokens unroll into
- * registers */
+ * registers, and weights that need no flip (every projection's and expert's) read without one */
 static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, int n, const int8_t *const *q,
                     const float *const *d, const float *const *corr, float *out, size_t stride, uint8_t flip,
                     int lane) {
 #define CASE(L, H, B, N) \
-    case 1000 * L + 100 * H + 10 * B + N: dot_rows(w, s, H, K, B, N, q, d, corr, out, stride, flip, L); break;
+    case 1000 * L + 100 * H + 10 * B + N:                                                                         \
+        if (flip)                                                                                                  \
+            dot_rows(w, s, H, K, B, N, q, d, corr, out, stride, flip, L);                                          \
+        else                                                                                                       \
+            dot_rows(w, s, H, K, B, N, q, d, corr, out, stride, 0, L);                                             \
+        break;
 #define CASES(L, H) CASE(L, H, 4, 1) CASE(L, H, 4, 2) CASE(L, H, 4, 3) CASE(L, H, 4, 4) \
                     CASE(L, H, 8, 1) CASE(L, H, 8, 2) CASE(L, H, 8, 3) CASE(L, H, 8, 4)
     switch (1000 * (lane != 0) + 100 * (half != 0) + 10 * bits + n) {
@@ -476,6 +488,31 @@ static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, 
     }
 #undef CASES
 #undef CASE
+}
+
+/* one token against `count` weight rows: out[i * out_step] = row_i . x, row i at w + i * row_step bytes with its
+ * scales i * scale_step values from s; the same arithmetic as dot_row with n = 1, row after row, but with dot_rows
+ * inlined into the loop over the rows: a decode step's product is one token against thousands of rows of a few
+ * groups each (2048 int4 values: 4 groups), and a call of dot_row per row (its frame, its dispatch, its constants)
+ * cost about a sixth of the time of V2-Lite's lm_head (a timed copy of the kernel on 2 MiB pages, 2 threads, each
+ * way timed in turn in one process: 40-43 GB/s row by row, 50-51 GB/s so, where a plain read of the same memory
+ * streamed 59-75 GB/s) */
+static void dot_rows_of(const uint8_t *w, size_t row_step, const void *s, size_t scale_step, int half, int K, int bits,
+                        const int8_t *q, const float *d, const float *corr, float *out, size_t out_step, int count,
+                        uint8_t flip, int lane) {
+#define EACH(L, H, B, F)                                                                                            \
+    for (int i = 0; i < count; i++)                                                                                \
+        dot_rows(w + (size_t)i * row_step, scale_row(s, H, (size_t)i * scale_step), H, K, B, 1, &q, &d, &corr,        \
+                 out + (size_t)i * out_step, 1, F, L);                                                             \
+    break;
+#define CASES(L, H) \
+    case 100 * L + 10 * H + 4: if (flip) { EACH(L, H, 4, flip) } else { EACH(L, H, 4, 0) } \
+    case 100 * L + 10 * H + 8: if (flip) { EACH(L, H, 8, flip) } else { EACH(L, H, 8, 0) }
+    switch (100 * (lane != 0) + 10 * (half != 0) + bits) {
+        CASES(0, 0) CASES(0, 1) CASES(1, 0) CASES(1, 1)
+    }
+#undef CASES
+#undef EACH
 }
 
 #if VNNI
@@ -644,12 +681,20 @@ static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, 
         const float *d[4], *c[4];
         for (int j = 0; j < m; j++)
             row_of(&w->x, (size_t)(token_of ? token_of[first + p + j] : first + p + j), &q[j], &d[j], &c[j]);
-        for (int i = 0; i < BLOCK; i++) {
-            dot_row(gate + (size_t)i * step, scale_row(gs, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
-                    d, c, &h[0][2 * i], 2 * BLOCK, 0, w->x.lane);
-            dot_row(up + (size_t)i * step, scale_row(us, w->half, (size_t)i * scale_step), w->half, D, w->bits, m, q,
-                    d, c, &h[0][2 * i + 1], 2 * BLOCK, 0, w->x.lane);
-        }
+        if (m == 1 && up == gate + step / 2 && us == scale_row(gs, w->half, scale_step / 2)) /* gate, up, gate, ... */
+            dot_rows_of(gate, step / 2, gs, scale_step / 2, w->half, D, w->bits, q[0], d[0], c[0], h[0], 1, 2 * BLOCK, 0,
+                        w->x.lane);
+        else if (m == 1) { /* the 32 gate rows, then the 32 up rows */
+            dot_rows_of(gate, step, gs, scale_step, w->half, D, w->bits, q[0], d[0], c[0], h[0], 2, BLOCK, 0, w->x.lane);
+            dot_rows_of(up, step, us, scale_step, w->half, D, w->bits, q[0], d[0], c[0], h[0] + 1, 2, BLOCK, 0,
+                        w->x.lane);
+        } else
+            for (int i = 0; i < BLOCK; i++) {
+                dot_row(gate + (size_t)i * step, scale_row(gs, w->half, (size_t)i * scale_step), w->half, D, w->bits, m,
+                        q, d, c, &h[0][2 * i], 2 * BLOCK, 0, w->x.lane);
+                dot_row(up + (size_t)i * step, scale_row(us, w->half, (size_t)i * scale_step), w->half, D, w->bits, m,
+                        q, d, c, &h[0][2 * i + 1], 2 * BLOCK, 0, w->x.lane);
+            }
         for (int j = 0; j < m; j++) {
             const size_t row = (size_t)(first + p + j);
             for (int i = 0; i < BLOCK; i++) {
@@ -673,6 +718,12 @@ static void down_rows(const Work *w, const uint8_t *weights, const void *scales,
         const int8_t *q[4];
         const float *d[4], *c[4];
         for (int j = 0; j < m; j++) row_of(act, (size_t)(first + p + j), &q[j], &d[j], &c[j]);
+        if (m == 1) {
+            dot_rows_of(weights + (size_t)r0 * row_bytes, row_bytes, scale_row(scales, w->half, (size_t)r0 * (K / BLOCK)),
+                        (size_t)(K / BLOCK), w->half, K, w->bits, q[0], d[0], c[0], o + (size_t)(first + p) * D + r0, 1,
+                        r1 - r0, 0, act->lane);
+            continue;
+        }
         for (int r = r0; r < r1; r++)
             dot_row(weights + (size_t)r * row_bytes, scale_row(scales, w->half, (size_t)r * (K / BLOCK)), w->half, K,
                     w->bits, m, q, d, c, o + (size_t)(first + p) * D + r, (size_t)D, 0, act->lane);
@@ -1058,12 +1109,12 @@ static void run_linear(void *data, size_t item) {
     const int r0 = tile * w->rows, r1 = r0 + w->rows < N ? r0 + w->rows : N;
     const size_t head = (size_t)h * N; /* the head's first weight row */
     float *out = w->out + (size_t)h * w->M * N;
-    if (w->M == 1 && dot4_fits(K, w->a.bits) && !w->a.lane) { /* a decode step: 4 weight rows at a time */
+    if (w->M == 1) { /* a decode step: short rows 4 at a time, the others one after the other */
         const int8_t *q;
         const float *d, *c;
         row_of(&w->a, (size_t)h, &q, &d, &c);
         int r = r0;
-        for (; r + 4 <= r1; r += 4) {
+        for (; dot4_fits(K, w->a.bits) && !w->a.lane && r + 4 <= r1; r += 4) {
             const uint8_t *rows[4];
             const void *scales[4];
             for (int i = 0; i < 4; i++) {
@@ -1072,9 +1123,8 @@ static void run_linear(void *data, size_t item) {
             }
             dot_row4(rows, scales, w->half, K, w->a.bits, q, d, c, out + r, w->flip);
         }
-        for (; r < r1; r++)
-            dot_row(w->w + (head + r) * w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)), w->half, K,
-                    w->a.bits, 1, &q, &d, &c, out + r, (size_t)N, w->flip, w->a.lane);
+        dot_rows_of(w->w + (head + r) * w->row_bytes, w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)),
+                    (size_t)(K / BLOCK), w->half, K, w->a.bits, q, d, c, out + r, 1, r1 - r, w->flip, w->a.lane);
         return;
     }
     for (int p = 0; p < w->M; p += 4) {
