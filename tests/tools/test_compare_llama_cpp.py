@@ -19,7 +19,7 @@ SCRIPT = ROOT / "tools" / "compare_llama_cpp.sh"
 DATA = Path(__file__).resolve().parent / "data" / "llama_compare"
 sys.path.insert(0, str(ROOT / "tools"))
 
-from llama_compare import gguf, paired, table  # noqa: E402
+from llama_compare import gguf, paired, paired_worker, table  # noqa: E402
 from llama_compare.settings import CompareError  # noqa: E402
 
 #: llama.cpp's converter on hf_oracle.hf_model(2) (2 layers, 8 experts, top-2, vocabulary 128), --outtype q8_0
@@ -223,6 +223,11 @@ def test_paired_worker_times_our_decode_on_a_real_engine(tmp_path):
 
     art = tiny_artifact()  # exported with 64 rows
     assert paired.ours_window(art, 1, 100, 0, 4, 0) > 0 and paired.ours_window(art, 1, 100, 90, 8, 1) > 0
+    # at context 0 the prompt is one token: the window fills -n + 1 rows, and the cache the run sizes holds them
+    assert paired_worker.rows_for(0, 8) == 9 and paired_worker.rows_for(90, 8) == 98
+    assert paired.ours_window(art, 1, paired_worker.rows_for(0, 8), 0, 8, 2) > 0
+    with pytest.raises(CompareError, match="CacheCapacityError: 8 cached \\+ 1 new tokens exceed .*capacity 8"):
+        paired.ours_window(art, 1, 8, 0, 8, 0)  # -n rows, as the run sized it before
     with pytest.raises(CompareError, match="the paired worker on .*: CacheCapacityError: .*capacity 100"):
         paired.ours_window(art, 1, 100, 95, 8, 0)
     with pytest.raises(CompareError, match=f"the paired worker on {tmp_path} \\(exit 1\\)"):

@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import paired_worker
 from .settings import PRECISIONS, CompareError, Settings
 from .table import aligned, parse_llama_bench
 
@@ -112,7 +113,9 @@ def run(s: Settings, key: str, rows: list[dict], probe, echo) -> list[dict]:
     """``s.pairs`` pairs per precision and context (the table's ``rows`` give each side's bytes per decode step);
     ``probe()``: one read-bandwidth probe (``{"read_gbps", ...}``). Returns one entry per precision and context:
     ``{"weights", "llama_type", "context", "pairs": [...], **summarize(...)}``."""
-    out, capacity = [], max(s.contexts) + s.generate
+    # a cache for the longest window: at context 0 the prompt is still one token (a run of --context 0 alone had
+    # asked for -n rows and failed on its first pair)
+    out, capacity = [], max(paired_worker.rows_for(c, s.generate) for c in s.contexts)
 
     for weights in s.precisions:
         kind = PRECISIONS[weights]

@@ -15,6 +15,12 @@ import sys
 import time
 
 
+def rows_for(context: int, steps: int) -> int:
+    """The cache rows a :func:`window` after ``context`` tokens fills: its prompt (at least one token) and its
+    steps."""
+    return max(context, 1) + steps
+
+
 def window(engine, context: int, steps: int, seed: int) -> dict:
     """``steps`` timed decode steps of random tokens after an untimed prompt of ``max(context, 1)`` random tokens,
     batch 1, as llama-bench's ``tg`` test after ``-d context``.
@@ -25,7 +31,7 @@ def window(engine, context: int, steps: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     vocab = engine.vocab_size
     prompt = max(context, 1)
-    state = engine.new_state(1, prompt + steps)
+    state = engine.new_state(1, rows_for(context, steps))
     engine.to_host(engine.prefill(rng.integers(0, vocab, (1, prompt)), np.array([prompt]), state))
     tokens = rng.integers(0, vocab, steps)
     seconds = 0.0
