@@ -494,9 +494,9 @@ static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, 
  * scales i * scale_step values from s; the same arithmetic as dot_row with n = 1, row after row, but with dot_rows
  * inlined into the loop over the rows: a decode step's product is one token against thousands of rows of a few
  * groups each (2048 int4 values: 4 groups), and a call of dot_row per row (its frame, its dispatch, its constants)
- * cost about a sixth of the time of V2-Lite's lm_head (a timed copy of the kernel on 2 MiB pages, 2 threads, each
- * way timed in turn in one process: 40-43 GB/s row by row, 50-51 GB/s so, where a plain read of the same memory
- * streamed 59-75 GB/s) */
+ * is a large share of a row's time (a timed copy of the kernel on V2-Lite's lm_head, 2 MiB pages, 2 threads: row by
+ * row 40-43 GB/s in runs where a plain read of the same memory streamed 59-62 GB/s, so 50-51 GB/s in runs where it
+ * streamed 71-75; in the slower state, timed in turn in one process, the two were level at about 35 GB/s) */
 static void dot_rows_of(const uint8_t *w, size_t row_step, const void *s, size_t scale_step, int half, int K, int bits,
                         const int8_t *q, const float *d, const float *corr, float *out, size_t out_step, int count,
                         uint8_t flip, int lane) {
