@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 BLOCK = 32
-SOURCE = Path(__file__).with_name("int4_gemv.c")
 #: a product computed from an int8 vector is this close to the float one (measured: 2-4e-3 at K = 2048)
 TOLERANCE = 1e-2
 
