@@ -371,6 +371,27 @@ def test_a_dropped_intermediate_is_removed_after_success_and_its_convert_step_ca
     assert planned["quantize-Q4_0"].argv[1] == str(source)  # bf16 -> Q4_0 needs no --allow-requantize
 
 
+def test_a_step_killed_half_way_says_by_what_and_leaves_no_partial_file(tmp_path):
+    """A converter killed by the kernel (llama.cpp's, out of memory on DeepSeek-V3's 256 stacked experts, exit -9)
+    is named as such in the one line, and the GBs it wrote under the temporary name are removed."""
+    from llama_compare import steps
+
+    made = tmp_path / "cache" / "model-Q8_0.gguf"
+    made.parent.mkdir()
+    code = (f"import os, signal; open({str(steps.partial(made))!r}, 'w').write('half'); print('Writing: 19%');"
+            " os.kill(os.getpid(), signal.SIGKILL)")
+    step = steps.Step("convert-Q8_0", (sys.executable, "-c", code), makes=made)
+    with pytest.raises(CompareError) as caught:
+        steps.run(step, tmp_path / "logs", lambda line: None)
+    message = str(caught.value)
+    assert message.startswith("convert-Q8_0 was killed by SIGKILL (the kernel's out-of-memory killer"), message
+    assert "Writing: 19%" in message and "; log: " in message and "\n" not in message
+    assert not steps.partial(made).exists() and not made.exists()
+    failed = steps.Step("quantize-Q4_0", (sys.executable, "-c", "import sys; print('bad file'); sys.exit(3)"))
+    with pytest.raises(CompareError, match=r"^quantize-Q4_0 failed \(exit 3\): bad file; log: "):
+        steps.run(failed, tmp_path / "logs", lambda line: None)
+
+
 def _one_line_error(proc: subprocess.CompletedProcess, text: str) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and text in proc.stderr, proc.stderr

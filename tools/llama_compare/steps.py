@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ class Step:
     """One command. Attributes: name (also its log file's name); argv; done: what it makes is cached (the step is
     skipped); stdout: the file its standard output goes to (None: the log); env: variables added; makes: the file
     it writes under a temporary name (:func:`partial`), renamed to this one once the command succeeded, so an
-    interrupted step leaves nothing a later run would take as cached; drops: a file removed once it succeeded (an
+    interrupted step leaves nothing a later run would take as cached (and removed where the command failed); drops: a file removed once it succeeded (an
     intermediate GGUF no requested type is); moves: ``(written, kept)``, the file the command writes under a fixed
     name (the bench's bench.json) renamed to ``kept`` once it succeeded, so the next round's does not replace it."""
 
@@ -188,6 +189,8 @@ def run(step: Step, logs: Path, echo) -> None:
             if step.stdout:
                 out.close()
     if code != 0:
+        if step.makes is not None:  # a step killed half-way leaves GBs under the temporary name: not kept
+            partial(step.makes).unlink(missing_ok=True)
         raise CompareError(failure(step, code, log.read_text(errors="replace")) + f"; log: {log}")
     if step.makes is not None:
         partial(step.makes).replace(step.makes)
@@ -212,4 +215,11 @@ def failure(step: Step, code: int, log: str) -> str:
         else:
             reason = last
         return f"could not download {step.argv[-3]} from the package index ({reason})"
+    if code < 0:  # subprocess's way of saying a signal ended it
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the kernel's out-of-memory killer sends it when the memory runs out)" if -code == signal.SIGKILL else ""
+        return f"{step.name} was killed by {name}{why}: {last}"
     return f"{step.name} failed (exit {code}): {last}"
