@@ -1106,7 +1106,22 @@ typedef struct {
     Rows a;       /* [heads * M, K]: A's rows quantized */
     float *out;   /* [heads, M, N] */
     int rows;     /* weight rows per tile: TILE or more, so that a tile holds ITEM_BYTES (run_products sets it) */
+    const struct Panels *panels; /* the weights copied into panels of 16 rows (LatentAttention's, a few tokens) */
 } LinearWork;
+
+/* A head's weight rows (HeadwiseMatMul's layout: N rows of K values, blocks of 32, signed) copied once into panels of
+ * PANEL rows: per block of the panel, piece g (4 bytes) of row j lies in lane j of the block's g-th 64-byte vector,
+ * flipped to the zero point, and the block's PANEL row scales follow in one vector of their own array. A token's
+ * product then keeps each row's sum in its own lane: one integer multiply-add per 64 bytes and one scale per block
+ * of 16 rows, and no per-row horizontal sum, which took most of a per-head row's time (64 bytes for W_UK's 128 int4
+ * values, 256 for W_UV's 512). */
+#define PANEL 16
+#define PANEL_TOKENS 4 /* a decode step of up to this many tokens takes the panels; more rows go row by row */
+typedef struct Panels {
+    uint8_t *w; /* [H, N / PANEL, K / 32, PANEL * 32 * bits / 8] */
+    float *s;   /* [H, N / PANEL, K / 32, PANEL] */
+    int N, K, bits;
+} Panels;
 
 /* bytes of weights a work item reads at least where the rows allow: short rows (W_UK's 128 int4 values, 64 bytes)
  * in tiles of TILE made items too small to pay for their scheduling */
@@ -1148,6 +1163,59 @@ static void run_linear(void *data, size_t item) {
     }
 }
 
+#if VNNI
+/* one token's row (quantize_row's, not interleaved) against panel `panel` of head h: out[panel * PANEL + j] */
+static void panel_rows(const Panels *p, int h, int panel, const int8_t *q, const float *d, const float *c,
+                       float *out) {
+    const int blocks = p->K / BLOCK, block_bytes = BLOCK * p->bits / 8;
+    const size_t first = ((size_t)h * (p->N / PANEL) + panel) * blocks;
+    const uint8_t *w = p->w + first * PANEL * block_bytes;
+    const float *s = p->s + first * PANEL;
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+    __m512 acc = _mm512_setzero_ps(), zp = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++, w += PANEL * block_bytes, s += PANEL) {
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        int32_t piece[8];
+        if (p->bits == 4) { /* the odd weights in place as 16 times their value, as dot_rows takes them */
+            memcpy(piece, q + 16 * b, 16), memcpy(piece + 4, q + p->K / 2 + 16 * b, 16);
+            for (int g = 0; g < 4; g++) {
+                const __m512i packed = _mm512_loadu_si512(w + 64 * g);
+                lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(packed, low), _mm512_set1_epi32(piece[g]));
+                hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(packed, high), _mm512_set1_epi32(piece[4 + g]));
+            }
+            hi = _mm512_srai_epi32(hi, 4);
+        } else {
+            memcpy(piece, q + BLOCK * b, 32);
+            for (int g = 0; g < 8; g += 2) {
+                lo = _mm512_dpbusd_epi32(lo, _mm512_loadu_si512(w + 64 * g), _mm512_set1_epi32(piece[g]));
+                hi = _mm512_dpbusd_epi32(hi, _mm512_loadu_si512(w + 64 * g + 64), _mm512_set1_epi32(piece[g + 1]));
+            }
+        }
+        const __m512 sw = _mm512_loadu_ps(s);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(sw, _mm512_set1_ps(d[b])), acc);
+        zp = _mm512_fmadd_ps(sw, _mm512_set1_ps(c[b]), zp);
+    }
+    _mm512_storeu_ps(out + (size_t)panel * PANEL, _mm512_add_ps(acc, zp));
+}
+
+#define PANELS_PER_ITEM 8
+/* one work item: up to PANELS_PER_ITEM panels of one head, for each of the M tokens */
+static void run_panels(void *data, size_t item) {
+    const LinearWork *w = (const LinearWork *)data;
+    const Panels *p = w->panels;
+    const int per_head = (p->N / PANEL + PANELS_PER_ITEM - 1) / PANELS_PER_ITEM, h = (int)item / per_head;
+    const int first = (int)item % per_head * PANELS_PER_ITEM, last = first + PANELS_PER_ITEM < p->N / PANEL
+                                                                          ? first + PANELS_PER_ITEM : p->N / PANEL;
+    for (int t = 0; t < w->M; t++) {
+        const int8_t *q;
+        const float *d, *c;
+        row_of(&w->a, (size_t)h * w->M + t, &q, &d, &c);
+        for (int panel = first; panel < last; panel++)
+            panel_rows(p, h, panel, q, d, c, w->out + ((size_t)h * w->M + t) * p->N);
+    }
+}
+#endif
+
 /* quantize A's heads * M rows, then run the work items; `weights`: the kernel's B and scales for advise_huge */
 static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, int *advised) {
     const size_t rows = (size_t)heads * w->M, K = (size_t)w->a.K;
@@ -1166,6 +1234,12 @@ static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, 
     w->rows = TILE;
     while (w->rows < w->N && (size_t)w->rows * w->row_bytes < ITEM_BYTES) w->rows *= 2;
     w->tiles = (w->N + w->rows - 1) / w->rows;
+#if VNNI
+    if (!status && w->panels) {
+        const size_t per_head = (size_t)(w->N / PANEL + PANELS_PER_ITEM - 1) / PANELS_PER_ITEM;
+        status = parallel(ctx, run_panels, (size_t)heads * per_head, w, rows * (size_t)w->N * K);
+    } else
+#endif
     if (!status) status = CALL(KernelContext_ParallelFor)(ctx, run_linear, (size_t)heads * w->tiles, 0, w);
     free(scratch.base);
     return status;
@@ -1214,7 +1288,7 @@ static OrtStatus *linear_compute(void *kernel_data, OrtKernelContext *ctx) {
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
     LinearWork w = {(int)M, N, 0, (const uint8_t *)ptr[1], ptr[2], type == TYPE_FLOAT16,
                     (size_t)K * bits / 8, 0, {(const float *)ptr[0], K, bits, NULL, NULL, NULL, kernel->interleaved},
-                    (float *)ptr[3], 0};
+                    (float *)ptr[3], 0, NULL};
     return run_products(ctx, &w, 1, &((LinearKernel *)kernel_data)->advised);
 }
 
@@ -1274,7 +1348,7 @@ static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
     LinearWork w = {(int)a[1], N, 0, (const uint8_t *)ptr[1], ptr[2], 0,
                     (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL, 0},
-                    (float *)ptr[3], 0};
+                    (float *)ptr[3], 0, NULL};
     return run_products(ctx, &w, (int)a[0], &((LinearKernel *)kernel_data)->advised);
 }
 
@@ -1320,7 +1394,68 @@ typedef struct {
     int64_t bits_uk, bits_uv, hidden_when;
     float scale, eps, fill;
     int advised_uk, advised_uv;
+    int panels_state;           /* 0: not made, 1: being made by a call, 2: made, 3: not to be made (no memory) */
+    const void *panels_from[4]; /* the weights and scales they were made from (a call with others does not use them) */
+    Panels uk, uv;
 } AttentionKernel;
+
+#if VNNI
+/* the panels of `heads` weights of N rows of K values (uint8, HeadwiseMatMul's layout, signed: `flip` turns them to
+ * the zero point) and their float scales [heads, N, K/32]; 0 where the memory is not there */
+static int make_panels(Panels *p, const uint8_t *w, const float *s, int heads, int N, int K, int bits, uint8_t flip) {
+    const int blocks = K / BLOCK, block_bytes = BLOCK * bits / 8;
+    const size_t rows = (size_t)heads * N;
+    p->w = aligned_alloc(64, aligned(rows * blocks * block_bytes));
+    p->s = aligned_alloc(64, aligned(rows * blocks * sizeof(float)));
+    if (!p->w || !p->s) {
+        free(p->w), free(p->s);
+        p->w = NULL, p->s = NULL;
+        return 0;
+    }
+    for (size_t row = 0; row < rows; row++) {
+        const size_t h = row / N, panel = row % N / PANEL, j = row % PANEL;
+        for (int b = 0; b < blocks; b++) {
+            const size_t at = (h * (N / PANEL) + panel) * blocks + b; /* the panel's block */
+            const uint8_t *from = w + (row * blocks + b) * block_bytes;
+            uint8_t *to = p->w + at * PANEL * block_bytes + 4 * j;
+            for (int m = 0; m < block_bytes; m++) to[64 * (m / 4) + m % 4] = from[m] ^ flip;
+            p->s[at * PANEL + j] = s[row * blocks + b];
+        }
+    }
+    p->N = N, p->K = K, p->bits = bits;
+    return 1;
+}
+#endif
+
+/* whether this call may take the kernel's panels for w_uk (H heads of r rows of dn) and w_uv (H of dv rows of r):
+ * the first call that asks makes them (once: a call meanwhile goes row by row), from these very weights */
+static int panels_ready(AttentionKernel *k, const void *const from[4], int H, int r, int dn, int dv) {
+#if VNNI
+    int state = __atomic_load_n(&k->panels_state, __ATOMIC_ACQUIRE), idle = 0;
+    if (state == 0 && r % PANEL == 0 && dv % PANEL == 0 &&
+        __atomic_compare_exchange_n(&k->panels_state, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        const int bits_uk = (int)k->bits_uk, bits_uv = (int)k->bits_uv;
+        int made = make_panels(&k->uk, from[0], from[1], H, r, dn, bits_uk, bits_uk == 4 ? 0x88 : 0x80);
+        made = made && make_panels(&k->uv, from[2], from[3], H, dv, r, bits_uv, bits_uv == 4 ? 0x88 : 0x80);
+        for (int i = 0; i < 4; i++) k->panels_from[i] = from[i];
+        state = made ? 2 : 3;
+        __atomic_store_n(&k->panels_state, state, __ATOMIC_RELEASE);
+    }
+    if (state != 2) return 0;
+    for (int i = 0; i < 4; i++)
+        if (k->panels_from[i] != from[i]) return 0;
+    return k->uk.N == r && k->uk.K == dn && k->uv.N == dv && k->uv.K == r;
+#else
+    (void)k, (void)from, (void)H, (void)r, (void)dn, (void)dv;
+    return 0;
+#endif
+}
+
+static void attention_destroy(void *data) {
+    AttentionKernel *kernel = (AttentionKernel *)data;
+    free(kernel->uk.w), free(kernel->uk.s), free(kernel->uv.w), free(kernel->uv.s);
+    free(kernel);
+}
 
 #define LANES 16 /* query rows per panel: one vector */
 #define SPAN 64  /* cache rows per scores item */
@@ -1715,12 +1850,16 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
                  pe + (token * H + h) * dr);
         }
     OrtStatus *status;
+    const void *per_head[4] = {ptr[11], ptr[12], ptr[13], ptr[14]};
+    const int by_panels = !float_uk && !float_uv && tokens <= PANEL_TOKENS &&
+                          panels_ready(kernel, per_head, H, r, dn, dv);
     if (float_uk) {
         const HeadFloatWork uk_work = {H, (int)tokens, dn, r, nope, (const float *)ptr[11], lat};
         status = head_products(ctx, &uk_work);
     } else {
         LinearWork uk_work = {(int)tokens, r, 0, (const uint8_t *)ptr[11], ptr[12], 0, (size_t)dn * bits_uk / 8,
-                              bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL, 0}, lat, 0};
+                              bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL, 0}, lat, 0,
+                              by_panels ? &kernel->uk : NULL};
         status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
     }
 
@@ -1768,7 +1907,8 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
         status = head_products(ctx, &uv_work);
     } else if (!status) {
         LinearWork uv_work = {(int)tokens, dv, 0, (const uint8_t *)ptr[13], ptr[14], 0, (size_t)r * bits_uv / 8,
-                              bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL, 0}, ov, 0};
+                              bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL, 0}, ov, 0,
+                              by_panels ? &kernel->uv : NULL};
         status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
     }
     for (size_t token = 0; !status && token < tokens; token++)
@@ -1793,7 +1933,7 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const void *ort_api, c
         return fail("LatentAttention: bits_uk and bits_uv must be 4, 8 or 32 (float weights), hidden_when 0 or 1");
     AttentionKernel *kernel = calloc(1, sizeof(AttentionKernel));
     if (!kernel) return CALL(CreateStatus)(ORT_FAIL, "mla_deploy operator: out of memory");
-    *kernel = (AttentionKernel){bits_uk, bits_uv, hidden_when, scale, eps, fill, 0, 0};
+    *kernel = (AttentionKernel){bits_uk, bits_uv, hidden_when, scale, eps, fill, 0, 0, 0, {NULL}, {0}, {0}};
     *out = kernel;
     return NULL;
 }
@@ -1813,7 +1953,7 @@ static int optional_writes(const OrtCustomOp *op, size_t i) { (void)op; return i
 static OrtCustomOp latent_attention = {
     .version = 16, .GetName = attention_name, .GetExecutionProviderType = op_provider,
     .GetInputType = attention_input_type, .GetInputTypeCount = attention_input_count, .GetOutputType = output_type,
-    .GetOutputTypeCount = two, .KernelDestroy = destroy_kernel, .GetInputCharacteristic = optional_writes,
+    .GetOutputTypeCount = two, .KernelDestroy = attention_destroy, .GetInputCharacteristic = optional_writes,
     .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
     .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
     .CreateKernelV2 = attention_create, .KernelComputeV2 = attention_compute,

@@ -1158,6 +1158,42 @@ def test_attention_operator_equals_the_nodes_it_replaces(attention_engines, libr
         assert np.abs(fused[0] - unfused[0]).max() <= 0.05 * np.abs(unfused[0]).max()  # the logits
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_few_tokens_per_head_products_in_panels_equal_the_rows(libraries, tmp_path, weights):
+    """LatentAttention computes a step of at most 4 tokens' per-head products over its weights copied into panels of
+    16 rows (made by the first such call), more tokens row by row: the same integer sums, so one decode step of two
+    sequences (panels) and of the same two among six (rows) give layer 0's attention output equal to float32
+    rounding (1e-5 of its scale), for int4 and int8 per-head weights; and a later step still takes the panels."""
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
+    from mla_deploy.exporter import export_recipe
+
+    export_recipe(_concat_per_head_recipe(16, "concat", weights), tmp_path / "art")
+    ok(cli("build", tmp_path / "art", "--target", "cpu"))
+    recipe = _concat_per_head_recipe(16, "concat", weights)
+    layers = recipe.model.num_hidden_layers
+    session, _ = _first_attention_session(tmp_path / "art")
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, recipe.model.vocab_size, size=(2, 5), dtype=np.int64)
+    feed = {"input_ids": ids, "position_ids": np.arange(5)[None].repeat(2, 0), "logits_index": np.full((2, 1), 4),
+            "attention_mask": np.ones((2, 5), np.int64),
+            **{f"past_latent.{i}": np.zeros((2, 0, recipe.model.kv_lora_rank + recipe.model.qk_rope_head_dim),
+                                            np.float32) for i in range(layers)}}
+    past = session.run(None, feed)[1:1 + layers]
+
+    def step(rows, token):
+        pick = np.arange(rows) % 2
+        return session.run(None, {"input_ids": np.full((rows, 1), token, np.int64),
+                                  "position_ids": np.full((rows, 1), 5, np.int64),
+                                  "logits_index": np.zeros((rows, 1), np.int64),
+                                  "attention_mask": np.ones((rows, 6), np.int64),
+                                  **{f"past_latent.{i}": past[i][pick] for i in range(layers)}})[-1]
+
+    for token in (11, 12):  # the first call makes the panels, the second finds them made
+        panels, rows = step(2, token), step(6, token)[:2]
+        assert np.abs(panels - rows).max() <= 1e-5 * np.abs(rows).max()
+
+
 def test_engine_with_the_attention_operator_gives_the_same_tokens(attention_engines):
     """Two prompts of different lengths through `mla-deploy run`: the same greedy tokens with the attention core
     as one operator as with ONNX Runtime's nodes around HeadwiseMatMul (the source graphs compute the per-head
