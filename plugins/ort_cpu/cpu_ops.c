@@ -478,6 +478,9 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     for (int t = 0; t < n; t++) out[t * stride] = total[t];
 }
 
+/* dot_rows' flip for signed weights (the per-head ones): XORed with it they hold the zero point 2^(bits-1) */
+static inline uint8_t signed_flip(int bits) { return bits == 4 ? 0x88 : 0x80; }
+
 /* dot_rows with n, bits and the scales' type constant in each call, so that its loops over tokens unroll into
  * registers, and weights that need no flip (every projection's and expert's) read without one */
 static void dot_row(const uint8_t *w, const void *s, int half, int K, int bits, int n, const int8_t *const *q,
@@ -1347,7 +1350,7 @@ static OrtStatus *headwise_compute(void *kernel_data, OrtKernelContext *ctx) {
     for (int i = 0; i < 3; i++) CHECK(CALL(GetTensorMutableData)((OrtValue *)in[i], &ptr[i]));
     CHECK(CALL(GetTensorMutableData)(output, &ptr[3]));
     LinearWork w = {(int)a[1], N, 0, (const uint8_t *)ptr[1], ptr[2], 0,
-                    (size_t)K * bits / 8, bits == 4 ? 0x88 : 0x80, {(const float *)ptr[0], K, bits, NULL, NULL, NULL, 0},
+                    (size_t)K * bits / 8, signed_flip(bits), {(const float *)ptr[0], K, bits, NULL, NULL, NULL, 0},
                     (float *)ptr[3], 0, NULL};
     return run_products(ctx, &w, (int)a[0], &((LinearKernel *)kernel_data)->advised);
 }
@@ -1400,10 +1403,11 @@ typedef struct {
 } AttentionKernel;
 
 #if VNNI
-/* the panels of `heads` weights of N rows of K values (uint8, HeadwiseMatMul's layout, signed: `flip` turns them to
+/* the panels of `heads` weights of N rows of K values (uint8, HeadwiseMatMul's layout, signed: stored flipped to
  * the zero point) and their float scales [heads, N, K/32]; 0 where the memory is not there */
-static int make_panels(Panels *p, const uint8_t *w, const float *s, int heads, int N, int K, int bits, uint8_t flip) {
+static int make_panels(Panels *p, const uint8_t *w, const float *s, int heads, int N, int K, int bits) {
     const int blocks = K / BLOCK, block_bytes = BLOCK * bits / 8;
+    const uint8_t flip = signed_flip(bits);
     const size_t rows = (size_t)heads * N;
     p->w = aligned_alloc(64, aligned(rows * blocks * block_bytes));
     p->s = aligned_alloc(64, aligned(rows * blocks * sizeof(float)));
@@ -1435,8 +1439,8 @@ static int panels_ready(AttentionKernel *k, const void *const from[4], int H, in
     if (state == 0 && r % PANEL == 0 && dv % PANEL == 0 &&
         __atomic_compare_exchange_n(&k->panels_state, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
         const int bits_uk = (int)k->bits_uk, bits_uv = (int)k->bits_uv;
-        int made = make_panels(&k->uk, from[0], from[1], H, r, dn, bits_uk, bits_uk == 4 ? 0x88 : 0x80);
-        made = made && make_panels(&k->uv, from[2], from[3], H, dv, r, bits_uv, bits_uv == 4 ? 0x88 : 0x80);
+        int made = make_panels(&k->uk, from[0], from[1], H, r, dn, bits_uk);
+        made = made && make_panels(&k->uv, from[2], from[3], H, dv, r, bits_uv);
         for (int i = 0; i < 4; i++) k->panels_from[i] = from[i];
         state = made ? 2 : 3;
         __atomic_store_n(&k->panels_state, state, __ATOMIC_RELEASE);
@@ -1858,7 +1862,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
         status = head_products(ctx, &uk_work);
     } else {
         LinearWork uk_work = {(int)tokens, r, 0, (const uint8_t *)ptr[11], ptr[12], 0, (size_t)dn * bits_uk / 8,
-                              bits_uk == 4 ? 0x88 : 0x80, {nope, dn, bits_uk, NULL, NULL, NULL, 0}, lat, 0,
+                              signed_flip(bits_uk), {nope, dn, bits_uk, NULL, NULL, NULL, 0}, lat, 0,
                               by_panels ? &kernel->uk : NULL};
         status = run_products(ctx, &uk_work, H, &kernel->advised_uk);
     }
@@ -1907,7 +1911,7 @@ static OrtStatus *attention_compute(void *kernel_data, OrtKernelContext *ctx) {
         status = head_products(ctx, &uv_work);
     } else if (!status) {
         LinearWork uv_work = {(int)tokens, dv, 0, (const uint8_t *)ptr[13], ptr[14], 0, (size_t)r * bits_uv / 8,
-                              bits_uv == 4 ? 0x88 : 0x80, {o, r, bits_uv, NULL, NULL, NULL, 0}, ov, 0,
+                              signed_flip(bits_uv), {o, r, bits_uv, NULL, NULL, NULL, 0}, ov, 0,
                               by_panels ? &kernel->uv : NULL};
         status = run_products(ctx, &uv_work, H, &kernel->advised_uv);
     }

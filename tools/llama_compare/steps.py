@@ -30,8 +30,8 @@ class Step:
     """One command. Attributes: name (also its log file's name); argv; done: what it makes is cached (the step is
     skipped); stdout: the file its standard output goes to (None: the log); env: variables added; makes: the file
     it writes under a temporary name (:func:`partial`), renamed to this one once the command succeeded, so an
-    interrupted step leaves nothing a later run would take as cached (and removed where the command failed); drops: a file removed once it succeeded (an
-    intermediate GGUF no requested type is); moves: ``(written, kept)``, the file the command writes under a fixed
+    interrupted step leaves nothing a later run would take as cached (and removed where the command failed); drops:
+    a file removed once it succeeded (an intermediate GGUF no requested type is); moves: ``(written, kept)``, the file the command writes under a fixed
     name (the bench's bench.json) renamed to ``kept`` once it succeeded, so the next round's does not replace it."""
 
     name: str
@@ -220,6 +220,7 @@ def failure(step: Step, code: int, log: str) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        why = " (the kernel's out-of-memory killer sends it when the memory runs out)" if -code == signal.SIGKILL else ""
+        oom = -code == signal.SIGKILL
+        why = " (the kernel's out-of-memory killer sends it when the memory runs out)" if oom else ""
         return f"{step.name} was killed by {name}{why}: {last}"
     return f"{step.name} failed (exit {code}): {last}"
