@@ -1,7 +1,9 @@
 """tools/compare_llama_cpp.sh, the parts that run without llama.cpp: a GGUF file written by llama.cpp's own
 converter read and its decode bytes counted, llama-bench's JSON from a real run parsed, the table and the bound
-check of that run, the plan a --dry-run prints (nothing made), and the one-line refusals (no checkpoint, not a
-DeepSeek one, no cmake or compiler, no network)."""
+check of that run, the plan a --dry-run prints (nothing made), our side of the paired and interleaved decode on a
+real engine, and the one-line refusals (no checkpoint, not a DeepSeek one, no cmake or compiler, no network).
+llama.cpp's side of the interleaved decode (llama-stepper) is compiled and run only where a llama.cpp build is in
+the cache (a run of the tool made it)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ SCRIPT = ROOT / "tools" / "compare_llama_cpp.sh"
 DATA = Path(__file__).resolve().parent / "data" / "llama_compare"
 sys.path.insert(0, str(ROOT / "tools"))
 
-from llama_compare import gguf, paired, paired_worker, table  # noqa: E402
+from llama_compare import burst_worker, gguf, interleaved, paired, paired_worker, table  # noqa: E402
 from llama_compare.settings import CompareError  # noqa: E402
 
 #: llama.cpp's converter on hf_oracle.hf_model(2) (2 layers, 8 experts, top-2, vocabulary 128), --outtype q8_0
@@ -243,6 +245,114 @@ def test_paired_llama_bench_is_one_repetition_of_the_decode_after_each_context(t
                         "1024", "-lm", "none", "-o", "json")
     with pytest.raises(CompareError, match="paired llama-bench: cannot run .*llama-bench"):
         paired.llama_window(s, tmp_path / "model-F32.gguf", 0)  # not built
+
+
+# interleaved decode -------------------------------------------------------------------------------------------------
+
+
+def test_interleaved_decode_takes_each_ratio_between_neighbouring_bursts():
+    """The ratio is the median of the neighbours' ratios (not the ratio of the medians), with their quartiles, range
+    and how many of them put ours ahead; each engine's GB/s is its median speed times the bytes its step reads."""
+    bursts = [{"ours_tokens_per_s": o, "llama_tokens_per_s": l} for o, l in
+              ((50.0, 40.0), (30.0, 40.0), (52.0, 50.0), (60.0, 30.0), (45.0, 50.0))]
+    got = interleaved.summarize(bursts, ours_bytes=0.5e9, llama_bytes=0.6e9)
+    assert got["ratios"] == pytest.approx([1.25, 0.75, 1.04, 2.0, 0.9])
+    assert got["ratio"] == pytest.approx(1.04) and got["ahead"] == 3 and got["bursts"] == 5
+    assert got["quartiles"] == pytest.approx([0.825, 1.625]) and got["ratio_range"] == pytest.approx([0.75, 2.0])
+    assert got["ours_tokens_per_s"] == 50.0 and got["llama_tokens_per_s"] == 40.0
+    assert got["ours_gbps"] == pytest.approx(25.0) and got["llama_gbps"] == pytest.approx(24.0)
+    one = interleaved.summarize(bursts[:1])
+    assert one["quartiles"] == pytest.approx([1.25, 1.25]) and one["ours_gbps"] is None
+    entry = dict(got, weights="int8", llama_type="Q8_0", context=1024, probes=[36.1, 35.2])
+    assert interleaved.cells([entry])[0] == ("int8 / Q8_0", "1024", "5", "50.0", "40.0", "1.04x", "0.82-1.62x",
+                                              "0.75-2.00x", "3 of 5", "25.0", "24.0", "36.1, 35.2")
+    assert "| int8 / Q8_0 | 1024 | 5 |" in interleaved.markdown([entry])
+    assert interleaved.text([entry]).startswith(interleaved.TITLE)
+
+
+def test_our_burst_worker_starts_each_burst_from_the_kept_context(tmp_path):
+    """In one process, bursts at one depth start again from its context (the cache's lengths set back), so any
+    number of them fit a cache of one burst's rows; a new depth is prefilled afresh; a burst past the cache, a bad
+    request and an artifact that cannot be opened are each one error."""
+    from artifacts import tiny_artifact
+
+    from mla_deploy.engines.ort_engine import OrtEngine
+
+    art = tiny_artifact()  # exported with 64 rows
+    bursts = burst_worker.Bursts(OrtEngine(art, threads=1, capacity=40))
+    for _ in range(3):
+        assert bursts.burst(30, 8)["n_gen"] == 8
+        assert bursts.state.lengths.tolist() == [38] and bursts.lengths.tolist() == [30]
+    assert bursts.burst(0, 4)["depth"] == 0 and bursts.state.lengths.tolist() == [5]  # one prompt token
+    with pytest.raises(ValueError, match="a burst of 8 after 35 tokens needs 43 cache rows; the engine holds 40"):
+        bursts.burst(35, 8)
+
+    log = tmp_path / "ours.log"
+    argv = [sys.executable, "-m", "llama_compare.burst_worker", str(art), "1", "40"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tools"), str(ROOT)])}
+    worker = interleaved.Worker("ours", argv, log, env)
+    try:
+        speeds = [worker.burst(30, 8) for _ in range(4)] + [worker.burst(0, 8)]
+        assert all(speed > 0 for speed in speeds)
+        worker.proc.stdin.write("thirty 8\n")
+        worker.proc.stdin.flush()
+        assert "bad request (DEPTH N)" in json.loads(worker.proc.stdout.readline())["error"]
+        with pytest.raises(CompareError, match="ours: ValueError: a burst of 8 after 35 tokens needs 43 cache rows"):
+            worker.burst(35, 8)
+    finally:
+        worker.close()
+    with pytest.raises(CompareError, match=f"^gone: .*; log: {tmp_path}"):
+        interleaved.Worker("gone", [sys.executable, "-m", "llama_compare.burst_worker", str(tmp_path), "1", "16"],
+                           tmp_path / "gone.log", env)
+
+
+def _llama_build():
+    from llama_compare.settings import Settings, default_cache
+
+    s = Settings(checkpoint=Path("."), out=Path("."), cache=default_cache())
+    return s if (s.build / "src" / "libllama.a").is_file() and s.vendored.is_dir() else None
+
+
+@pytest.mark.skipif(_llama_build() is None, reason="needs a llama.cpp build in the cache (a run of "
+                    "tools/compare_llama_cpp.sh makes it); CI has none")
+def test_llama_stepper_compiles_against_the_build_and_times_bursts_after_a_kept_context(tmp_path):
+    """The stepper step compiles stepper.cpp against the build's static libraries; the process holds a GGUF written
+    by llama.cpp's converter, times bursts at depths 0 and 16 (again and again at one depth: its tokens removed
+    after each) and refuses a request past its context in one line."""
+    from dataclasses import replace
+
+    from llama_compare import steps
+
+    s = replace(_llama_build(), out=tmp_path)
+    step = steps.stepper(s)
+    if not step.done:
+        steps.run(step, tmp_path / "logs", lambda line: None)
+    assert interleaved.stepper_path(s).is_file() and not steps.partial(interleaved.stepper_path(s)).exists()
+    worker = interleaved.llama_worker(s, TINY_GGUF, 32)
+    try:
+        speeds = [worker.burst(0, 8), worker.burst(16, 8), worker.burst(16, 8), worker.burst(16, 16), worker.burst(0, 4)]
+        assert all(speed > 0 for speed in speeds)
+        with pytest.raises(CompareError, match=r"bad request \(DEPTH N_GEN within 32 tokens\)"):
+            worker.burst(20, 16)
+    finally:
+        worker.close()
+
+
+def test_dry_run_with_interleave_compiles_the_stepper_and_plans_the_bursts(checkpoint, tmp_path):
+    cache = tmp_path / "cache"
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int4", "-n", "16", "--rounds",
+                   "1", "--interleave", "12")
+    assert proc.returncode == 0, proc.stderr
+    names = [line.split(":", 1)[0] for line in proc.stdout.splitlines()]
+    assert names.index("stepper") == names.index("quantize-Q4_0") + 1  # after the build, before the measurements
+    stepper = next(line for line in proc.stdout.splitlines() if line.startswith("stepper:"))
+    assert "tools/llama_compare/stepper.cpp" in stepper and "/build/src/libllama.a" in stepper
+    assert "/build/bin/llama-stepper-" in stepper and stepper.endswith(".partial")
+    assert "interleaved: 12 neighbouring bursts of 16 decode steps per precision and context" in proc.stdout
+    assert "stepper" not in compare(str(checkpoint), "--dry-run", "--cache", str(cache)).stdout
+    bad = compare(str(checkpoint), "--dry-run", "--interleave", "-1")
+    assert bad.returncode == 2 and "--interleave: expected integers >= 0" in bad.stderr
+    assert not cache.exists()
 
 
 # the plan and the refusals --------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ even ones): this machine's read bandwidth moves between states minutes apart, so
 round and the table gives the median of the rounds' ratios with their range. --pairs N adds, after the rounds, N
 paired decode measurements per precision and context (:mod:`.paired`): both engines back to back within seconds, a
 read probe before, between and after, and a second table from the pairs whose probes agree (both engines at one
-bandwidth), with each engine's step against the bandwidth probed beside it.
+bandwidth), with each engine's step against the bandwidth probed beside it. --interleave N adds N neighbouring
+bursts per precision and context (:mod:`.interleaved`): both engines held open side by side (llama.cpp's as
+``llama-stepper``, compiled against the build), each timing ``-n`` decode steps in turn, the ratio taken between
+neighbours, so that nearly every ratio compares the two at one bandwidth.
 
 llama.cpp comes from the llama-cpp-python source distribution on the package index (its vendored llama.cpp,
 built natively with cmake: llama-bench, llama-quantize and llama-server, Release), kept under the cache with the GGUF files
@@ -24,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import gguf, paired, steps, table
+from . import gguf, interleaved, paired, steps, table
 from .checks import check_checkpoint, fingerprint, missing_build_tools, pip_command, require_build_tools
 from .settings import DEFAULT_VERSION, PRECISIONS, QUANTIZE_SOURCES, CompareError, Settings, default_cache
 
@@ -69,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=_ints(0), default=(0,), help="after the rounds, this many paired decode "
                    "measurements per precision and context: both engines back to back with a read probe before, "
                    "between and after, so that a ratio compares them at one bandwidth (default 0: none)")
+    p.add_argument("--interleave", type=_ints(0), default=(0,), help="after the rounds (and pairs), this many "
+                   "neighbouring decode bursts of -n steps per precision and context, both engines held open side by "
+                   "side and taking turns, the ratio taken between neighbours (default 0: none)")
     p.add_argument("--quantize-from", type=str.upper, choices=QUANTIZE_SOURCES, default="F32",
                    help="the GGUF llama-quantize makes Q4_0 from, removed afterwards unless requested (default F32; "
                    "BF16: the same Q4_0 from a bf16 checkpoint at half the disk; Q8_0: requantized, a different Q4_0, "
@@ -82,7 +88,8 @@ def settings(args) -> Settings:
                     cache=(args.cache or default_cache()).resolve(), version=args.version, precisions=args.weights,
                     contexts=args.context, threads=args.threads[0], repetitions=args.repetitions[0],
                     prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0],
-                    quantize_from=args.quantize_from, rounds=args.rounds[0], pairs=args.pairs[0])
+                    quantize_from=args.quantize_from, rounds=args.rounds[0], pairs=args.pairs[0],
+                    interleave=args.interleave[0])
 
 
 def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
@@ -95,6 +102,10 @@ def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
             for context in s.contexts:
                 print(f"paired-{weights}-{context}: {s.ours_artifact(weights)} beside "
                       f"{shlex.join(paired.llama_argv(s, s.gguf(key, PRECISIONS[weights]), context))}")
+    if s.interleave:
+        print(f"interleaved: {s.interleave} neighbouring bursts of {s.generate} decode steps per precision and context, "
+              f"our burst worker on the rounds' export and {interleaved.stepper_path(s)} on the GGUF file, both held "
+              f"open, taking turns; a read probe before and after each series")
     missing = missing_build_tools()
     if missing and not s.built:
         print(f"missing to build llama.cpp: {', '.join(missing)}")
@@ -180,6 +191,11 @@ def main(argv=None) -> int:
             data["paired"] = paired.run(s, key, data["rows"], lambda: probe(s), lambda line: print(line, flush=True))
             text += "\n\n" + paired.text(data["paired"])
             md += "\n" + paired.markdown(data["paired"])
+        if s.interleave:
+            data["interleaved"] = interleaved.run(s, key, data["rows"], lambda: probe(s),
+                                                  lambda line: print(line, flush=True))
+            text += "\n\n" + interleaved.text(data["interleaved"])
+            md += "\n" + interleaved.markdown(data["interleaved"])
         table.write(s.out, data, md)
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -55,6 +55,8 @@ class Settings:
             minutes at a time (README), so a ratio is taken within one round and the table gives their median.
         pairs: how many paired decode measurements follow the rounds per precision and context (0: none;
             :mod:`.paired`).
+        interleave: how many neighbouring bursts of both engines, held open side by side, follow per precision
+            and context (0: none; :mod:`.interleaved`).
         quantize_from: the GGUF type (:data:`QUANTIZE_SOURCES`) llama-quantize makes Q4_0 from; removed once used
             when no requested precision is that type (a 27-layer V2-Lite F32 file is 63 GB).
     """
@@ -73,6 +75,7 @@ class Settings:
     quantize_from: str = "F32"
     rounds: int = 3
     pairs: int = 0
+    interleave: int = 0
 
     @property
     def llama_dir(self) -> Path:

@@ -85,6 +85,25 @@ def build(s: Settings) -> Step:
     return Step("build", argv, done=s.built)
 
 
+def stepper(s: Settings) -> Step:
+    """``llama-stepper`` (``stepper.cpp``: llama.cpp's side of ``--interleave``), compiled with the C++ compiler
+    against the build's own static libraries and headers (OpenMP as the build has it)."""
+    from .interleaved import STEPPER_SOURCE, stepper_path
+
+    libs = [s.build / "src" / "libllama.a"] + [s.build / "ggml" / "src" / f"libggml{part}.a"
+                                               for part in ("", "-cpu", "-base")]
+    try:
+        cache = (s.build / "CMakeCache.txt").read_text(errors="replace")
+    except OSError:
+        cache = ""  # not configured yet: ggml enables OpenMP where the compiler has it
+    openmp = () if "GGML_OPENMP_ENABLED:INTERNAL=OFF" in cache else ("-fopenmp",)
+    out = stepper_path(s)
+    argv = ((compilers() or ["c++"])[0], "-O2", "-std=c++17", f"-I{s.vendored / 'include'}",
+            f"-I{s.vendored / 'ggml' / 'include'}", str(STEPPER_SOURCE), *map(str, libs), *openmp, "-lpthread", "-ldl",
+            "-lm", "-o", str(partial(out)))
+    return Step("stepper", argv, done=out.is_file(), makes=out)
+
+
 def missing_converter_modules() -> list[str]:
     """The converter's packages the running interpreter lacks."""
     import importlib.util
@@ -165,6 +184,8 @@ def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
     if transient:
         steps.append(convert(s, key, s.quantize_from, done=all(s.gguf(key, k).is_file() for k in quantized)))
     steps += [quantize(s, key, k, drop=transient and k == quantized[-1]) for k in quantized]
+    if s.interleave:
+        steps.append(stepper(s))
     steps += measurements(s, key)
     return [step for step in steps if step is not None]
 
