@@ -13,7 +13,8 @@ huge-page setting of mla-deploy's command line; weights faulted in, engine warme
 (``stepper.cpp``, compiled against the build's own libraries by the ``stepper`` step), which times exactly what
 ``llama-bench -p 0 -n N -d DEPTH`` times (its ``test_gen`` after an untimed context of random tokens; llama-bench's
 model and context settings and threadpool), with the model held open. Each keeps the context of a depth and starts
-each burst again from it, as llama-bench does between its repetitions. Both warm with two untimed bursts at each
+each burst again from it, as llama-bench does between its repetitions. A pause of :data:`PAUSE` before each burst
+lets the other engine's threads stop spinning. Both warm with two untimed bursts at each
 context; the order alternates (ours first in even bursts); a read probe before and after each series says which
 state the machine was in.
 
@@ -29,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from . import paired_worker
@@ -38,6 +40,10 @@ from .table import aligned
 HERE = Path(__file__).resolve().parent
 #: llama.cpp's side, compiled by :func:`.steps.stepper`
 STEPPER_SOURCE = HERE / "stepper.cpp"
+#: seconds between two bursts: an engine's threads keep spinning for a while after its burst (llama.cpp's threadpool
+#: polls for work for milliseconds at its default --poll 50, ONNX Runtime's workers spin too), and that spinning must
+#: not run beside the other engine's burst on the same cores
+PAUSE = 0.2
 
 
 def stepper_path(s: Settings) -> Path:
@@ -152,7 +158,10 @@ def run(s: Settings, key: str, rows: list[dict], probe, echo) -> list[dict]:
                 probes, bursts = [probe()["read_gbps"]], []
                 for i in range(s.interleave):
                     order = [("ours", ours), ("llama", llama)][:: 1 if i % 2 == 0 else -1]
-                    speed = {side: worker.burst(context, s.generate) for side, worker in order}
+                    speed = {}
+                    for side, worker in order:
+                        time.sleep(PAUSE)
+                        speed[side] = worker.burst(context, s.generate)
                     bursts.append({"first": order[0][0], "ours_tokens_per_s": speed["ours"],
                                    "llama_tokens_per_s": speed["llama"]})
                 probes.append(probe()["read_gbps"])
