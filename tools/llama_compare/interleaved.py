@@ -35,7 +35,7 @@ from pathlib import Path
 
 from . import paired_worker
 from .settings import PRECISIONS, CompareError, Settings
-from .table import aligned
+from .table import section_markdown, section_text
 
 HERE = Path(__file__).resolve().parent
 #: llama.cpp's side, compiled by :func:`.steps.stepper`
@@ -204,10 +204,8 @@ NOTES = ("Figures are medians over the neighbouring bursts; `middle half`: the r
 
 
 def text(entries: list[dict]) -> str:
-    return "\n".join([TITLE, ""] + aligned(HEAD, cells(entries)) + ["", NOTES])
+    return section_text(TITLE, HEAD, cells(entries), NOTES)
 
 
 def markdown(entries: list[dict]) -> str:
-    lines = [f"## {TITLE}", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-    lines += ["| " + " | ".join(r) + " |" for r in cells(entries)]
-    return "\n".join(lines + ["", NOTES, ""])
+    return section_markdown(TITLE, HEAD, cells(entries), NOTES)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import paired_worker
 from .settings import PRECISIONS, CompareError, Settings
-from .table import aligned, parse_llama_bench
+from .table import parse_llama_bench, section_markdown, section_text
 
 #: a pair is steady when its three probes' highest is at most this much above their lowest (the development
 #: machine's two states are 1.8x apart; one state's probes spread about 10%)
@@ -177,10 +177,8 @@ NOTES = ("Figures are medians over the steady pairs; a ratio is taken within eac
 
 
 def text(paired: list[dict]) -> str:
-    return "\n".join([TITLE, ""] + aligned(HEAD, cells(paired)) + ["", NOTES])
+    return section_text(TITLE, HEAD, cells(paired), NOTES)
 
 
 def markdown(paired: list[dict]) -> str:
-    lines = [f"## {TITLE}", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-    lines += ["| " + " | ".join(r) + " |" for r in cells(paired)]
-    return "\n".join(lines + ["", NOTES, ""])
+    return section_markdown(TITLE, HEAD, cells(paired), NOTES)

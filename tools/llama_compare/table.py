@@ -161,6 +161,18 @@ def bound_lines(b: dict) -> list[str]:
             bound_check_line(b["check"])]
 
 
+def section_text(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]], notes: str) -> str:
+    """A second table of the report (pairs, interleaved bursts) as plain text: its title, the table, its notes."""
+    return "\n".join([title, ""] + aligned(head, rows) + ["", notes])
+
+
+def section_markdown(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]], notes: str) -> str:
+    """The same as a Markdown section of compare.md."""
+    lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines + ["", notes, ""])
+
+
 def aligned(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     """``head`` and ``rows`` as lines of a plain-text table: the first column left-aligned, the others right-aligned,
     a rule under the head."""
