@@ -289,7 +289,7 @@ def test_our_burst_worker_starts_each_burst_from_the_kept_context(tmp_path):
 
     log = tmp_path / "ours.log"
     argv = [sys.executable, "-m", "llama_compare.burst_worker", str(art), "1", "40"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tools"), str(ROOT)])}
+    env = paired.worker_environment()  # what ours_worker gives the process
     worker = interleaved.Worker("ours", argv, log, env)
     try:
         speeds = [worker.burst(30, 8) for _ in range(4)] + [worker.burst(0, 8)]

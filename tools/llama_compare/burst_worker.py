@@ -3,20 +3,19 @@
 
 It opens ``ARTIFACT`` as ``mla-deploy run`` does (:class:`~mla_deploy.engines.ort_engine.OrtEngine`, its CPU engine
 where built, its weights faulted in; a cache of ``CAPACITY`` rows where the layout has one), warms it as
-:mod:`.paired_worker` does, prints ``{"ready": true}`` and answers requests on standard input, one per line:
-``DEPTH N`` times ``N`` decode steps of random tokens after a context of ``max(DEPTH, 1)`` random tokens and prints
-``{"ns": T, "n_gen": N, "depth": DEPTH}``. The context is prefilled (untimed) the first time a depth is asked for
-and kept: a later burst at the same depth starts again from it (a fixed-capacity cache's lengths set back; the rows
-a burst wrote after it are written over), as ``llama-stepper`` removes its burst's tokens; a growing cache is
-prefilled again before each burst. A bad request or an
-engine error prints ``{"error": "..."}``; end of input ends the process.
+:mod:`.paired_worker` does (:func:`~.paired_worker.open_warm`), prints ``{"ready": true}`` and answers requests on
+standard input, one per line: ``DEPTH N`` times ``N`` decode steps of random tokens after a context of
+``max(DEPTH, 1)`` random tokens and prints ``{"ns": T, "n_gen": N, "depth": DEPTH}``. The context is prefilled
+(untimed) the first time a depth is asked for and kept: a later burst at the same depth starts again from it (a
+fixed-capacity cache's lengths set back; the rows a burst wrote after it are written over), as ``llama-stepper``
+removes its burst's tokens; a growing cache is prefilled again before each burst. A bad request or an engine error
+prints ``{"error": "..."}``; end of input ends the process.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 
 from . import paired_worker
 
@@ -50,13 +49,8 @@ class Bursts:
             self.depth, self.lengths = depth, self.state.lengths.copy()
         else:
             self.state.lengths[:] = self.lengths
-        tokens = self.rng.integers(0, engine.vocab_size, steps)
-        ns = 0
-        for token in tokens:
-            start = time.perf_counter_ns()
-            engine.to_host(engine.decode(np.array([token]), self.state))
-            ns += time.perf_counter_ns() - start
-        return {"ns": ns, "n_gen": steps, "depth": depth}
+        seconds = paired_worker.timed_steps(engine, self.state, self.rng.integers(0, engine.vocab_size, steps))
+        return {"ns": round(seconds * 1e9), "n_gen": steps, "depth": depth}
 
 
 def serve(bursts: Bursts, lines, write) -> None:
@@ -78,7 +72,6 @@ def serve(bursts: Bursts, lines, write) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from mla_deploy.engines.ort_engine import OrtEngine
     from mla_deploy.errors import MLADeployError
 
     def write(reply: dict) -> None:
@@ -86,11 +79,7 @@ def main(argv: list[str]) -> int:
 
     artifact, (threads, capacity) = argv[0], map(int, argv[1:3])
     try:
-        engine = OrtEngine(artifact, threads=threads, capacity=capacity)
-        room = engine.capacity or 96
-        warm = min(64, room // 2)
-        for warm_seed in (1, 2):
-            paired_worker.window(engine, warm, min(32, room - warm), warm_seed)
+        engine = paired_worker.open_warm(artifact, threads, capacity)
     except MLADeployError as exc:
         write({"error": f"{type(exc).__name__}: {exc}"})
         return 1

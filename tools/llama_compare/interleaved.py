@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from . import paired_worker
+from . import paired, paired_worker
 from .settings import PRECISIONS, CompareError, Settings
 from .table import section_markdown, section_text
 
@@ -107,13 +106,10 @@ class Worker:
 
 
 def ours_worker(s: Settings, weights: str, capacity: int) -> Worker:
-    from mla_deploy.engines.huge_pages import environment_with_huge_pages
-
-    environ = environment_with_huge_pages(os.environ) or dict(os.environ)
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), environ.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "llama_compare.burst_worker", str(s.ours_artifact(weights)), str(s.threads),
             str(capacity)]
-    return Worker(f"our burst worker ({weights})", argv, s.logs / f"interleaved-ours-{weights}.log", environ)
+    return Worker(f"our burst worker ({weights})", argv, s.logs / f"interleaved-ours-{weights}.log",
+                  paired.worker_environment())
 
 
 def llama_worker(s: Settings, gguf: Path, n_ctx: int) -> Worker:

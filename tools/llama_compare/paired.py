@@ -60,18 +60,24 @@ def llama_window(s: Settings, gguf: Path, context: int) -> float:
     return tests[0]["tokens_per_s"]
 
 
-def ours_window(artifact: Path, threads: int, capacity: int, context: int, steps: int, seed: int) -> float:
-    """Our decode tokens/s in one pair: a :mod:`.paired_worker` process of its own (mla-deploy's huge-page setting)
-    opens ``artifact`` with a cache of ``capacity`` rows, warms it, and times ``steps`` steps after ``context``
-    tokens; :class:`CompareError` in one line when it cannot."""
+def worker_environment() -> dict:
+    """The environment of our worker processes: mla-deploy's huge-page setting (as its command line sets it) and
+    this package on the import path."""
     from mla_deploy.engines.huge_pages import environment_with_huge_pages
 
     environ = environment_with_huge_pages(os.environ) or dict(os.environ)
     here = str(Path(__file__).resolve().parent.parent)
     environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, environ.get("PYTHONPATH")) if p)
+    return environ
+
+
+def ours_window(artifact: Path, threads: int, capacity: int, context: int, steps: int, seed: int) -> float:
+    """Our decode tokens/s in one pair: a :mod:`.paired_worker` process of its own (mla-deploy's huge-page setting)
+    opens ``artifact`` with a cache of ``capacity`` rows, warms it, and times ``steps`` steps after ``context``
+    tokens; :class:`CompareError` in one line when it cannot."""
     argv = [sys.executable, "-m", "llama_compare.paired_worker", *map(str, (artifact, threads, capacity, context,
                                                                             steps, seed))]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=environ)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=worker_environment())
     lines = proc.stdout.strip().splitlines()
     reply = json.loads(lines[-1]) if lines else {}
     if "tokens_per_s" not in reply:

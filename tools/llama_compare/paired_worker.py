@@ -33,26 +33,42 @@ def window(engine, context: int, steps: int, seed: int) -> dict:
     prompt = max(context, 1)
     state = engine.new_state(1, rows_for(context, steps))
     engine.to_host(engine.prefill(rng.integers(0, vocab, (1, prompt)), np.array([prompt]), state))
-    tokens = rng.integers(0, vocab, steps)
+    seconds = timed_steps(engine, state, rng.integers(0, vocab, steps))
+    return {"tokens_per_s": steps / seconds, "steps": steps, "seconds": seconds}
+
+
+def timed_steps(engine, state, tokens) -> float:
+    """One decode step per token of ``tokens`` (batch 1) on ``state``; returns the steps' own seconds, each ended
+    by reading its logits (what a window or a burst times)."""
+    import numpy as np
+
     seconds = 0.0
     for token in tokens:
         start = time.perf_counter()
         engine.to_host(engine.decode(np.array([token]), state))
         seconds += time.perf_counter() - start
-    return {"tokens_per_s": steps / seconds, "steps": steps, "seconds": seconds}
+    return seconds
+
+
+def open_warm(artifact: str, threads: int, capacity: int, seed: int = 0):
+    """The engine as ``mla-deploy run`` opens it (a cache of ``capacity`` rows), warmed by two untimed windows (a
+    64-token prompt and 32 steps, or what the cache holds). Raises what :class:`OrtEngine` raises."""
+    from mla_deploy.engines.ort_engine import OrtEngine
+
+    engine = OrtEngine(artifact, threads=threads, capacity=capacity)
+    room = engine.capacity or 96  # a static cache's rows (a small test model's may be fewer than 96)
+    warm = min(64, room // 2)
+    for warm_seed in (seed + 1, seed + 2):
+        window(engine, warm, min(32, room - warm), warm_seed)
+    return engine
 
 
 def main(argv: list[str]) -> int:
-    from mla_deploy.engines.ort_engine import OrtEngine
     from mla_deploy.errors import MLADeployError
 
     artifact, (threads, capacity, context, steps, seed) = argv[0], map(int, argv[1:6])
     try:
-        engine = OrtEngine(artifact, threads=threads, capacity=capacity)
-        room = engine.capacity or 96  # a static cache's rows (a small test model's may be fewer than 96)
-        warm = min(64, room // 2)
-        for warm_seed in (seed + 1, seed + 2):
-            window(engine, warm, min(32, room - warm), warm_seed)
+        engine = open_warm(artifact, threads, capacity, seed)
         reply = window(engine, context, steps, seed)
     except MLADeployError as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
