@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -319,8 +320,6 @@ def test_llama_stepper_compiles_against_the_build_and_times_bursts_after_a_kept_
     """The stepper step compiles stepper.cpp against the build's static libraries; the process holds a GGUF written
     by llama.cpp's converter, times bursts at depths 0 and 16 (again and again at one depth: its tokens removed
     after each) and refuses a request past its context in one line."""
-    from dataclasses import replace
-
     from llama_compare import steps
 
     s = replace(_llama_build(), out=tmp_path)
@@ -459,6 +458,47 @@ def test_q4_0_from_a_q8_0_file_is_requantized_and_the_file_dropped_unless_reques
     proc = compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache"), "--weights", weights,
                    "--quantize-from", "q8_0")
     assert proc.returncode == 0 and "--allow-requantize" in proc.stdout, proc.stderr
+
+
+def test_pure_q4_0_is_a_file_of_its_own_that_llama_quantize_makes_pure(checkpoint, tmp_path):
+    """--pure: llama-quantize gets --pure (every matrix Q4_0, output.weight too) and writes model-Q4_0-pure.gguf, so a
+    cached default Q4_0 file is neither reused for it nor replaced; the converter's files are the same either way."""
+    from llama_compare import steps
+    from llama_compare.settings import Settings
+
+    plain, pure = (Settings(checkpoint=checkpoint, out=tmp_path / "out", cache=tmp_path / "cache",
+                            precisions=("int8", "int4"), pure=flag) for flag in (False, True))
+    assert pure.gguf("key", "Q4_0").name == "model-Q4_0-pure.gguf" != plain.gguf("key", "Q4_0").name
+    assert pure.gguf("key", "Q8_0") == plain.gguf("key", "Q8_0") and pure.gguf("key", "F32") == plain.gguf("key", "F32")
+    plain.gguf("key", "Q4_0").parent.mkdir(parents=True)
+    plain.gguf("key", "Q4_0").write_bytes(b"gguf")  # a default Q4_0 in the cache
+    for settings, flagged in ((plain, False), (pure, True)):
+        step = next(p for p in steps.plan(settings, "key", ["pip"]) if p.name == "quantize-Q4_0")
+        assert ("--pure" in step.argv) == flagged and step.makes == settings.gguf("key", "Q4_0")
+        assert step.done == (not flagged)
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache2"), "--weights", "int4", "--pure")
+    assert proc.returncode == 0 and "--pure" in proc.stdout and "model-Q4_0-pure.gguf" in proc.stdout, proc.stderr
+    assert "--pure" not in compare(str(checkpoint), "--dry-run", "--cache", str(tmp_path / "cache2"),
+                                   "--weights", "int4").stdout
+
+
+def test_the_title_names_the_matrices_a_file_holds_in_another_type():
+    """llama.cpp's converter keeps the tiny model's matrices whose rows are no whole blocks of 32 in F16 in its Q8_0
+    file, and llama-quantize keeps output.weight in Q6_K in a Q4_0 file made without --pure: the table's title says
+    so, where the bytes of a step differ from ours for that reason."""
+    model = gguf.read_gguf(TINY_GGUF)
+    assert set(gguf.other_types(model, "Q8_0")) == {f"blk.{i}.{n}.weight" for i in (0, 1)
+                                                     for n in ("attn_k_b", "attn_v_b", "attn_output")}
+    assert gguf.held_apart({"Q8_0": model}) == "; the Q8_0 file holds 6 matrices in F16"
+    q4 = gguf.GGUF(Path("model-Q4_0.gguf"), {}, (
+        gguf.Tensor("output.weight", (2048, 102400), 14, 172_032_000),
+        gguf.Tensor("blk.0.ffn_gate_inp.weight", (2048, 64), 0, 524_288),  # the router: F32 at every type
+        gguf.Tensor("blk.0.attn_norm.weight", (2048,), 0, 8192),
+        gguf.Tensor("blk.0.ffn_down_exps.weight", (1408, 2048, 64), 2, 103_809_024)))
+    assert gguf.other_types(q4, "Q4_0") == {"output.weight": "Q6_K"}
+    assert gguf.held_apart({"Q4_0": q4}) == "; the Q4_0 file holds output.weight in Q6_K"
+    pure = gguf.GGUF(q4.path, {}, (gguf.Tensor("output.weight", (2048, 102400), 2, 117_964_800),))
+    assert gguf.held_apart({"Q4_0": pure, "Q8_0": model}) == "; the Q8_0 file holds 6 matrices in F16"
 
 
 def test_a_dropped_intermediate_is_removed_after_success_and_its_convert_step_cached(checkpoint, tmp_path):

@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the GGUF llama-quantize makes Q4_0 from, removed afterwards unless requested (default F32; "
                    "BF16: the same Q4_0 from a bf16 checkpoint at half the disk; Q8_0: requantized, a different Q4_0, "
                    "where a full-size F32 or BF16 file does not fit)")
+    p.add_argument("--pure", action="store_true", help="llama-quantize --pure: every matrix of the Q4_0 file in "
+                   "Q4_0, output.weight too, as our int4 export holds its lm_head (default: llama-quantize's own "
+                   "choice, output.weight in Q6_K); kept as a file of its own")
     p.add_argument("--dry-run", action="store_true", help="print the plan (command lines, what is cached); run nothing")
     return p
 
@@ -89,7 +92,7 @@ def settings(args) -> Settings:
                     contexts=args.context, threads=args.threads[0], repetitions=args.repetitions[0],
                     prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0],
                     quantize_from=args.quantize_from, rounds=args.rounds[0], pairs=args.pairs[0],
-                    interleave=args.interleave[0])
+                    interleave=args.interleave[0], pure=args.pure)
 
 
 def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
@@ -164,7 +167,7 @@ def collect(s: Settings, key: str, probes: list[dict], commands: list[str]) -> t
     title = (f"{model['name']} ({model['num_hidden_layers']} layers), batch 1, {s.threads} threads: mla-deploy "
              f"{reports[0]['versions'].get('mla_deploy')} (ONNX Runtime {reports[0]['versions'].get('onnxruntime')}) "
              f"beside llama.cpp {commit} (llama-cpp-python {s.version}); decode tokens/s after each context; "
-             f"{s.rounds} round{'s' if s.rounds > 1 else ''}")
+             f"{s.rounds} round{'s' if s.rounds > 1 else ''}{gguf.held_apart(models)}")
     data = {"title": title, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(s).items()},
             "rows": rows, "rounds": rounds, "bound": bound, "gguf": {k: gguf.summary(m) for k, m in models.items()},
             "llama_bench": llama_runs, "machine": reports[0].get("machine"), "probes_beside_llama_bench": probes,

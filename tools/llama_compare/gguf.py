@@ -137,6 +137,30 @@ def decode_bytes(model: GGUF, rows: float) -> dict:
             "bytes": int(weights + experts + cache)}
 
 
+def other_types(model: GGUF, kind: str) -> dict[str, str]:
+    """The matrices of ``model`` (two or more dimensions) stored in a type other than ``kind`` and F32 (the routers
+    and what llama.cpp keeps in F32 at every type), by name: e.g. ``{"output.weight": "Q6_K"}`` in a Q4_0 file
+    that llama-quantize made without ``--pure``."""
+    return {t.name: t.type_name for t in model.tensors
+            if len(t.dims) >= 2 and t.type_name not in (kind, "F32")}
+
+
+def held_apart(models: dict) -> str:
+    """The title's note of the matrices a GGUF file holds in another type than its own (``models``: type ->
+    :class:`GGUF`), e.g. ``; the Q4_0 file holds output.weight in Q6_K``; empty where none."""
+    notes = []
+    for kind, model in models.items():
+        other = other_types(model, kind)
+        if other:
+            by_type: dict[str, list[str]] = {}
+            for name, type_name in other.items():
+                by_type.setdefault(type_name, []).append(name)
+            held = ", ".join(f"{', '.join(names) if len(names) <= 3 else f'{len(names)} matrices'} in {type_name}"
+                             for type_name, names in by_type.items())
+            notes.append(f"the {kind} file holds {held}")
+    return "".join(f"; {note}" for note in notes)
+
+
 def summary(model: GGUF) -> dict:
     """The file's size, tensor bytes and types (for the report)."""
     types: dict[str, int] = {}

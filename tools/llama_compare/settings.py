@@ -59,6 +59,10 @@ class Settings:
             and context (0: none; :mod:`.interleaved`).
         quantize_from: the GGUF type (:data:`QUANTIZE_SOURCES`) llama-quantize makes Q4_0 from; removed once used
             when no requested precision is that type (a 27-layer V2-Lite F32 file is 63 GB).
+        pure: llama-quantize ``--pure``: every matrix it quantizes in the one type asked for. Without it (its
+            default, what a llama.cpp user gets) a Q4_0 file keeps ``output.weight`` in Q6_K, more bytes a step than
+            our int4 ``lm_head`` reads; with it both engines read the same weights at the same precision. Kept as a
+            file of its own (:meth:`gguf`).
     """
 
     checkpoint: Path
@@ -76,6 +80,7 @@ class Settings:
     rounds: int = 3
     pairs: int = 0
     interleave: int = 0
+    pure: bool = False
 
     @property
     def llama_dir(self) -> Path:
@@ -123,7 +128,9 @@ class Settings:
         return self.cache / "gguf" / key
 
     def gguf(self, key: str, kind: str) -> Path:
-        return self.gguf_dir(key) / f"model-{kind}.gguf"
+        """The file of ``kind``; llama-quantize's files made ``--pure`` (:attr:`pure`) are ``model-KIND-pure.gguf``."""
+        pure = "-pure" if self.pure and kind not in CONVERTER_TYPES else ""
+        return self.gguf_dir(key) / f"model-{kind}{pure}.gguf"
 
     @property
     def logs(self) -> Path:

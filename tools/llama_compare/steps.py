@@ -133,10 +133,11 @@ def convert(s: Settings, key: str, kind: str, done: bool = False) -> Step:
 
 
 def quantize(s: Settings, key: str, kind: str, drop: bool = False) -> Step:
-    """Other types from the ``s.quantize_from`` file with ``llama-quantize`` (``--allow-requantize`` from Q8_0);
-    ``drop``: that file is removed once this step succeeded."""
+    """Other types from the ``s.quantize_from`` file with ``llama-quantize`` (``--allow-requantize`` from Q8_0,
+    ``--pure`` where :attr:`Settings.pure`); ``drop``: that file is removed once this step succeeded."""
     out, source = s.gguf(key, kind), s.gguf(key, s.quantize_from)
     flags = ("--allow-requantize",) if s.quantize_from not in ("F32", "BF16") else ()
+    flags += ("--pure",) if s.pure else ()
     argv = (str(s.tool("llama-quantize")), *flags, str(source), str(partial(out)), kind, str(s.threads))
     return Step(f"quantize-{kind}", argv, done=out.is_file(), makes=out, drops=source if drop else None)
 
