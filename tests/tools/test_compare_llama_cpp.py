@@ -337,6 +337,35 @@ def test_llama_stepper_compiles_against_the_build_and_times_bursts_after_a_kept_
         worker.close()
 
 
+def _llama_source():
+    from llama_compare.settings import Settings, default_cache
+
+    s = Settings(checkpoint=Path("."), out=Path("."), cache=default_cache())
+    return s if (s.vendored / "convert_hf_to_gguf.py").is_file() else None
+
+
+@pytest.mark.skipif(_llama_source() is None, reason="needs llama.cpp's source in the cache (a run of "
+                    "tools/compare_llama_cpp.sh extracts it); CI has none")
+def test_experts_written_one_at_a_time_make_the_file_the_converter_made_stacking_them(tmp_path):
+    """convert_entry writes each layer's routed experts one expert at a time (the converter's LazyChunkedTensor), not
+    as the float32 stack the converter makes, which a V3 layer does not fit beside in 24 GiB: the Q8_0 file is the
+    one, byte for byte, that llama.cpp's converter wrote before, stacking them (TINY_GGUF: the same checkpoint)."""
+    from hf_oracle import hf_model
+    from llama_compare import steps
+
+    checkpoint = tmp_path / "tiny-ckpt"  # the converter names the model after its folder: "Tiny Ckpt" as TINY_GGUF
+    hf_model(2).save_pretrained(checkpoint)
+    s = replace(_llama_source(), checkpoint=checkpoint, out=tmp_path)
+    step = steps.convert(s, "key", "Q8_0")
+    argv = step.argv[:4] + ("--outfile", str(tmp_path / "chunked.gguf")) + step.argv[6:]  # not into the cache
+    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, **step.env), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    experts = [t for t in gguf.read_gguf(tmp_path / "chunked.gguf").tensors if "_exps" in t.name]
+    assert [t.name for t in experts] == [f"blk.1.ffn_{p}_exps.weight" for p in ("down", "gate", "up")]  # 1 MoE layer
+    assert all(t.dims[-1] == 8 and t.type_name == "Q8_0" for t in experts)
+    assert (tmp_path / "chunked.gguf").read_bytes() == TINY_GGUF.read_bytes()
+
+
 def test_dry_run_with_interleave_compiles_the_stepper_and_plans_the_bursts(checkpoint, tmp_path):
     cache = tmp_path / "cache"
     proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int4", "-n", "16", "--rounds",

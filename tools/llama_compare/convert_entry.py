@@ -3,8 +3,8 @@ that runs the comparison, with the vendored ``gguf-py`` on its path):
 
     python convert_entry.py LLAMA_CPP_DIR CHECKPOINT [converter options ...]
 
-Three adaptations, all in a subclass of the converter's own class for the checkpoint's architecture, none
-touching a weight:
+Four adaptations, all in a subclass of the converter's own class for the checkpoint's architecture, none
+changing a byte the converter writes:
 
 * A checkpoint without tokenizer files (the random ones `samples/03_random_checkpoint` writes) gets a GGUF whose
   tokenizer model is ``none`` with the config's vocabulary size (llama.cpp then holds that many placeholder
@@ -16,20 +16,36 @@ touching a weight:
   ``attention.q_lora_rank = 0``: llama.cpp takes a model without that key for the "lite" layout only at 26 or 27
   layers, so the first N layers of V2-Lite would not load without it; with 0 it builds the same plain query
   projection it builds for the whole V2-Lite.
+* A layer's routed experts are written one expert at a time. The converter stacks a layer's experts into one
+  tensor and turns it to float32 before quantizing it: for DeepSeek-V3 (256 experts of 2048 x 7168) that is 15 GB
+  for each of the three projections, and the kernel's out-of-memory killer stopped it on a 24 GiB machine. Here each
+  projection goes to the writer as the converter's own ``gguf.LazyChunkedTensor`` (its upstream answer to a tensor
+  too large to hold: one chunk resident at a time), a chunk an expert, each loaded, turned to float32 and quantized
+  as the stack would have been. A quantized block never spans two experts (blocks run along a row), so the file
+  holds the same bytes (a test compares the two on a tiny checkpoint).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+#: a routed expert's projection in a DeepSeek checkpoint: (layer, expert, projection)
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+#: the converter's order of a layer's stacked projections
+PROJECTIONS = ("down_proj", "gate_proj", "up_proj")
 
 
 def _adapt(architecture: str, vocabless: bool) -> None:
     """Register, for ``architecture``, the converter's own class with the adaptations of the module docstring."""
+    import gguf
+    import numpy as np
+    import torch
     from conversion import ModelBase, get_model_class
+    from conversion.base import LazyTorchTensor
 
     base = get_model_class(architecture)
 
@@ -47,6 +63,43 @@ def _adapt(architecture: str, vocabless: bool) -> None:
                 return super().get_vocab_base_pre(tokenizer)
             except NotImplementedError:  # an unrecognised pre-tokenizer: see the module docstring
                 return "default"
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._routed: dict[int, set[str]] = {}  # per layer, the names of its routed experts' projections seen
+
+        def modify_tensors(self, data_torch, name: str, bid: int | None):
+            expert = EXPERT.fullmatch(name)
+            if (expert is None or not getattr(self, "merge_expert", False) or self.fuse_gate_up_exps
+                    or int(expert.group(1)) >= int(self.hparams["num_hidden_layers"])):
+                yield from super().modify_tensors(data_torch, name, bid)
+                return
+            layer = int(expert.group(1))
+            seen = self._routed.setdefault(layer, set())
+            seen.add(name)
+            n_experts = int(self.hparams["n_routed_experts"])
+            if len(seen) < 3 * n_experts:
+                return
+            del self._routed[layer]
+            for projection in PROJECTIONS:
+                names = [f"model.layers.{layer}.mlp.experts.{i}.{projection}.weight" for i in range(n_experts)]
+                rows, columns = self.model_tensors[names[0]]().shape
+                stacked = gguf.LazyChunkedTensor([self._expert_chunk(n) for n in names], (n_experts, rows, columns),
+                                                 np.float32)
+                yield self.map_tensor_name(f"model.layers.{layer}.mlp.experts.{projection}.weight"), stacked
+
+        def _expert_chunk(self, name: str):
+            """One expert's projection as the stack holds it (float32), loaded when it is written."""
+            def load():
+                # a fresh lazy tensor each call: to_eager() of a kept one would keep every expert it loaded
+                return LazyTorchTensor.to_eager(self.model_tensors[name]()).to(torch.float32).contiguous().numpy()
+            return load
+
+        def prepare_tensors(self) -> None:
+            super().prepare_tensors()
+            left = sorted(n for names in self._routed.values() for n in names)
+            if left:
+                raise ValueError(f"experts of an incomplete layer, not written: {left[:3]} ...")
 
         def set_gguf_parameters(self) -> None:
             super().set_gguf_parameters()
