@@ -307,10 +307,15 @@ def test_our_burst_worker_starts_each_burst_from_the_kept_context(tmp_path):
                            tmp_path / "gone.log", env)
 
 
-def _llama_build():
+def _cached_llama():
+    """Settings on the llama.cpp cache a run of the tool leaves (``$MLA_DEPLOY_CACHE`` or the default)."""
     from llama_compare.settings import Settings, default_cache
 
-    s = Settings(checkpoint=Path("."), out=Path("."), cache=default_cache())
+    return Settings(checkpoint=Path("."), out=Path("."), cache=default_cache())
+
+
+def _llama_build():
+    s = _cached_llama()
     return s if (s.build / "src" / "libllama.a").is_file() and s.vendored.is_dir() else None
 
 
@@ -338,9 +343,7 @@ def test_llama_stepper_compiles_against_the_build_and_times_bursts_after_a_kept_
 
 
 def _llama_source():
-    from llama_compare.settings import Settings, default_cache
-
-    s = Settings(checkpoint=Path("."), out=Path("."), cache=default_cache())
+    s = _cached_llama()
     return s if (s.vendored / "convert_hf_to_gguf.py").is_file() else None
 
 

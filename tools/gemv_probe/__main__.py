@@ -146,10 +146,9 @@ def ort_worker(folder: Path, n: int, k: int, threads: int, repeat: int, kernel: 
     return {"seconds": best, "huge_page_bytes": huge_pages().huge_bytes}
 
 
-def measure(n: int, k: int, threads: int, repeat: int, bits: int = 4, probe=None) -> list[dict]:
+def measure(n: int, k: int, threads: int, repeat: int, bits: int = 4) -> list[dict]:
     """One row per (pages, kernel): milliseconds, GB/s streamed, huge-page bytes, the error against float and the read
-    bandwidth probed just before it (``probe``: threads -> GB/s, default :func:`read_probe`)."""
-    probe = probe or read_probe
+    bandwidth probed just before it (:func:`read_probe`)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="gemv-probe-") as tmp:
         folder = Path(tmp)
@@ -158,7 +157,7 @@ def measure(n: int, k: int, threads: int, repeat: int, bits: int = 4, probe=None
         nbytes = weights.nbytes + scales.nbytes
         for huge in (0, 1):
             for kernel in KERNELS:
-                read_gbps = probe(threads)
+                read_gbps = read_probe(threads)
                 proc = subprocess.run([sys.executable, str(Path(__file__).parent), "--ort-worker", str(folder),
                                        "--kernel", kernel, "--shape", f"{n},{k}", "--threads", str(threads),
                                        "--repeat", str(repeat), "--bits", str(bits)], capture_output=True, text=True,
