@@ -131,8 +131,8 @@ def collect(providers: bool = True) -> dict[str, Any]:
 
 def _huge_pages() -> dict[str, Any]:
     """Whether this process's large allocations (ONNX Runtime's weights) land on huge pages, with the system's THP
-    setting and ``GLIBC_TUNABLES`` (see :mod:`mla_deploy.engines.huge_pages`)."""
-    from .engines import huge_pages
+    setting and ``GLIBC_TUNABLES`` (see :mod:`mla_deploy.ort.huge_pages`)."""
+    from .ort import huge_pages
 
     state = huge_pages.huge_pages()
     return {"in_use": huge_pages.probe(), "setting": state.setting, "requested": state.requested,
@@ -141,9 +141,9 @@ def _huge_pages() -> dict[str, Any]:
 
 def _cpu_operators() -> str | None:
     """Why a CPU engine built here would keep ONNX Runtime's kernels, or None when it gets mla-deploy's own
-    operators (:mod:`mla_deploy.engines.cpu_ops`)."""
-    from .artifact.cpu_engine import host_cpu
-    from .engines import cpu_ops
+    operators (:mod:`mla_deploy.ort.operators`)."""
+    from .ort.record import host_cpu
+    from .ort import operators as cpu_ops
 
     return cpu_ops.why_not_here(host_cpu("").features)
 

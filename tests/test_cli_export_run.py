@@ -64,7 +64,7 @@ def test_ctrl_c_during_run_keeps_the_ids_so_far_then_one_error_line(tmp_path):
     import re
 
     from artifacts import tiny_recipe
-    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.ort.engine import OrtEngine
     from mla_deploy.exporter import export_recipe
 
     recipe, new = tiny_recipe("static", "fp32", max_cache_length=1 << 16), 60000

@@ -163,8 +163,8 @@ def imports_from(path: Path, package: str, root: Path = PACKAGE) -> list[str]:
 
 
 def test_the_tensorrt_engine_imports_nothing_from_the_onnxruntime_engine():
-    source = PACKAGE / "engines" / "trt_engine.py"
-    assert imports_from(source, "mla_deploy.engines.ort_engine") == []
+    source = PACKAGE / "trt" / "engine.py"
+    assert imports_from(source, "mla_deploy.ort") == []
     assert any(i.startswith("mla_deploy.engines.base:") for i in imports_from(source, "mla_deploy.engines"))
 
 

@@ -42,7 +42,7 @@ def sampled_sha256(path: str | Path, pages: int = SAMPLED_PAGES) -> str:
     digest costs seconds. It finds a file rewritten, replaced or corrupted over any stretch of 1/``pages`` of its
     size, not one edited byte between the samples. The pages are read with ``O_DIRECT`` where the file system takes
     it, so that they do not enter the page cache in 4 KiB pages: a weights file later read into 2 MiB pages
-    (``mla_deploy.engines.huge_pages``) keeps them."""
+    (``mla_deploy.ort.huge_pages``) keeps them."""
     size = os.path.getsize(path)
     count = -(-size // _PAGE)
     picks = sorted({(count - 1) * i // max(pages - 1, 1) for i in range(min(pages, count))}) if count else []

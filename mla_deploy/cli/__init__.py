@@ -36,13 +36,13 @@ def entry() -> None:
 
     Where the system allows transparent huge pages and glibc has the ``glibc.malloc.hugetlb`` tunable, the process
     re-executes itself once, the same command line with the tunable added to ``GLIBC_TUNABLES``
-    (:mod:`mla_deploy.engines.huge_pages` says why and how much it gains); the pid, open files and signals are
+    (:mod:`mla_deploy.ort.huge_pages` says why and how much it gains); the pid, open files and signals are
     the same. A ``GLIBC_TUNABLES`` naming the tunable already (``glibc.malloc.hugetlb=0`` turns it off) is kept.
     """
     import os
     import sys
 
-    from ..engines.huge_pages import environment_with_huge_pages
+    from ..ort.huge_pages import environment_with_huge_pages
 
     environ = environment_with_huge_pages(os.environ)
     command = getattr(sys, "orig_argv", None)

@@ -66,8 +66,8 @@ def _build_cpu(artifact_dir) -> None:
     """``--target cpu``: build, then one line per engine graph and one for what it is tied to."""
     from pathlib import Path
 
-    from ..artifact.cpu_engine import CPU_ENGINE_DIR
-    from ..engines.cpu_build import build_cpu_engine
+    from ..ort.record import CPU_ENGINE_DIR
+    from ..ort.cpu_build import build_cpu_engine
 
     record = build_cpu_engine(artifact_dir)
     folder = Path(artifact_dir) / CPU_ENGINE_DIR

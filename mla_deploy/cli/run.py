@@ -26,7 +26,7 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
     """Generate from an exported artifact with ONNX Runtime: text in and text out (--prompt, streamed as it is
     generated), or token ids (--prompt-ids). Stops at the checkpoint's end-of-sequence ids and --stop strings;
     greedy unless --temperature > 0."""
-    from ..engines.ort_engine import OrtEngine
+    from ..ort.engine import OrtEngine
     from ..generate.request import check_positions
     from ..generate.tokenizer import load_tokenizer
 

@@ -439,8 +439,8 @@ class _Headwise(WeightFormat):
     passes on: its graphs hold no other ``DequantizeLinear``) makes the CPU provider fold the dequantization into a
     float32 constant once, when the session loads (measured on 1.31.1: the optimised graph holds one ``MatMul``), so
     a plain session computes exactly with the dequantized weights; without it, the dequantization would run at every
-    step. A CPU engine (:mod:`mla_deploy.engines.cpu_build`) reads the integers as they are instead
-    (``mla_deploy.HeadwiseMatMul``, :mod:`mla_deploy.quant.own_ops`).
+    step. A CPU engine (:mod:`mla_deploy.ort.cpu_build`) reads the integers as they are instead
+    (``mla_deploy.HeadwiseMatMul``, :mod:`mla_deploy.ort.swaps`).
     """
 
     name, ops, parts = "headwise", "DequantizeLinear(axis=2, block_size) -> Transpose -> MatMul", (".q", ".scale")

@@ -11,7 +11,7 @@ quantization read, and the scheme of llama.cpp's ``Q8_0``/``Q4_0`` (block 32), w
 
 The graphs store the scales as float32 (the type ``MatMulNBits``, ``QMoE`` and ``DequantizeLinear`` take with
 float32 activations); being float16 values, they are stored as float16 by the CPU engine's build, exactly
-(:mod:`mla_deploy.engines.cpu_build`): a decode step streams 2 bytes of scale per block instead of 4, 10% of an
+(:mod:`mla_deploy.ort.cpu_build`): a decode step streams 2 bytes of scale per block instead of 4, 10% of an
 int4 weight's bytes.
 
 :func:`quantize` gives a weight as the graph multiplies with it, ``q [K, N]`` and ``scale [ceil(K/B), N]`` (blocks

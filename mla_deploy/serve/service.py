@@ -76,12 +76,12 @@ class Service:
         artifact: the export directory (static cache, with its tokenizer files).
         options: :class:`ServeOptions`.
     Raises:
-        ArtifactError: no tokenizer in the artifact. As :class:`~mla_deploy.engines.ort_engine.OrtEngine` and
+        ArtifactError: no tokenizer in the artifact. As :class:`~mla_deploy.ort.engine.OrtEngine` and
             :class:`~mla_deploy.generate.batching.ContinuousBatcher` (a concat cache has no rows to batch in).
     """
 
     def __init__(self, artifact: str | Path, options: ServeOptions):
-        from ..engines.ort_engine import OrtEngine
+        from ..ort.engine import OrtEngine
 
         self.options = options
         self.tokenizer = _tokenizer(artifact)  # before the engine: opening a full-size one takes seconds

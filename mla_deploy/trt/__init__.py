@@ -1,6 +1,6 @@
 """TensorRT engines: optimisation profiles (:mod:`.profiles`, pure Python), the Polygraphy build
 (:mod:`.build`) and the loader of the ``plugins/mla_decode`` sources (:mod:`.plugin_loader`). The engine that
-runs the built engines is :class:`mla_deploy.engines.trt_engine.TrtEngine` (also reachable here as ``TrtEngine``).
+runs the built engines is :class:`mla_deploy.trt.engine.TrtEngine` (also reachable here as ``TrtEngine``).
 ``tensorrt`` is imported only by the functions that need it.
 """
 
@@ -12,7 +12,7 @@ _LAZY = {
     "engine_profiles": ".profiles",
     "build_engines": ".build",
     "require_tensorrt": ".build",
-    "TrtEngine": "mla_deploy.engines.trt_engine",
+    "TrtEngine": "mla_deploy.trt.engine",
     "register_mla_decode_plugin": ".plugin_loader",
 }
 

@@ -6,8 +6,8 @@ graph (or the reference model) on the runner's own cache from the previous step.
 out their caches differently (concat with padding holes, static buffers) compare element for element.
 
 * :class:`TorchRunner`: the original ``CC``-form model in fp32, rebuilt from the artifact.
-* :class:`OrtRunner`: the artifact run by :class:`~mla_deploy.engines.ort_engine.OrtEngine`.
-* :func:`trt_runner`: the artifact's TensorRT engines run by :class:`~mla_deploy.engines.trt_engine.TrtEngine`.
+* :class:`OrtRunner`: the artifact run by :class:`~mla_deploy.ort.engine.OrtEngine`.
+* :func:`trt_runner`: the artifact's TensorRT engines run by :class:`~mla_deploy.trt.engine.TrtEngine`.
 
 Which cache rows belong to real tokens is asked of the runner's
 :class:`~mla_deploy.cache_layout.CacheLayout` (a row-less :class:`~mla_deploy.cache_layout.CacheState`
@@ -185,13 +185,13 @@ class OrtRunner(EngineRunner):
         threads: intra-op threads (None: ONNX Runtime's default).
         name: runner name (default ``onnxrt``).
         quantized_compute: quantized weights' arithmetic, ``int8`` or ``fp32`` (exact; see
-            :func:`~mla_deploy.engines.ort_engine.open_session`).
+            :func:`~mla_deploy.ort.engine.open_session`).
         use_engine: open the artifact's pre-built CPU engine where :class:`OrtEngine` would (CPU, ``int8``).
     """
 
     def __init__(self, artifact_dir: str | Path, provider: str = "cpu", threads: int | None = None,
                  name: str = "onnxrt", quantized_compute: str = FAST_COMPUTE, use_engine: bool = True):
-        from ..engines.ort_engine import OrtEngine
+        from ..ort.engine import OrtEngine
 
         engine = OrtEngine(artifact_dir, provider=provider, threads=threads, quantized_compute=quantized_compute,
                            use_engine=use_engine)
@@ -200,12 +200,12 @@ class OrtRunner(EngineRunner):
 
 def trt_runner(artifact_dir: str | Path, name: str = "tensorrt", **kwargs) -> EngineRunner:
     """The artifact's TensorRT engines (built by ``mla-deploy build``) as a runner:
-    :class:`~mla_deploy.engines.trt_engine.TrtEngine` ``(artifact_dir, **kwargs)``.
+    :class:`~mla_deploy.trt.engine.TrtEngine` ``(artifact_dir, **kwargs)``.
 
     Raises:
         RuntimeMissingError: TensorRT or a CUDA GPU is missing. ArtifactError: no, stale or unloadable engines.
     """
-    from ..engines.trt_engine import TrtEngine
+    from ..trt.engine import TrtEngine
 
     engine = TrtEngine(artifact_dir, **kwargs)
     return EngineRunner(engine, name, engine.provider, prefix="trt-runner")

@@ -10,7 +10,7 @@ import torch
 from mla_deploy import load_recipe
 from mla_deploy.exporter import export_recipe
 from mla_deploy.model import build_model
-from mla_deploy.engines.ort_engine import OrtEngine
+from mla_deploy.ort.engine import OrtEngine
 
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "tiny"
 recipe = load_recipe("tiny")  # export/tiny.toml: static (in-place) cache, fp32, opset 24

@@ -14,7 +14,7 @@ import pytest
 from artifacts import tiny_artifact
 from mla_deploy.cache_layout import CONCAT, STATIC
 from mla_deploy.engines.base import Engine, prefill_chunk_size, prefill_chunks
-from mla_deploy.engines.ort_engine import OrtEngine
+from mla_deploy.ort.engine import OrtEngine
 from mla_deploy.generate.loop import Generation
 from mla_deploy.generate.request import check_ids, pad_prompts
 from mla_deploy.errors import CacheCapacityError, InputError, ShapeError
@@ -221,7 +221,7 @@ def test_capacity_refusals_come_from_the_layout():
 
 # the real ONNX Runtime engine through the shared loop --------------------------------------------------------
 def test_concat_and_static_artifacts_generate_the_same_tokens():
-    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.ort.engine import OrtEngine
 
     engines = [OrtEngine(tiny_artifact(mode), threads=1) for mode in ("concat", "static")]
     assert [e.layout for e in engines] == [CONCAT, STATIC]
@@ -253,11 +253,11 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_trt_engine_imports_nothing_from_the_ort_engine():
-    import mla_deploy.engines.trt_engine as trt_engine
+    import mla_deploy.trt.engine as trt_engine
 
     imported = _imported_modules(Path(trt_engine.__file__))
     assert "mla_deploy.engines.base" in imported  # the loop comes from the base
-    assert not [m for m in imported if m.startswith(("mla_deploy.engines.ort_engine", "mla_deploy.runtime"))]
+    assert not [m for m in imported if m.startswith(("mla_deploy.ort.engine", "mla_deploy.runtime"))]
     assert issubclass(trt_engine.TrtEngine, Engine)
     for name in ("generate", "stream", "step", "forward", "prefill", "decode"):  # not redefined: the base's
         assert name not in vars(trt_engine.TrtEngine)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from cli_run import cli, ok  # noqa: E402
 from hf_oracle import hf_model  # noqa: E402
-from mla_deploy.engines.ort_engine import OrtEngine  # noqa: E402
+from mla_deploy.ort.engine import OrtEngine  # noqa: E402
 
 CASES = {  # version, q compression, yarn; all with MoE layers (first layer dense)
     "v2-moe-qlora": (2, 32, False),

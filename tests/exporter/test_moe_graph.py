@@ -82,7 +82,7 @@ def _inputs(config, tokens: int, seed: int, idx=None):
 @pytest.fixture(scope="module", params=["branches", "fused"])
 def sparse(request, tmp_path_factory):
     """The sparse experts module and an ONNX Runtime session of its export in each graph form (2 threads)."""
-    from mla_deploy.engines.ort_engine import open_session
+    from mla_deploy.ort.engine import open_session
 
     config = _config()
     module = _Experts(config)
@@ -175,7 +175,7 @@ def test_the_full_moe_layer_equals_pytorch_in_onnx_runtime(tmp_path):
     """Router, routed experts and shared expert together, exported with their weights, at 17 tokens."""
     from torch.export import Dim
 
-    from mla_deploy.engines.ort_engine import open_session
+    from mla_deploy.ort.engine import open_session
     from mla_deploy.model.decoder import init_random_
 
     config = _config()
@@ -274,7 +274,7 @@ def _namespace(node) -> str:
 def test_the_fused_artifact_equals_pytorch(fused_artifact):
     """Prefill and a decode step, fp32 compute on the (dequantized) weights, against PyTorch with the same weights."""
     from mla_deploy.artifact import load_manifest
-    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.ort.engine import OrtEngine
     from mla_deploy.validate.reference import load_reference_model
 
     manifest = load_manifest(fused_artifact)

@@ -19,7 +19,7 @@ import torch
 from artifacts import tiny_recipe
 from cli_run import cli
 from mla_deploy.artifact import load_manifest
-from mla_deploy.engines.ort_engine import OrtEngine, session_options
+from mla_deploy.ort.engine import OrtEngine, session_options
 from mla_deploy.exporter import export_recipe
 from mla_deploy.quant import QDQ
 from mla_deploy.validate.reference import load_reference_model

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from artifacts import tiny_artifact
-from mla_deploy.engines.ort_engine import OrtEngine
+from mla_deploy.ort.engine import OrtEngine
 from mla_deploy.errors import BusyError, CacheCapacityError, InputError
 from mla_deploy.generate import ContinuousBatcher, SamplingConfig, generate_tokens
 

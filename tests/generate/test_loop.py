@@ -161,7 +161,7 @@ def test_requests_are_refused_before_anything_runs():
 # the ONNX Runtime engine's side of the protocol ----------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["concat", "static"])
 def test_ort_prefill_and_decode_are_its_step_at_each_rows_last_token(mode):
-    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.ort.engine import OrtEngine
     from mla_deploy.generate.request import pad_prompts
 
     engine = OrtEngine(tiny_artifact(mode), threads=1)

@@ -151,7 +151,7 @@ def test_real_manifest_gives_static_profiles_and_a_plugin_build_plan(artifact):
 
 def test_onnx_runtime_refuses_a_plugin_artifact_with_one_clear_error(artifact):
     from mla_deploy.errors import RuntimeMissingError
-    from mla_deploy.engines.ort_engine import OrtEngine
+    from mla_deploy.ort.engine import OrtEngine
 
     with pytest.raises(RuntimeMissingError, match='decode_attention = "standard"'):
         OrtEngine(artifact)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import openai
 
 from hf_oracle import TEXT_PROMPTS
-from mla_deploy.engines.ort_engine import OrtEngine
+from mla_deploy.ort.engine import OrtEngine
 from mla_deploy.generate import SamplingConfig, generate_text, load_tokenizer
 
 PROMPTS = TEXT_PROMPTS + ["The quick brown fox", "你好", "emoji 🙂🙂 and more", "world hello world"]

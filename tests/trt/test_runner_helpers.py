@@ -10,7 +10,7 @@ import torch
 
 from mla_deploy.errors import CacheCapacityError, InputError, RuntimeMissingError, ShapeError
 from mla_deploy.generate.request import pad_prompts
-from mla_deploy.engines.trt_engine import ALIGNMENT, binding_address, check_in_profile
+from mla_deploy.trt.engine import ALIGNMENT, binding_address, check_in_profile
 from mla_deploy.trt.plugin_loader import load_plugin_module, plugins_dir
 
 

@@ -1,5 +1,5 @@
 """TensorRT end to end: build the tiny artifacts' engines with ``mla-deploy build`` and run them with
-:class:`~mla_deploy.engines.trt_engine.TrtEngine` against ONNX Runtime (CPU) on the same artifact.
+:class:`~mla_deploy.trt.engine.TrtEngine` against ONNX Runtime (CPU) on the same artifact.
 
 Needs TensorRT and a CUDA GPU; skipped otherwise (the whole module).
 """
@@ -60,8 +60,8 @@ def test_build_writes_engines_cache_and_record(built):
 
 
 def test_generate_matches_onnx_runtime(built):
-    from mla_deploy.engines.ort_engine import OrtEngine
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.ort.engine import OrtEngine
+    from mla_deploy.trt.engine import TrtEngine
 
     artifact, _ = built
     ours = TrtEngine(artifact).generate(PROMPTS, max_new_tokens=8)
@@ -72,8 +72,8 @@ def test_generate_matches_onnx_runtime(built):
 
 def test_forward_protocol_matches_onnx_runtime(built):
     from mla_deploy.generate.request import pad_prompts
-    from mla_deploy.engines.ort_engine import OrtEngine
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.ort.engine import OrtEngine
+    from mla_deploy.trt.engine import TrtEngine
 
     artifact, _ = built
     engines = TrtEngine(artifact), OrtEngine(artifact, provider="cpu")
@@ -91,7 +91,7 @@ def test_forward_protocol_matches_onnx_runtime(built):
 
 
 def test_profiles_bound_the_cache(built):
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.trt.engine import TrtEngine
 
     artifact, _ = built
     engine = TrtEngine(artifact)
@@ -102,7 +102,7 @@ def test_profiles_bound_the_cache(built):
 def test_stale_engines_are_refused(built, tmp_path):
     import shutil
 
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.trt.engine import TrtEngine
 
     artifact, _ = built
     copy = tmp_path / "copy"
@@ -117,8 +117,8 @@ def test_stale_engines_are_refused(built, tmp_path):
 def test_one_graph_is_one_engine_with_a_profile_per_role(tmp_path_factory):
     """The default single graph (model.onnx, prefill and decode in the absorbed form) builds one engine whose
     prefill and decode contexts run on profiles 0 and 1, and generates what ONNX Runtime generates."""
-    from mla_deploy.engines.ort_engine import OrtEngine
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.ort.engine import OrtEngine
+    from mla_deploy.trt.engine import TrtEngine
     from mla_deploy.trt.build import build_engines
 
     artifact = _export(tmp_path_factory, "static", prefill_form="A_CC")
@@ -132,7 +132,7 @@ def test_one_graph_is_one_engine_with_a_profile_per_role(tmp_path_factory):
 
 
 def test_bf16_engine_builds_and_generates(tmp_path_factory):
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.trt.engine import TrtEngine
     from mla_deploy.trt.build import build_engines
 
     artifact = _export(tmp_path_factory, "static", "bf16")
@@ -144,7 +144,7 @@ def test_bf16_engine_builds_and_generates(tmp_path_factory):
 
 def test_plugin_decode_attention_gives_the_standard_tokens(tmp_path_factory):
     pytest.importorskip("triton", reason="the MlaDecode plugin runs Triton kernels")
-    from mla_deploy.engines.trt_engine import TrtEngine
+    from mla_deploy.trt.engine import TrtEngine
     from mla_deploy.trt.build import build_engines
 
     standard = _export(tmp_path_factory, "static")

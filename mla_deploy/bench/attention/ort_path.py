@@ -1,5 +1,5 @@
 """The exported absorbed graph (:mod:`.graph`) in ONNX Runtime, in a session as
-:class:`~mla_deploy.engines.ort_engine.OrtEngine` opens it (``open_session``: ``session.intra_op.allow_spinning = 0``,
+:class:`~mla_deploy.ort.engine.OrtEngine` opens it (``open_session``: ``session.intra_op.allow_spinning = 0``,
 sequential execution, every graph optimisation), every input and output bound through IO binding.
 
 The cache layout decides the buffers (:func:`~.inputs.point_state`) and the control input:
@@ -33,7 +33,7 @@ class OrtPath:
     def __init__(self, graph: str, layout: CacheLayout | str, threads: int, margin: int):
         import onnxruntime as ort
 
-        from ...engines.ort_engine import open_session
+        from ...ort.engine import open_session
 
         self.ort = ort
         self.layout, self.margin = get_layout(layout), margin

@@ -161,7 +161,7 @@ def export_bytes(config: MLAConfig, quantization: Quantization = FLOAT, itemsize
 def manifest_weight_groups(manifest, scales_half: bool = False) -> WeightGroups:
     """:func:`weight_groups` of an artifact: its precision, and the tensors its manifest records as quantized;
     ``scales_half``: their scales counted at 2 bytes, as a CPU engine that stores them as float16 reads them
-    (:attr:`mla_deploy.artifact.cpu_engine.CpuOperators.scales_half`)."""
+    (:attr:`mla_deploy.ort.record.CpuOperators.scales_half`)."""
     quantization = manifest.quantization.with_scale_bytes(2) if scales_half else manifest.quantization
     return weight_groups(manifest.config, precision_itemsize(manifest.precision), quantization)
 
@@ -170,7 +170,7 @@ def precision_itemsize(precision: str) -> int:
     """Bytes per value of an artifact's ``precision`` (``fp32``, ``fp16``, ``bf16``)."""
     import numpy as np
 
-    from ...engines.ort_engine import numpy_dtype
+    from ...ort.engine import numpy_dtype
 
     return int(np.dtype(numpy_dtype(precision)).itemsize)
 

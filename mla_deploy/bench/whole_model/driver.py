@@ -152,8 +152,8 @@ def _engine(artifact: Path, echo) -> tuple[float, str]:
     """Build ``artifact``'s CPU engine (``mla-deploy build ARTIFACT --target cpu``) unless it has a fresh one, so
     that the bench runs what a user runs after that one-time step. Returns (seconds, what was done)."""
     from ...artifact import load_manifest
-    from ...engines.cpu_build import build_cpu_engine
-    from ...engines.ort_engine import fresh_cpu_engine
+    from ...ort.cpu_build import build_cpu_engine
+    from ...ort.engine import fresh_cpu_engine
     from ...errors import ArtifactError
 
     try:
@@ -194,7 +194,7 @@ def _require_positions(config, spec: WholeModelSpec) -> None:
 def _as_given(spec: WholeModelSpec) -> Prepared:
     """``--artifact``: the artifact as exported, and the checkpoint its manifest names (if a folder)."""
     from ...artifact import load_manifest
-    from ...engines.ort_engine import check_precision, fresh_cpu_engine
+    from ...ort.engine import check_precision, fresh_cpu_engine
 
     manifest = load_manifest(spec.location)
     check_precision(manifest.precision, "cpu")  # the ours path is OrtEngine on the CPU provider (worker)

@@ -51,7 +51,7 @@ class OursPath:
     """The exported artifact in ONNX Runtime. Args: the job (artifact folder, threads, capacity)."""
 
     def __init__(self, job: dict, spec: WholeModelSpec):
-        from ...engines import OrtEngine
+        from ...ort import OrtEngine
 
         self.engine = OrtEngine(job["artifact"], threads=spec.threads, capacity=job["capacity"], use_engine=spec.engine)
         self.spec, self.config = spec, self.engine.config

@@ -1,0 +1,370 @@
+"""The ONNX Runtime engine: binds the latent cache and runs the artifact's graphs; the rest of the engine interface
+(input checks, the cache state, prefill and decode for the generation loop) is :class:`Engine`'s.
+
+* A growing (``concat``) cache is a NumPy array per layer ``[B, P, C]``, replaced by each step's present
+  ``[B, P+S, C]``; ``attention_mask [B, P+S]`` marks the padded slots of shorter sequences.
+* An in-place (``static``) cache is one ONNX Runtime buffer per layer ``[B, 1, capacity, C]`` bound as both
+  ``past_latent.{i}`` and ``present_latent.{i}`` (IO binding), so ``TensorScatter`` writes the new rows in place
+  and a decode step never copies the cache; ``write_indices [B]`` = rows already held.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..artifact import check_artifact
+from .record import CPU_ENGINE_DIR, check_cpu_engine, host_cpu
+from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
+from ..io_spec import PRECISIONS, past_name, present_name
+from ..quant import FAST_COMPUTE, FLOAT, Quantization
+from ..engines.base import Engine
+from .huge_pages import huge_pages
+from .mapped import populate
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+#: ONNX's element type of bfloat16 (``TensorProto.BFLOAT16``): ONNX Runtime's Python API takes NumPy dtypes except
+#: ``ml_dtypes.bfloat16``, which it names by this number instead
+BF16_ELEMENT = 16
+
+
+def require_onnxruntime():
+    """The ``onnxruntime`` module. Raises: RuntimeMissingError: it is not installed (one line saying how to install)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise RuntimeMissingError("onnxruntime is not installed (pip install onnxruntime-gpu)") from exc
+    return ort
+
+
+def numpy_dtype(precision: str):
+    """The NumPy dtype of ``precision`` (bf16 through ``ml_dtypes``)."""
+    if precision == "bf16":
+        try:
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        except ImportError as exc:  # pragma: no cover - onnx depends on ml_dtypes
+            raise RuntimeMissingError("bf16 caches need the ml_dtypes package") from exc
+    return np.dtype(PRECISIONS[precision])
+
+
+def element_type(dtype):
+    """What ONNX Runtime's binding and allocation calls take for ``dtype``: the dtype itself, or ONNX's number for
+    bfloat16 (which ONNX Runtime 1.31 cannot read from a NumPy dtype)."""
+    return BF16_ELEMENT if np.dtype(dtype).name == "bfloat16" else dtype
+
+
+def ortvalue(ort, array: np.ndarray, device: str = "cpu"):
+    """``array`` as an ``OrtValue`` on ``device`` (a copy there unless ``device`` is the CPU and ``array`` is not
+    bfloat16). bfloat16 goes in as its 16-bit pattern: ``OrtValue.ortvalue_from_numpy`` refuses ``ml_dtypes``."""
+    if element_type(array.dtype) != BF16_ELEMENT:
+        return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), BF16_ELEMENT, device, 0)
+    value.update_inplace(np.ascontiguousarray(array).view(np.uint16))
+    return value
+
+
+def host_array(ort, value, copy: bool = True) -> np.ndarray:
+    """The tensor ``OrtValue`` ``value`` (on any device) as a host array; bfloat16 as ``ml_dtypes.bfloat16``, which
+    ``OrtValue.numpy()`` cannot make. ``copy=False``: a view of a CPU value's buffer where one can be had (valid
+    while ``value`` lives); a value off the CPU or in bfloat16 is copied either way."""
+    if value.data_type() != "tensor(bfloat16)":
+        return np.array(value.numpy()) if copy else value.numpy()
+    host = np.empty(value.shape(), dtype=np.uint16)
+    ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BF16_ELEMENT).update_inplace(value)
+    return host.view(numpy_dtype("bf16"))
+
+
+def fresh_cpu_engine(artifact: str | Path, manifest):
+    """The record of ``artifact``'s pre-built CPU engine when it is fresh for its ``manifest`` on this machine and
+    this process's ONNX Runtime; None when it has none.
+
+    Raises: ArtifactError: a stale or foreign engine (:func:`~mla_deploy.ort.record.check_cpu_engine`)."""
+    ort = require_onnxruntime()
+    return check_cpu_engine(artifact, manifest, host_cpu(ort.__version__))
+
+
+def check_precision(precision: str, provider: str) -> None:
+    """Refuse, before any session is opened, an artifact precision that ``provider`` has no kernels for.
+
+    ONNX Runtime's CPU provider (1.31) has no bf16 kernels for the graphs' arithmetic (``MatMul``, ``Add``, ``Mul``,
+    ``Sigmoid``, ``ReduceMax``): loading a bf16 graph on it fails with ``NOT_IMPLEMENTED``. This is the one place
+    that rule lives; every ONNX Runtime engine (``run``, ``validate``, the whole-model bench) goes through it.
+
+    Raises:
+        RuntimeMissingError: bf16 on the CPU provider, in one line saying where bf16 runs.
+    """
+    if precision == "bf16" and provider == "cpu":
+        raise RuntimeMissingError("bf16 artifacts need TensorRT or ONNX Runtime's CUDA provider; ONNX Runtime's CPU "
+                                  "provider has no bf16 kernels (MatMul, Add, Mul, ...); export with --precision "
+                                  "fp16 or fp32 to run on the CPU")
+
+
+def session_options(threads: int | None = None, log_severity: int = 4, spin: bool = False):
+    """ONNX Runtime session options as the engine uses them: ``threads`` intra-op threads (None: ORT's default)
+    and no CPU memory arena: the arena keeps the largest step's activations and grows by powers of two, so a batch-8
+    prefill of a 4-layer V2-Lite left the process at 13.5 GiB for 8.4 GiB of weights, against 10.9 GiB without
+    it, at the same decode speed (measured here, 2 threads).
+
+    ``spin``: the intra-op threads spin a while for the next operator's work instead of sleeping at once. A decode
+    step is hundreds of short operators, each waking the other threads: spinning made a 4-layer V2-Lite int4 decode
+    step about 4% faster (median of 6 alternating runs, 2 threads, 17.6 -> 16.8 ms). Off, a waiting thread leaves
+    its core to others at once (a server's event loop on the same cores). How quantized weights are computed is the
+    artifact's quantization's to say (:meth:`mla_deploy.quant.Quantization.session`, applied by
+    :func:`open_session`)."""
+    import onnxruntime as ort
+
+    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
+        raise InputError(f"threads must be an integer >= 1, got {threads!r}")
+    options = ort.SessionOptions()
+    options.log_severity_level = log_severity
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    options.enable_cpu_mem_arena = False
+    return options
+
+
+def _preload_cuda_libraries(ort) -> None:
+    """Load the CUDA and cuDNN libraries of the ``nvidia-*`` wheels (torch's CUDA build ships them) before a CUDA
+    session: onnxruntime-gpu looks for them only on the loader's path otherwise, and falls back to the CPU. What
+    ``preload_dlls`` prints of libraries it could not find is dropped: a provider that still cannot load is
+    refused below in one line."""
+    import contextlib
+    import io
+
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is None:
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            preload()
+        except OSError:
+            pass
+
+
+def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
+                 quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False,
+                 spin: bool = False, library: Path | None = None):
+    """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
+    ``threads``, ``log_severity``, ``spin``: :func:`session_options`.
+
+    ``optimized``: ``path`` is a graph ONNX Runtime already optimised (a CPU engine's,
+    :mod:`~mla_deploy.ort.cpu_build`): opened with graph optimisation disabled (``ORT_DISABLE_ALL``).
+    ``library``: the operator library its graph needs (a CPU engine's :mod:`~mla_deploy.ort.operators`), or None.
+
+    ``quantization``: the graph's (its artifact's :attr:`~mla_deploy.artifact.Manifest.quantization`), whose
+    quantized products the session computes in ``quantized_compute``: ``int8`` quantizes the activations to int8
+    per block inside each ``MatMulNBits`` (its fast path on CPU, as llama.cpp's ``Q8_0``/``Q4_0`` products do; about
+    0.5% relative error per product), ``fp32`` multiplies in float32 with the dequantized weights (exact to float32
+    rounding; several times slower, int8 weights about 30x): what validation compares with PyTorch.
+
+    Raises:
+        RuntimeMissingError: onnxruntime missing, or the provider did not load. ArtifactError: the graph does not load.
+    """
+    ort = require_onnxruntime()
+    if provider not in PROVIDERS:
+        raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    wanted = PROVIDERS[provider]
+    if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
+        ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
+        _preload_cuda_libraries(ort)
+    options = session_options(threads, log_severity, spin)
+    # ONNX Runtime's memory-reuse planning (which activation buffers may share memory) took 6 of the 10-15 s a 4-layer
+    # V2-Lite int4 session needed to open, and grows faster than the graph; without it: open in 7.6-9.3 s, the same
+    # tokens, decode as fast, peak RSS no higher (a 4 x 256 prefill: 2.04 GiB against 2.39), measured on the CPU here
+    options.enable_mem_reuse = provider != "cpu"
+    if optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if library is not None:
+        from .operators import register
+
+        register(options, library)
+    model, entries = quantization.session(path, quantized_compute)
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
+    try:
+        session = ort.InferenceSession(model, options, providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from exc
+    if session.get_providers()[0] != wanted:
+        raise RuntimeMissingError(f"ONNX Runtime could not use {wanted} (it fell back to "
+                                  f"{session.get_providers()[0]}); run `mla-deploy doctor`")
+    return session
+
+
+class _Rows:
+    """Rows ``start .. stop - 1`` (the batch axis) of an in-place cache ``OrtValue``: the same memory, bound by
+    address (:meth:`OrtEngine._rows`). Attributes: ``value`` (the whole buffer), ``start``, ``stop``, ``shape``,
+    ``address``."""
+
+    def __init__(self, value, start: int, stop: int):
+        base, offset = (value.value, value.start) if isinstance(value, _Rows) else (value, 0)
+        shape = base.shape()
+        row_bytes = base.tensor_size_in_bytes() // shape[0]
+        self.value, self.start, self.stop = base, offset + start, offset + stop
+        self.shape = [stop - start, *shape[1:]]
+        self.address = base.data_ptr() + self.start * row_bytes
+
+
+class OrtEngine(Engine):
+    """Runs an exported artifact with ONNX Runtime.
+
+    Args:
+        artifact: the export directory (holding ``manifest.json``).
+        provider: ``cpu`` or ``cuda``; an engine whose session falls back to another provider is refused.
+        threads: intra-op threads (None: ONNX Runtime's default).
+        capacity: static layouts: cache rows per sequence (default: the manifest's ``max_cache_length``).
+        log_severity: ONNX Runtime's log level (0 verbose .. 4 fatal; default 4: its errors come back as
+            exceptions, reported as one line).
+        quantized_compute: quantized weights: ``int8`` (activations quantized per block, the fast path) or
+            ``fp32`` (exact); see :func:`open_session`.
+        use_engine: on the CPU provider with the fast ``quantized_compute``, open the artifact's pre-built CPU engine
+            (``ARTIFACT/cpu``, ``mla-deploy build ARTIFACT --target cpu``) instead of the source graphs when it has
+            one; a stale or foreign engine is refused (:func:`~mla_deploy.ort.record.check_cpu_engine`).
+            False: always the source graphs. :meth:`info` says which (``graphs``).
+        spin: the intra-op threads spin for the next operator's work (:func:`session_options`); False for an
+            engine sharing its cores with other work (a server's event loop).
+        prefill_chunk: the most prompt tokens per sequence in one prefill call (None: as many as keep one layer's
+            attention scores within 1 GiB; :meth:`Engine.prefill <mla_deploy.engines.base.Engine.prefill>`).
+
+    The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
+    describes its graphs, their I/O and the weights they hold quantized).
+    """
+
+    def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
+                 capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
+                 use_engine: bool = True, spin: bool = True, prefill_chunk: int | None = None):
+        ort = require_onnxruntime()
+        if provider not in PROVIDERS:
+            raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+        manifest = check_artifact(artifact, verify_hashes=False)
+        check_precision(manifest.precision, provider)
+        super().__init__(artifact, manifest, capacity, prefill_chunk)
+        self.ort = ort
+        self.dtype = numpy_dtype(self.precision)
+        self.device = "cuda" if provider == "cuda" else "cpu"
+        self.run_options = ort.RunOptions()
+        self.run_options.log_severity_level = log_severity
+        self.sessions = {}
+        self.built = None  # the CPU engine's record when its graphs are run
+        if use_engine and provider == "cpu" and quantized_compute == FAST_COMPUTE:
+            self.built = fresh_cpu_engine(self.root, manifest)
+        for role, graph in manifest.graphs.items():
+            if graph.uses_plugin:
+                raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
+                                          f"Runtime cannot run; export with [export] decode_attention = \"standard\" "
+                                          f"for ONNX Runtime, or build it with `mla-deploy build`")
+            # one session per graph file: a graph serving prefill and decode holds its weights once
+            session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
+            if session is None:
+                session = open_session(self._graph_path(graph.file), provider, threads, log_severity,
+                                       quantized_compute, manifest.quantization, optimized=self.built is not None,
+                                       spin=spin,
+                                       library=None if self.built is None else self.built.library_path(self.root))
+            names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+            if names != (graph.input_names, graph.output_names):
+                raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
+                                    f"manifest {(graph.input_names, graph.output_names)}")
+            self.sessions[role] = session
+        self.provider = PROVIDERS[provider]
+        # the CPU engine's weights, which ONNX Runtime maps from its files and its operators read in place: faulted
+        # in now rather than by the first steps that read each expert (mla_deploy.ort.mapped). Not the source
+        # graphs': ONNX Runtime copies or packs what it computes with, and their mapped files would only be read.
+        self.populated = populate(self.root / CPU_ENGINE_DIR) if self.built is not None else None
+        # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
+        self.huge_pages = huge_pages().describe()
+
+    def _graph_path(self, file: str) -> Path:
+        """What runs the artifact's graph ``file``: its CPU engine's graph, or the file itself."""
+        return self.root / file if self.built is None else self.built.engine_path(self.root, file)
+
+    def info(self) -> dict:
+        """:meth:`Engine.info`, ``graphs``: ``engine ARTIFACT/cpu`` (the pre-built CPU engine) or ``source graphs``,
+        ``huge_pages``: how much of the process's memory was on huge pages once the weights were loaded
+        (:mod:`~mla_deploy.ort.huge_pages`), and with a CPU engine ``mapped_weights``: its mapped files
+        faulted in when it opened (:mod:`~mla_deploy.ort.mapped`)."""
+        graphs = f"engine {self.root / CPU_ENGINE_DIR}" if self.built is not None else "source graphs"
+        info = {**super().info(), "graphs": graphs, "huge_pages": self.huge_pages}
+        if self.populated is not None:
+            info["mapped_weights"] = self.populated.describe()
+        if self.built is not None:
+            info["operators"] = self.built.operators.describe()
+            info["scales_half"] = self.built.operators.scales_half
+        return info
+
+    def _allocate(self, shape):
+        array = np.zeros(shape, dtype=self.dtype)
+        if not self.layout.in_place:
+            return array
+        return ortvalue(self.ort, array, self.device)
+
+    def to_host(self, array) -> np.ndarray:
+        # a copy: the NumPy view of an OrtValue (or of a cache's buffer) dies with the state that holds it
+        return host_array(self.ort, array) if isinstance(array, self.ort.OrtValue) else np.array(array)
+
+    def _sliceable(self, cache):
+        # an OrtValue cannot be sliced: a view of its buffer (a copy off the CPU or in bfloat16), valid while the
+        # state lives (the slice is copied)
+        if isinstance(cache, _Rows):
+            return host_array(self.ort, cache.value, copy=False)[cache.start: cache.stop]
+        return host_array(self.ort, cache, copy=False) if isinstance(cache, self.ort.OrtValue) else cache
+
+    def _rows(self, cache, start, stop):
+        return _Rows(cache, start, stop)
+
+    def _run(self, role, ids, positions, logits_index, control, state):
+        session = self.sessions[role]
+        width = self.config.latent_dim
+        if not self.layout.in_place:
+            feed = {"input_ids": ids, "position_ids": positions, "logits_index": logits_index,
+                    self.layout.control: control}
+            for i, cache in enumerate(state.caches):
+                if cache.shape[-1] != width:
+                    raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {width}")
+                feed[past_name(i)] = cache
+            if element_type(self.dtype) != BF16_ELEMENT:
+                results = self._execute(role, lambda: session.run(None, feed, self.run_options))
+                return results[0], results[1:]
+            # bfloat16 in and out as OrtValues: session.run takes and returns NumPy arrays of NumPy's own dtypes only
+            values = {name: ortvalue(self.ort, np.asarray(array)) for name, array in feed.items()}
+            results = self._execute(role, lambda: session.run_with_ort_values(None, values, self.run_options))
+            results = [host_array(self.ort, value) for value in results]
+            return results[0], results[1:]
+        binding = session.io_binding()
+        # the logits go into an array this engine owns: an output ONNX Runtime allocates is freed with its
+        # OrtValue, and a NumPy view of it would then read freed memory
+        logits = np.empty((len(ids), logits_index.shape[1], self.config.vocab_size), dtype=self.dtype)
+        element = element_type(self.dtype)
+        binding.bind_output("logits", "cpu", 0, element, list(logits.shape), logits.ctypes.data)
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input("logits_index", logits_index)
+        binding.bind_cpu_input(self.layout.control, control)
+        for i, cache in enumerate(state.caches):
+            if isinstance(cache, _Rows):  # some rows of a larger state's buffer, bound by address
+                binding.bind_input(past_name(i), self.device, 0, element, cache.shape, cache.address)
+                binding.bind_output(present_name(i), self.device, 0, element, cache.shape, cache.address)
+                continue
+            binding.bind_ortvalue_input(past_name(i), cache)
+            binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place
+        self._execute(role, lambda: session.run_with_iobinding(binding, self.run_options))
+        return logits, state.caches
+
+    def _execute(self, role: str, call):
+        """``call()`` (one session run); ONNX Runtime's own failure becomes an :class:`ArtifactError` naming the
+        graph: inputs were checked against the manifest, so the graph and its manifest disagree."""
+        try:
+            return call()
+        except self._ort_errors as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ArtifactError(f"ONNX Runtime failed running {self.manifest.graph(role).file} ({first[:300]}); "
+                                f"does manifest.json still describe this graph? Re-export the artifact") from None
+
+    @property
+    def _ort_errors(self) -> tuple[type[BaseException], ...]:
+        from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+        return (state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph, RuntimeError)

@@ -1,0 +1,138 @@
+"""mla-deploy's own ONNX Runtime CPU operators (``mla_deploy/ort/csrc/cpu_ops.c``) and the graph swaps that put them in a
+CPU engine in place of ONNX Runtime's ``QMoE`` and ``MatMulNBits``.
+
+``mla_deploy.BlockwiseMatMul`` takes ``MatMulNBits``'s inputs as they are (``A [..., K]``, ``B uint8 [N, K/32,
+32*bits/8]``, ``N*K/32`` scales) and computes what it computes at ``accuracy_level`` 4: the rows of ``A`` quantized
+to int8 per block of 32, integer dot products, one scale product per block. ``mla_deploy.RoutedExperts`` takes
+``QMoE``'s weights as they are (int4/int8 blocks of 32, zero point
+``2^(bits-1)``, float32 scales or the float16 copies the engine build stores, gate and up rows interleaved) and computes what ``QMoE`` computes at ``accuracy_level``
+4 (each token's vector quantized to int8 per block, integer dot products): the same inputs, attributes and
+routing (top ``k`` of ``router_probs``, softmax over the chosen), or, where the swap finds the export's routing
+round trip, the chosen experts and their weights as given (``normalize_routing_weights`` 0). They exist because these
+products
+are most of a quantized decode step and a kernel written for them streams faster than ONNX Runtime 1.31's at decode
+(one token: the kernels' fixed costs, not the bytes, bound ONNX Runtime's on a layer's matrices), as fast at a
+512-token prefill, and reads the weights where ONNX Runtime maps them: nothing is packed at open, so an engine opens
+in seconds at the size of its weights. Figures: the README's CPU engine section.
+
+``mla_deploy.LatentAttention`` computes one layer's absorbed attention core over its latent cache (what
+:class:`~mla_deploy.model.mla.AbsorbedMLAttention` computes between its projections; its per-head products as
+``HeadwiseMatMul`` computes them, or in float32 for float32 weights): one node where ONNX Runtime ran about 40 small
+ones per layer.
+
+A float artifact's experts become ``mla_deploy.FloatExperts`` (with the layer's shared experts as more experts
+where the graph adds them) and its ``MatMul`` nodes of a float32 weight
+``mla_deploy.FloatMatMul`` of the weight transposed, ``[N, K]`` (the build stores it so): a decode step's few rows (up
+to 8) computed by the operator, each output a dot product over one of its rows, streamed where ONNX Runtime maps
+it; more rows (a prefill) handed to ONNX Runtime's own ``FusedMatMul`` kernel (``transB``) through the C API's
+``CreateOp``/``InvokeOp``.
+
+The CPU engine build (:mod:`~mla_deploy.ort.cpu_build`) compiles the source for the CPU it runs on
+(:func:`compile_library`: ``cc -O3 -march=native``, into the engine folder), swaps every eligible node
+(:func:`mla_deploy.ort.swaps.swap_experts`, :func:`~mla_deploy.ort.swaps.swap_linear`: which nodes they
+compute exactly is the quantization's to say) and records the library in the engine's record; a session opening the
+engine registers it (:func:`register`). Where there is no C compiler, no source (an installed wheel: the plugin
+sources ship with the source checkout), or the build finds no AVX-512 VNNI (the operators' fast path: without it
+ONNX Runtime's are faster), the engine keeps ONNX Runtime's operators and its record says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+LIBRARY = "cpu_ops.so"
+#: how long the compiler may take (it takes about 2 s)
+COMPILE_SECONDS = 300
+
+
+def source_path() -> Path:
+    """The operators' C source, package data of :mod:`mla_deploy.ort` (``csrc/cpu_ops.c``): it ships in the wheel,
+    so an installed mla-deploy compiles the operators as a source checkout does."""
+    return Path(__file__).resolve().parent / "csrc" / "cpu_ops.c"
+
+
+@dataclass(frozen=True)
+class Library:
+    """A compiled operator library, or why there is none.
+
+    Attributes:
+        path: the shared library (None: not built, see ``why_not``).
+        vnni: it computes with AVX-512 VNNI (its fast path).
+        why_not: why the engine keeps ``QMoE`` (None when ``path`` is usable).
+    """
+
+    path: Path | None
+    vnni: bool = False
+    why_not: str | None = None
+
+
+def compiler() -> str | None:
+    """The C compiler used (``$CC``, else ``cc``, ``gcc``, ``clang`` on ``PATH``), or None."""
+    return os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def _missing() -> str | None:
+    """Why the operators cannot be compiled here at all (no source, no compiler), or None."""
+    cc = compiler()
+    if not source_path().is_file():
+        return f"the operator source {source_path()} is missing (a damaged installation)"
+    if cc is None or shutil.which(cc) is None:
+        return f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc, clang or $CC'} not found)"
+    return None
+
+
+def compile_library(into: Path, native: bool = True) -> Library:
+    """Compile :func:`source_path` into ``into/cpu_ops.so`` for this CPU (``native``: ``-march=native``; False:
+    portable C, for the tests of its fallback path). Never raises for a missing compiler or source: the
+    :class:`Library` says why there is none."""
+    missing = _missing()
+    if missing:
+        return Library(None, why_not=missing)
+    source, cc, out = source_path(), compiler(), Path(into) / LIBRARY
+    flags = ["-O3", "-fPIC", "-shared", "-std=gnu11"] + (["-march=native"] if native else [])
+    try:
+        # the compiler's own temporaries (assembly, object) go into `into` too: a build that is interrupted
+        # removes them with it, where /tmp would keep them
+        done = subprocess.run([cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True,
+                              timeout=COMPILE_SECONDS, env={**os.environ, "TMPDIR": str(Path(into).resolve())})
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        return Library(None, why_not=f"{cc} could not compile {source.name}: {type(exc).__name__}")
+    if done.returncode != 0 or not out.is_file():
+        first = (done.stderr.strip().splitlines() or ["no message"])[0]
+        return Library(None, why_not=f"{cc} could not compile {source.name}: {first[:200]}")
+    vnni = bool(ctypes.CDLL(str(out)).mla_deploy_cpu_ops_vnni())
+    if native and not vnni:
+        out.unlink()
+        return Library(None, why_not=NO_FAST_PATH)
+    return Library(out, vnni)
+
+
+#: the CPU features the operators' fast path needs (as :func:`mla_deploy.ort.record.host_cpu` names them)
+FAST_PATH = ("avx512f", "avx512bw", "avx512_vnni")
+NO_FAST_PATH = "this CPU has no AVX-512 VNNI (the operators' fast path; ONNX Runtime's are faster without it)"
+
+
+def why_not_here(features: tuple[str, ...]) -> str | None:
+    """Why ``build --target cpu`` would keep ONNX Runtime's kernels on a machine whose CPU has ``features`` (its
+    :func:`~mla_deploy.ort.record.host_cpu` features: no source, no C compiler, no AVX-512 VNNI), or None
+    when it compiles the operators; without compiling (``mla-deploy doctor``)."""
+    return _missing() or (None if all(f in features for f in FAST_PATH) else NO_FAST_PATH)
+
+
+def register(options, library: Path) -> None:
+    """Register the operator library at ``library`` with the ONNX Runtime ``SessionOptions`` ``options``.
+
+    Raises:
+        ArtifactError: the library does not load (a missing or foreign file)."""
+    from ..errors import ArtifactError
+
+    try:
+        options.register_custom_ops_library(str(library))
+    except Exception as exc:  # onnxruntime raises its own types
+        raise ArtifactError(f"ONNX Runtime cannot load the operator library {library}: "
+                            f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}") from exc
