@@ -1,96 +1,12 @@
-"""``mla-deploy doctor``: what is installed, what really loads, and which commands will work here.
-
-ONNX Runtime's GPU wheel lists the CUDA and TensorRT execution providers even on a machine without a GPU
-or without their libraries, so each listed provider is tried: a one-node session is created with it alone
-and counted only if ``session.get_providers()`` still names it (ONNX Runtime silently falls back to CPU).
+"""``mla-deploy doctor``: what is installed, what really loads (each ONNX Runtime provider is tried with a real
+session: :mod:`mla_deploy.ort.providers`), and which commands will work here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import re
 import sys
-import tempfile
 from typing import Any
-
-
-@contextlib.contextmanager
-def _captured_output():
-    """Capture Python's and the C++ libraries' stdout/stderr (file descriptors 1 and 2); yields a list that
-    receives the captured text on exit."""
-    text: list[str] = []
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        python = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(python), contextlib.redirect_stderr(python):
-                yield text
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            sink.seek(0)
-            text.append(sink.read().decode(errors="replace") + python.getvalue())
-
-
-def _reason(log: str) -> str:
-    """The most telling line of a provider's failure log (a missing library, a missing GPU)."""
-    for pattern in (r"with error: ([^\n\x1b]+)", r"(Failed to create \w+)", r"(Please install [^\n\x1b.]+)"):
-        found = re.search(pattern, log)
-        if found:
-            return found.group(1).strip()
-    return "fell back to CPUExecutionProvider"
-
-
-def _tiny_model() -> bytes:
-    import onnx
-    from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
-
-def probe_providers() -> dict[str, Any]:
-    """ONNX Runtime's version, its listed providers, and for each whether a session really runs on it."""
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        return {"version": None, "error": str(exc), "listed": [], "loaded": {}}
-    model = _tiny_model()
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    loaded: dict[str, dict[str, Any]] = {}
-    for provider in ort.get_available_providers():
-        with _captured_output() as log:
-            try:
-                session = ort.InferenceSession(model, options, providers=[provider])
-                used, error = session.get_providers(), None
-            except Exception as exc:  # onnxruntime raises its own types
-                used, error = [], str(exc).splitlines()[0]
-        ok = bool(used) and used[0] == provider
-        loaded[provider] = {"ok": ok, "reason": None if ok else (error or _reason(log[0] if log else ""))}
-    return {"version": ort.__version__, "listed": ort.get_available_providers(), "loaded": loaded}
-
-
-def _listed_providers() -> dict[str, Any]:
-    """ONNX Runtime's version and listed providers, without trying them (``loaded`` is None)."""
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        return {"version": None, "error": str(exc), "listed": [], "loaded": None}
-    return {"version": ort.__version__, "listed": ort.get_available_providers(), "loaded": None}
 
 
 def _version(module: str) -> str | None:
@@ -110,6 +26,7 @@ def collect(providers: bool = True) -> dict[str, Any]:
     import torch
 
     from . import __version__
+    from .ort.providers import listed_providers, probe_providers
 
     gpu = None
     if torch.cuda.is_available():
@@ -121,7 +38,8 @@ def collect(providers: bool = True) -> dict[str, Any]:
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "gpu": gpu, "onnx": _version("onnx"), "polygraphy": _version("polygraphy"),
         "tensorrt": _version("tensorrt"), "triton": _version("triton"),
-        "onnxruntime": probe_providers() if providers else _listed_providers(),
+        "serve": all(_version(m) for m in ("fastapi", "uvicorn")),
+        "onnxruntime": probe_providers() if providers else listed_providers(),
         "huge_pages": _huge_pages(),
         "cpu_operators": _cpu_operators(),
     }
@@ -149,7 +67,8 @@ def _cpu_operators() -> str | None:
 
 
 def commands(info: dict[str, Any]) -> dict[str, str]:
-    """Which commands work with what ``info`` found: ``{command: "yes" | "no: <what is missing>"}``."""
+    """Which commands work with what ``info`` found: ``{command: "yes..." | "no: <what is missing>"}``, every
+    command of ``mla-deploy`` (``build`` twice: its TensorRT and its CPU target)."""
     ort = info.get("onnxruntime") or {}
     loaded = ort.get("loaded")
     cuda_ep = None if loaded is None else loaded.get("CUDAExecutionProvider", {}).get("ok", False)
@@ -158,12 +77,21 @@ def commands(info: dict[str, Any]) -> dict[str, str]:
     missing_kernel = [m for m, ok in (("triton", info.get("triton")), ("a CUDA GPU", gpu)) if not ok]
     cuda = {True: ", cuda)", False: "; cuda: no, ONNX Runtime's CUDA provider does not load)",
             None: "; cuda: not probed)"}[cuda_ep]
-    run = "yes (cpu" + cuda
+    no_ort = "no: onnxruntime is not installed"
+    run = ("yes (cpu" + cuda) if ort.get("version") else no_ort
+    operators = info.get("cpu_operators", "not checked")
+    cpu_build = (no_ort if not ort.get("version") else "yes, with mla-deploy's operators (AVX-512 VNNI)"
+                 if operators is None else f"yes, with ONNX Runtime's kernels ({operators})")
+    serve = run if info.get("serve") else "no: needs the serve extra (pip install 'mla-deploy[serve]')"
     return {
+        "inspect": "yes",
         "export": "yes",
-        "run": run if ort.get("version") else "no: onnxruntime is not installed",
-        "validate": "yes" if ort.get("version") else "no: onnxruntime is not installed",
-        "build": "yes" if not missing_trt else "no: needs " + " and ".join(missing_trt),
+        "run": run,
+        "serve": serve,
+        "validate": "yes" if ort.get("version") else no_ort,
+        "bench": "yes" if ort.get("version") else no_ort,
+        "build --target cpu": cpu_build,
+        "build (TensorRT)": "yes" if not missing_trt else "no: needs " + " and ".join(missing_trt),
         "mla_decode plugin kernel": "yes" if not missing_kernel else "no: needs " + " and ".join(missing_kernel),
     }
 
@@ -195,8 +123,8 @@ def format_report(info: dict[str, Any]) -> str:
                                          "no: weights load on 4 KiB pages") + f" ({how})")
     if "cpu_operators" in info:
         why = info["cpu_operators"]
-        lines.append("cpu ops      " + ("yes: `build --target cpu` compiles mla-deploy's own operators (C compiler, "
-                                        "AVX-512 VNNI)" if why is None else
+        lines.append("cpu ops      " + ("yes: `build --target cpu` compiles mla-deploy's own operators (C compiler; "
+                                        "instruction set: AVX-512 VNNI)" if why is None else
                                         f"no: the CPU engine keeps ONNX Runtime's kernels ({why})"))
     lines += [
         f"tensorrt     {info['tensorrt'] or 'not installed'}",

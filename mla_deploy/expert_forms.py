@@ -62,13 +62,14 @@ def check(form: str, precision: str, where: str) -> None:
                           f"MoE/QMoE kernels), got {precision}; use {BRANCHES}")
 
 
-def require_tensorrt(form: str, where: str) -> None:
-    """Refuse a graph whose experts TensorRT cannot parse.
+def require_tensorrt(form: str, where: str, moe: bool = True) -> None:
+    """Refuse a graph whose experts TensorRT cannot parse (a dense model, ``moe`` False, holds no experts whatever
+    its entry records).
 
     Raises:
         ArtifactError: ``where``'s experts are fused ONNX Runtime operators; re-export with ``--experts branches``.
     """
-    if form == FUSED:
+    if form == FUSED and moe:
         raise ArtifactError(f"{where}'s routed experts are ONNX Runtime MoE/QMoE operators, which TensorRT cannot "
                             f"parse; re-export with --experts {BRANCHES}")
 

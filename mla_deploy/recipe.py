@@ -46,8 +46,11 @@ class ExportSettings:
 
     Attributes:
         precision: ``fp32``, ``fp16`` or ``bf16``; the ONNX carries this dtype (TensorRT 11 reads precision from it).
-        cache_mode: ``concat`` (growing cache) or ``static`` (fixed capacity, written in place).
-        max_cache_length: capacity of the static cache (tokens per sequence).
+        cache_mode: ``static`` (the default: a fixed capacity written in place, what every command takes: ``serve``,
+            ``build --target cpu``, the CUDA provider's in-place binding and TensorRT's aliased I/O) or ``concat``
+            (a cache that grows by each step, copied by each step).
+        max_cache_length: capacity of the static cache (tokens per sequence, prompt included). A runtime allocates
+            only the rows a request needs, up to it, so a large capacity costs nothing until it is used.
         prefill_form: attention form of the prefill graph. The same as ``decode_form`` (the default, ``A_CC``):
             prefill and decode are one graph, ``model.onnx``, whose weights a runtime holds once. ``CC``
             (re-expands K/V, fewer FLOPs for long prompts) makes a second graph, ``prefill.onnx``, over the same
@@ -75,8 +78,8 @@ class ExportSettings:
     """
 
     precision: str = "fp32"
-    cache_mode: str = "concat"
-    max_cache_length: int = 256
+    cache_mode: str = "static"
+    max_cache_length: int = 4096
     prefill_form: str = "A_CC"
     decode_form: str = "A_CC"
     opset: int = 24

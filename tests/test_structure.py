@@ -1,5 +1,6 @@
-"""The package's structure, checked from its source: no import cycle, one owner for the cache mode and one for
-quantization, the TensorRT engine independent of the ONNX Runtime one, the engines independent of the exporter,
+"""The package's structure, checked from its source: no import cycle and none back up the layers, one owner for the
+cache mode, one for quantization and one for the host's facts, ONNX Runtime imported only by mla_deploy/ort/, the
+TensorRT engine independent of the ONNX Runtime one, the engines independent of the exporter,
 bench on public names only, the two benches independent of each other over their shared harness, no private name
 imported across modules, every export target through the one export pipeline.
 
@@ -171,7 +172,7 @@ def test_the_tensorrt_engine_imports_nothing_from_the_onnxruntime_engine():
 #: (package, whether bench must import from the package itself rather than its modules: the exporter's public
 #: API is what its __init__ exports)
 BENCH_DEPENDENCIES = [("mla_deploy.exporter", True), ("mla_deploy.trt", False), ("mla_deploy.model", False),
-                      ("mla_deploy.engines", False)]
+                      ("mla_deploy.engines", False), ("mla_deploy.ort", False)]
 
 
 @pytest.mark.parametrize("package,root_only", BENCH_DEPENDENCIES, ids=[p for p, _ in BENCH_DEPENDENCIES])
@@ -204,6 +205,9 @@ def test_the_engine_import_check_finds_a_planted_import(tmp_path):
 # --- quantization has one owner: mla_deploy/quant/ -------------------------------------------------------------------
 #: the owner: every other module asks its objects (mla_deploy.quant.Quantization, WeightFormat) instead of branching
 QUANT_OWNER = PACKAGE / "quant"
+#: and the CPU engine's graph rewrites, which find the quantized operators the owner's formats write (``QMoE``,
+#: ``MatMulNBits``) by their op type and dtype and put mla-deploy's own in their place, with the check that runs them
+QUANT_CO_OWNERS = (PACKAGE / "ort" / "swaps.py", PACKAGE / "ort" / "probe.py")
 #: a condition site outside the owner is one if it holds a name (variable, attribute) of these ...
 QUANT_NAMES = re.compile(r"quant|scheme|block_size", re.IGNORECASE)
 #: ... or one of the owner's constants ...
@@ -264,7 +268,7 @@ def format_literals(path: Path) -> list[str]:
 
 
 def _outside_the_owner() -> list[Path]:
-    return [p for p in sorted(PACKAGE.rglob("*.py")) if QUANT_OWNER not in p.parents]
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if QUANT_OWNER not in p.parents and p not in QUANT_CO_OWNERS]
 
 
 def test_quant_condition_detector_finds_planted_conditions(tmp_path):
@@ -481,3 +485,103 @@ def test_size_detector_finds_planted_violations(tmp_path):
 
 def test_functions_are_short_and_take_few_parameters():
     assert size_violations() == []
+
+
+# --- no import runs back up the house ---------------------------------------------------------------------------------
+#: each part of the package and its layer: a module imports only from its own layer or a lower one. The root package
+#: and the deprecated import paths (kept for one release) sit on top: they name what lies below them.
+LAYERS = {
+    0: ("errors", "lazy", "host", "values", "io_spec", "config", "expert_forms"),
+    1: ("model", "quant", "cache_table"),
+    2: ("cache_layout", "recipe", "weight_bytes"),
+    3: ("artifact",),
+    4: ("checkpoint", "random_checkpoint", "generate"),
+    5: ("engines", "exporter"),
+    6: ("ort", "trt"),
+    7: ("validate", "serve"),
+    8: ("bench", "doctor"),
+    9: ("cli", "__main__", "text", "tokenizer", "sampling"),
+}
+#: modules whose layer is not their part's: the deprecated import paths of the engines, which name their new homes
+LAYER_OF_MODULE = {"mla_deploy.engines.ort_engine": 9, "mla_deploy.engines.trt_engine": 9, "mla_deploy": 10}
+
+
+def layer_of(module: str) -> int:
+    if module in LAYER_OF_MODULE:
+        return LAYER_OF_MODULE[module]
+    part = module.split(".")[1]
+    found = [layer for layer, parts in LAYERS.items() if part in parts]
+    assert found, f"{module}: its part {part!r} has no layer in tests/test_structure.py's LAYERS"
+    return found[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``module (layer) -> dependency (layer)`` for each import from a lower layer into a higher one."""
+    return sorted(f"{m} ({layer_of(m)}) -> {d} ({layer_of(d)})" for m, deps in graph.items() for d in deps
+                  if layer_of(d) > layer_of(m))
+
+
+def test_upward_import_detector_finds_a_planted_import(tmp_path):
+    pkg = tmp_path / "mla_deploy"
+    for sub in ("artifact", "ort"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ort" / "record.py").write_text("from ..artifact import files\n")  # down: allowed
+    (pkg / "artifact" / "files.py").write_text("def f():\n    from ..ort.record import x\n")  # up, inside a function
+    assert upward_imports(import_graph(pkg)) == ["mla_deploy.artifact.files (3) -> mla_deploy.ort (6)",
+                                                 "mla_deploy.artifact.files (3) -> mla_deploy.ort.record (6)"]
+
+
+def test_no_import_runs_back_up_the_layers():
+    found = upward_imports(import_graph())
+    assert not found, "imports from a lower layer into a higher one:\n" + "\n".join(found)
+
+
+# --- one owner of the host's facts: mla_deploy/host.py ----------------------------------------------------------------
+#: how a fact about the machine is read; only mla_deploy/host.py reads them
+HOST_FACTS = re.compile(r"/proc/cpuinfo|/proc/meminfo|sched_getaffinity|cpu_count\(|transparent_hugepage|"
+                        r"platform\.(machine|processor)\(|libc_ver\(|SC_PHYS_PAGES|memory\.max")
+
+
+def host_fact_reads(path: Path) -> list[str]:
+    return [f"{path.name}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if HOST_FACTS.search(line) and not line.lstrip().startswith("#")]
+
+
+def test_host_fact_detector_finds_planted_reads(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text("import os, platform\nn = os.cpu_count()\nm = platform.machine()\n"
+                       "# /proc/cpuinfo in a comment is no read\nflags = open('/proc/cpuinfo').read()\n")
+    assert host_fact_reads(planted) == ["x.py:2", "x.py:3", "x.py:5"]
+
+
+def test_facts_about_the_host_have_one_owner():
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "host.py"
+             for hit in host_fact_reads(path)]
+    assert not found, f"host facts read outside mla_deploy/host.py: {found}"
+
+
+# --- ONNX Runtime is imported only by its backend folder, mla_deploy/ort/ ---------------------------------------------
+def onnxruntime_imports(path: Path) -> list[str]:
+    """``file:line`` of each import of ``onnxruntime`` in ``path`` (module level or inside a function)."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(n == "onnxruntime" or n.startswith("onnxruntime.") for n in names):
+            hits.append(f"{path.name}:{node.lineno}")
+    return hits
+
+
+def test_onnxruntime_import_detector_finds_planted_imports(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text("import onnxruntime_genai\ndef f():\n    import onnxruntime as ort\n"
+                       "    from onnxruntime.capi import _pybind_state\n")
+    assert onnxruntime_imports(planted) == ["x.py:3", "x.py:4"]
+
+
+def test_onnxruntime_is_imported_only_under_ort():
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) if (PACKAGE / "ort") not in path.parents
+             for hit in onnxruntime_imports(path)]
+    assert not found, f"onnxruntime imported outside mla_deploy/ort/ (go through mla_deploy.ort): {found}"

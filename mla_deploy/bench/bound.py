@@ -1,6 +1,5 @@
 """The cost model both benches share: a step's roofline bound from the bytes it must read and the FLOPs it
-must compute at this machine's measured rates (:func:`~.machine.probe`), the FLOPs of absorbed MLA attention,
-and the memory a worker process needs besides its tensors.
+must compute at this machine's measured rates (:func:`~.machine.probe`), and the FLOPs of absorbed MLA attention.
 
     t_mem  = bytes / measured read bandwidth
     t_flop = FLOPs / measured fp32 GEMM rate
@@ -10,9 +9,6 @@ and the memory a worker process needs besides its tensors.
 from __future__ import annotations
 
 from ..config import MLAConfig
-
-#: memory every worker process needs besides the tensors a bench counts (interpreter, torch, ONNX Runtime)
-PROCESS_OVERHEAD = 600 << 20
 
 
 def attention_flops(c: MLAConfig, rows: int) -> int:

@@ -16,10 +16,11 @@
 from __future__ import annotations
 
 import os
-import platform
 import re
 import resource
 import time
+
+from ..host import usable_cpu_ids
 
 GEMM_N = 2048
 #: Linux's madvise advice that collapses a range into huge pages now (6.1+; Python's mmap has no name for it)
@@ -65,7 +66,7 @@ class PinnedThreads:
         import queue
         import threading
 
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cpus = usable_cpu_ids()
         self._jobs = [queue.SimpleQueue() for _ in range(n)]
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(n):
@@ -233,26 +234,6 @@ def _median(values):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def available_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` (None where unknown), capped by a cgroup v2 limit."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
-        if limit != "max" and avail is not None:
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return avail
-
-
 def reset_peak() -> bool:
     """Reset this process's peak-RSS mark; False where the kernel does not allow it."""
     try:
@@ -273,26 +254,6 @@ def peak_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def describe() -> dict[str, object]:
-    """CPU model, logical CPUs, total memory, OS: for the report."""
-    model = platform.processor() or ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    total = None
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"cpu": model, "logical_cpus": os.cpu_count(), "memory_bytes": total, "platform": platform.platform(),
-            "loadavg_at_start": list(load) if load else None}
 
 
 def package_version(name: str) -> str | None:

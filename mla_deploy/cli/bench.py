@@ -12,9 +12,26 @@ from __future__ import annotations
 import click
 
 from ..errors import ConfigError
+from ..host import usable_cpus
 from ..quant import parse_block_size
 from .groups import BLOCK_SIZES, seed_option, threads_help
-from .options import Int, IntList, PathList, Positive, Threads, available_cpus
+from .options import Int, IntList, Positive, Threads
+
+
+class PathList(click.ParamType):
+    """The attention bench's variants: a comma-separated subset of its paths, or ``all``
+    (:func:`mla_deploy.bench.attention.spec.parse_paths` says which)."""
+
+    name = "paths"
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "PATH[,PATH...]|all"
+
+    def convert(self, value, param, ctx):
+        from ..bench.attention.spec import parse_paths
+
+        return value if isinstance(value, tuple) else parse_paths(value)
+
 
 #: the old mode flag, read only by :class:`BenchGroup`
 WHOLE_MODEL_FLAG = "--whole-model"
@@ -88,7 +105,7 @@ _SOURCE = _options(
 _RUN = _options(
     click.option("--batch", "batches", type=IntList(), default="1,8", show_default=True,
                  help="Batch sizes B, comma list."),
-    click.option("--threads", type=Threads(), default=lambda: min(2, available_cpus()),
+    click.option("--threads", type=Threads(), default=lambda: min(2, usable_cpus()),
                  show_default="2, or the CPUs this process may use if fewer",
                  help=threads_help("torch and ONNX Runtime intra-op threads")),
     click.option("--warmup", type=Int(minimum=0), default=3, show_default=True, help="Untimed calls before the timed ones."),

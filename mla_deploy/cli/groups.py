@@ -19,10 +19,11 @@ import click
 
 from ..errors import ConfigError, InputError
 from ..expert_forms import EXPERT_FORMS
+from ..host import usable_cpus
 from ..io_spec import PRECISIONS
 from ..quant import BLOCK_SIZE_CHOICES, FORMATS, WEIGHTS, parse_block_size, require_quantized
 from ..recipe import MIN_CACHE_LENGTH
-from .options import Int, Threads, TokenIds, available_cpus
+from .options import Int, Threads, TokenIds
 
 #: ``--cache-mode`` choices: :data:`mla_deploy.cache_layout.CACHE_MODES` (not imported: it imports numpy; a test
 #: holds the two equal)
@@ -184,7 +185,9 @@ class ExportSettingsArgs(OptionGroup):
     def options(self) -> list[Option]:
         return [
             option("--precision", type=click.Choice(list(PRECISIONS)), help="Override [export] precision."),
-            option("--cache-mode", type=click.Choice(CACHE_MODES), help="Override [export] cache_mode."),
+            option("--cache-mode", type=click.Choice(CACHE_MODES),
+                   help="Override [export] cache_mode (static, the default: a fixed capacity written in place, what "
+                        "serve and build --target cpu take; concat: a cache that grows each step)."),
             option("--max-cache-length", type=Int(MIN_CACHE_LENGTH),
                    help=f"Override [export] max_cache_length (static capacity; with --target genai the context "
                         f"length), at least {MIN_CACHE_LENGTH}."),
@@ -224,7 +227,7 @@ class Runtime:
 
 def threads_help(what: str) -> str:
     """``--threads``' help: ``what`` and the bound of :class:`~.options.Threads` on this machine."""
-    return f"{what}, 1 to the CPUs this process may use ({available_cpus()} here)."
+    return f"{what}, 1 to the CPUs this process may use ({usable_cpus()} here)."
 
 
 class RuntimeArgs(OptionGroup):

@@ -7,11 +7,11 @@ Imported at startup: nothing heavy here.
 
 from __future__ import annotations
 
-import os
 import click
 
-from ..bench.parsing import parse_int, parse_int_list  # one parser of option values, shared with the benches' specs
 from ..errors import InputError
+from ..host import usable_cpus
+from ..values import parse_int, parse_int_list  # one parser of option values, shared with the benches' specs
 
 
 def option_name(param) -> str:
@@ -19,12 +19,6 @@ def option_name(param) -> str:
     return param.opts[0] if param is not None and param.opts else "the option"
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 class Int(click.ParamType):
@@ -43,7 +37,7 @@ class Int(click.ParamType):
 
 
 class Threads(click.ParamType):
-    """A thread count: from 1 to the CPUs this process may use (:func:`available_cpus`). More threads than CPUs
+    """A thread count: from 1 to the CPUs this process may use (:func:`~mla_deploy.host.usable_cpus`). More threads than CPUs
     only contend, and a count in the thousands makes ONNX Runtime start that many threads before anything runs."""
 
     name = "threads"
@@ -52,7 +46,7 @@ class Threads(click.ParamType):
         return "N"
 
     def convert(self, value, param, ctx):
-        option, cpus = option_name(param), available_cpus()
+        option, cpus = option_name(param), usable_cpus()
         threads = parse_int(value, option, 1)
         if threads > cpus:
             raise InputError(f"{option} must be <= {cpus}, the CPUs this process may use, got {threads}")
@@ -112,18 +106,3 @@ class Positive(click.ParamType):
         if not number > 0 or number == float("inf"):
             raise InputError(f"{option} must be a positive number, got {value!r}")
         return number
-
-
-class PathList(click.ParamType):
-    """The attention bench's variants: a comma-separated subset of its paths, or ``all``
-    (:func:`mla_deploy.bench.attention.spec.parse_paths` says which)."""
-
-    name = "paths"
-
-    def get_metavar(self, param, ctx=None) -> str:
-        return "PATH[,PATH...]|all"
-
-    def convert(self, value, param, ctx):
-        from ..bench.attention.spec import parse_paths
-
-        return value if isinstance(value, tuple) else parse_paths(value)

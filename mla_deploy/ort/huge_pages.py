@@ -7,7 +7,7 @@ and on a virtual machine each walk is nested. On the development machine (2 core
 measurement (29-32 GB/s either way in ``benchmarks/gemv_probe``'s later runs). A 4-layer V2-Lite int4 decode step was
 3% shorter (17.6 -> 17.1 ms, medians of 6 alternating runs), a full-size one about 2%.
 
-Linux backs anonymous memory with transparent huge pages (THP) as ``/sys/kernel/mm/transparent_hugepage/enabled``
+Linux backs anonymous memory with transparent huge pages (THP) as the system's THP setting (:func:`mla_deploy.host.thp_setting`)
 says: ``always``, ``madvise`` (most distributions' default: only memory advised with ``MADV_HUGEPAGE``) or
 ``never``. ONNX Runtime allocates weights and pre-packed weights with ``malloc``, which advises nothing, unless
 glibc's tunable ``glibc.malloc.hugetlb=1`` (glibc 2.35+) is set when the process starts: then every ``mmap`` glibc
@@ -23,47 +23,28 @@ Collapsing the loaded weights afterwards (``MADV_COLLAPSE``) was measured too: t
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..host import glibc_version, thp_setting
+
 TUNABLE = "glibc.malloc.hugetlb"
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def thp_setting() -> str:
-    """The system's transparent huge page setting (``always``, ``madvise``, ``never``), or why there is none
-    (``not Linux``, ``unavailable``)."""
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    try:
-        text = THP_SETTING.read_text()
-    except OSError:
-        return "unavailable"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else "unavailable"
 
 
 def _glibc() -> bool:
     """Whether this Python runs on glibc 2.35 or newer (the first with the ``hugetlb`` tunable)."""
-    import platform
-
-    name, version = platform.libc_ver()
-    if name != "glibc" or not version:
-        return False
-    major, _, minor = version.partition(".")
-    try:
-        return (int(major), int(minor.split(".")[0] or 0)) >= (2, 35)
-    except ValueError:
-        return False
+    version = glibc_version()
+    return version is not None and version >= (2, 35)
 
 
-def environment_with_huge_pages(environ: Mapping[str, str]) -> dict[str, str] | None:
+def environment_with_huge_pages(environ: Mapping[str, str], thp: str | None = None) -> dict[str, str] | None:
     """``environ`` with ``glibc.malloc.hugetlb=1`` added to ``GLIBC_TUNABLES``, or None where nothing is to change:
-    not glibc 2.35+, THP ``never`` or absent, or ``GLIBC_TUNABLES`` already names the tunable (either value)."""
+    not glibc 2.35+, THP (``thp``, else the system's setting) ``never`` or absent, or ``GLIBC_TUNABLES`` already
+    names the tunable (either value)."""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if TUNABLE in tunables or thp_setting() not in ("always", "madvise") or not _glibc():
+    thp = thp_setting() if thp is None else thp
+    if TUNABLE in tunables or thp not in ("always", "madvise") or not _glibc():
         return None
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1"}
 

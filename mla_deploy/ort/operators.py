@@ -86,14 +86,15 @@ def _missing() -> str | None:
     return None
 
 
-def compile_library(into: Path, native: bool = True) -> Library:
-    """Compile :func:`source_path` into ``into/cpu_ops.so`` for this CPU (``native``: ``-march=native``; False:
-    portable C, for the tests of its fallback path). Never raises for a missing compiler or source: the
-    :class:`Library` says why there is none."""
+def compile_library(into: Path, native: bool = True, source: Path | None = None) -> Library:
+    """Compile :func:`source_path` (or ``source``, a copy of it) into ``into/cpu_ops.so`` for this CPU (``native``:
+    ``-march=native``; False: portable C, for the tests of its fallback path), then check it against the ONNX Runtime
+    installed (:func:`check_library`). Never raises for a missing compiler or source, or a library that fails its
+    check: the :class:`Library` says why there is none."""
     missing = _missing()
     if missing:
         return Library(None, why_not=missing)
-    source, cc, out = source_path(), compiler(), Path(into) / LIBRARY
+    source, cc, out = Path(source or source_path()), compiler(), Path(into) / LIBRARY
     flags = ["-O3", "-fPIC", "-shared", "-std=gnu11"] + (["-march=native"] if native else [])
     try:
         # the compiler's own temporaries (assembly, object) go into `into` too: a build that is interrupted
@@ -109,7 +110,46 @@ def compile_library(into: Path, native: bool = True) -> Library:
     if native and not vnni:
         out.unlink()
         return Library(None, why_not=NO_FAST_PATH)
+    failed = check_library(out)
+    if failed:
+        out.unlink()
+        return Library(None, why_not=failed)
     return Library(out, vnni)
+
+
+#: how long the check of a compiled library may take (an import of onnxruntime and four small sessions: about 1 s)
+CHECK_SECONDS = 120
+
+
+def check_library(library: Path) -> str | None:
+    """Run each operator kind of ``library`` once in a child process against its reference (:mod:`.probe`), so that
+    a C API position that does not match the installed ONNX Runtime is found without crashing this process; None
+    when it works, else one line saying why it does not."""
+    import signal
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "mla_deploy.ort.probe", str(library)], capture_output=True,
+                              text=True, timeout=CHECK_SECONDS)
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        return f"the operator library could not be checked against ONNX Runtime: {type(exc).__name__}"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        try:
+            how = f"crashed ({signal.Signals(-done.returncode).name})"
+        except ValueError:
+            how = f"was killed by signal {-done.returncode}"
+    else:
+        how = "failed: " + ((done.stdout.strip().splitlines() or ["no message"])[-1])
+    return (f"the operator library does not work with this ONNX Runtime: it {how} when run once in a child process "
+            f"(its C API table positions in {source_path().name} do not match)")
+
+
+def api_version(onnxruntime_version: str) -> int:
+    """The ``OrtApi`` version of an ONNX Runtime release (``ORT_API_VERSION`` is its minor version: 1.31.1 -> 31)."""
+    parts = onnxruntime_version.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
 #: the CPU features the operators' fast path needs (as :func:`mla_deploy.ort.record.host_cpu` names them)
@@ -129,8 +169,18 @@ def register(options, library: Path) -> None:
 
     Raises:
         ArtifactError: the library does not load (a missing or foreign file)."""
+    import onnxruntime
+
     from ..errors import ArtifactError
 
+    try:
+        wanted = ctypes.CDLL(str(library)).mla_deploy_cpu_ops_api_version()
+    except (OSError, AttributeError) as exc:
+        raise ArtifactError(f"{library} is not an mla-deploy operator library: {exc}") from exc
+    running = api_version(onnxruntime.__version__)
+    if running < wanted:
+        raise ArtifactError(f"the operator library {library} needs ONNX Runtime's C API version {wanted} or newer; "
+                            f"ONNX Runtime {onnxruntime.__version__} has {running}")
     try:
         options.register_custom_ops_library(str(library))
     except Exception as exc:  # onnxruntime raises its own types

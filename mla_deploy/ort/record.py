@@ -8,7 +8,7 @@ weights (``model.data``), and this record. An engine is only valid for:
 * the ONNX Runtime version that built it (its optimised graph holds ORT's own fused operators and its pre-packed
   weights ORT's private layouts);
 * the CPU it was built on: the machine architecture and the instruction-set features ORT's kernels choose their
-  code paths and packed layouts by (:data:`CPU_FEATURES`, read from ``/proc/cpuinfo``);
+  code paths and packed layouts by (:data:`CPU_FEATURES`, as :func:`mla_deploy.host.cpu_flags` reads them);
 * the source graphs (their sha256 in the manifest, and the file's own sha256 at build), the model's fingerprint and
   the shared weights file's recorded sha256;
 * its own files: each engine graph's sha256 and each data file's size (the data file is not hashed at open: it is
@@ -25,12 +25,12 @@ This module imports neither onnxruntime nor onnx: the caller passes the running 
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ArtifactError
+from ..host import cpu_flags, machine
 from ..artifact.files import atomic_write_text, sampled_sha256, sha256_file
 from ..artifact.manifest import Manifest
 
@@ -54,7 +54,7 @@ class HostCpu:
 
     Attributes:
         onnxruntime: ONNX Runtime's version.
-        machine: the architecture (``platform.machine()``: ``x86_64``, ``aarch64``).
+        machine: the architecture (:func:`mla_deploy.host.machine`: ``x86_64``, ``aarch64``).
         features: the :data:`CPU_FEATURES` this CPU has, sorted.
     """
 
@@ -65,15 +65,8 @@ class HostCpu:
 
 def host_cpu(onnxruntime_version: str) -> HostCpu:
     """This machine as an engine sees it, with ``onnxruntime_version`` (the running ORT's ``__version__``)."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                flags.update(value.split())
-    except OSError:  # no /proc (not Linux): the architecture alone
-        pass
-    return HostCpu(onnxruntime_version, platform.machine(), tuple(sorted(f for f in CPU_FEATURES if f in flags)))
+    flags = cpu_flags()
+    return HostCpu(onnxruntime_version, machine(), tuple(sorted(f for f in CPU_FEATURES if f in flags)))
 
 
 @dataclass(frozen=True)

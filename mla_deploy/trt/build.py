@@ -197,7 +197,7 @@ def check_buildable(manifest: Manifest, root: Path) -> None:
             cannot parse (ONNX Runtime's ``MatMulNBits``: :attr:`mla_deploy.quant.WeightFormat.tensorrt`).
     """
     for entry in manifest.graphs.values():
-        require_experts_for_tensorrt(entry.experts, str(root))
+        require_experts_for_tensorrt(entry.experts, str(root), manifest.config.is_moe)
     manifest.quantization.require_tensorrt(str(root))
 
 

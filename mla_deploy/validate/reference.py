@@ -58,11 +58,10 @@ def require_memory(config) -> None:
 
     Raises:
         InputError: naming what it needs and what is available."""
-    from ..bench.bound import PROCESS_OVERHEAD
-    from ..bench.machine import available_bytes
-    from ..bench.whole_model.cost import weight_groups
+    from ..host import available_memory
+    from ..weight_bytes import PROCESS_OVERHEAD, weight_groups
 
-    need, available = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD, available_bytes()
+    need, available = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD, available_memory()
     if available is not None and need > available:
         raise InputError(f"validating {config.name} needs its fp32 PyTorch reference, about {need / 2**30:.1f} GiB, "
                          f"and {available / 2**30:.1f} GiB are available; validate on a machine with that much memory "

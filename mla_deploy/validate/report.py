@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import host
 from ..artifact import Manifest
 from ..artifact.files import remove_stale, temp_name
 from .metrics import StepFigures, error_figures, severity, step_masks, top1_agreement
@@ -56,7 +57,7 @@ def environment(providers: dict[str, str]) -> dict[str, Any]:
         except md.PackageNotFoundError:
             continue
     return {"versions": versions, "providers": dict(providers), "platform": platform.platform(),
-            "machine": platform.machine()}
+            "machine": host.machine()}
 
 
 @dataclass(frozen=True)

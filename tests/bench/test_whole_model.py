@@ -305,7 +305,7 @@ def test_help_names_what_each_option_takes():
 def test_weight_groups_of_v2_lite():
     """DeepSeek-V2-Lite: 26 MoE layers of 64 experts (3 x 2048 x 1408 each), top-6; the lm_head and one embedding
     row; every other weight read by every step."""
-    from mla_deploy.bench.whole_model.cost import weight_groups
+    from mla_deploy.weight_bytes import weight_groups
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -330,7 +330,8 @@ def test_weight_groups_of_v2_lite():
 
 def test_step_cost_counts_routed_experts_and_cache():
     from mla_deploy.bench.bound import attention_flops
-    from mla_deploy.bench.whole_model.cost import expected_distinct_experts, step_cost, weight_groups
+    from mla_deploy.bench.whole_model.cost import expected_distinct_experts, step_cost
+    from mla_deploy.weight_bytes import weight_groups
     from mla_deploy.recipe import load_recipe
 
     c = load_recipe("deepseek-v2-lite").model
@@ -368,7 +369,7 @@ def test_the_memory_refusal_counts_the_smallest_export_asked_for(tmp_path):
     from hf_oracle import hf_model
 
     from mla_deploy import quant
-    from mla_deploy.bench.whole_model.cost import export_bytes
+    from mla_deploy.weight_bytes import export_bytes
     from mla_deploy.bench.whole_model.driver import prepare
     from mla_deploy.bench.whole_model.spec import WholeModelSpec
     from mla_deploy.config import from_hf_config

@@ -1,4 +1,5 @@
-"""Huge pages: the command line re-executes itself with glibc's ``hugetlb`` tunable where the system allows it, its
+"""Huge pages: the commands that stream weights re-execute themselves with glibc's ``hugetlb`` tunable where the system
+allows it (the others do not), its
 large allocations then land on huge pages (read back from ``/proc``), a user's own setting wins, and engine
 sessions spin (a server's do not)."""
 
@@ -10,14 +11,16 @@ import sys
 
 import pytest
 
-from artifacts import tiny_artifact
+from artifacts import text_artifact, tiny_artifact
+from mla_deploy import host
+from mla_deploy.cli import HUGE_PAGE_COMMANDS, command_of
 from mla_deploy.ort import huge_pages
 from mla_deploy.ort.engine import OrtEngine
 
 SPINNING = "session.intra_op.allow_spinning"
-AVAILABLE = huge_pages.thp_setting() in ("always", "madvise") and huge_pages._glibc()
+AVAILABLE = host.thp_setting() in ("always", "madvise") and huge_pages._glibc()
 needs_thp = pytest.mark.skipif(not AVAILABLE, reason="transparent huge pages or glibc 2.35+ are not available here "
-                                                      f"(THP: {huge_pages.thp_setting()})")
+                                                      f"(THP: {host.thp_setting()})")
 
 
 def _bare_environment(**extra: str) -> dict[str, str]:
@@ -37,15 +40,13 @@ def test_the_tunable_is_added_to_an_environment_and_a_users_own_is_kept():
     assert not huge_pages.requested({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
 
 
-def test_nothing_changes_where_the_system_has_no_transparent_huge_pages(tmp_path, monkeypatch):
+def test_nothing_changes_where_the_system_has_no_transparent_huge_pages(tmp_path):
     setting = tmp_path / "enabled"
     setting.write_text("always madvise [never]\n")
-    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
-    assert huge_pages.thp_setting() == "never"
-    assert huge_pages.environment_with_huge_pages({}) is None
-    monkeypatch.setattr(huge_pages, "THP_SETTING", tmp_path / "absent")
-    assert huge_pages.thp_setting() == "unavailable"
-    assert huge_pages.environment_with_huge_pages({}) is None
+    assert host.thp_setting(setting) == "never"
+    assert host.thp_setting(tmp_path / "absent") == "unavailable"
+    for thp in ("never", "unavailable", "not Linux"):
+        assert huge_pages.environment_with_huge_pages({}, thp=thp) is None
 
 
 @needs_thp
@@ -55,7 +56,7 @@ def test_with_the_tunable_a_large_allocation_lands_on_huge_pages_and_without_it_
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                         env=_bare_environment(GLIBC_TUNABLES="glibc.malloc.hugetlb=1"))
     assert on.returncode == 0 and on.stdout.strip() == "True", on.stderr
-    if huge_pages.thp_setting() == "madvise":  # under "always" every allocation may get them anyway
+    if host.thp_setting() == "madvise":  # under "always" every allocation may get them anyway
         off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env=_bare_environment())
         assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
@@ -63,24 +64,39 @@ def test_with_the_tunable_a_large_allocation_lands_on_huge_pages_and_without_it_
 
 @needs_thp
 @pytest.mark.parametrize("launcher", ["module", "script"])
-def test_the_command_line_reexecutes_itself_with_huge_pages_and_keeps_a_users_setting(launcher):
-    """`mla-deploy doctor` (console script and python -m) reports its own allocations on huge pages; with
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=0 given by the user, it does not re-execute and says no."""
+def test_a_serving_command_reexecutes_itself_with_huge_pages_and_keeps_a_users_setting(launcher):
+    """`mla-deploy serve` (console script and python -m) re-executes itself with the tunable: the same process
+    (its pid) then holds it in its environment (``/proc/PID/environ`` is the environment of its last exec); with
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=0 given by the user it keeps the user's setting."""
     script = os.path.join(os.path.dirname(sys.executable), "mla-deploy")
     if launcher == "script" and not os.path.exists(script):
         pytest.skip(f"no console script at {script}")
     argv = [sys.executable, "-m", "mla_deploy"] if launcher == "module" else [script]
-    on = subprocess.run([*argv, "doctor", "--no-providers"], capture_output=True, text=True, timeout=120,
-                        env=_bare_environment())
-    assert on.returncode == 0, on.stderr
-    line = next(l for l in on.stdout.splitlines() if l.startswith("huge pages"))
-    assert "yes: weights load on 2 MiB pages" in line and "glibc.malloc.hugetlb=1" in line, line
-    off = subprocess.run([*argv, "doctor", "--no-providers"], capture_output=True, text=True, timeout=120,
-                         env=_bare_environment(GLIBC_TUNABLES="glibc.malloc.hugetlb=0"))
-    assert off.returncode == 0, off.stderr
-    line = next(l for l in off.stdout.splitlines() if l.startswith("huge pages"))
-    if huge_pages.thp_setting() == "madvise":
-        assert "no: weights load on 4 KiB pages" in line and "hugetlb=0" in line, line
+    for extra, expected in (({}, "glibc.malloc.hugetlb=1"), ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
+                                                              "glibc.malloc.hugetlb=0")):
+        server = subprocess.Popen([*argv, "serve", str(text_artifact("static")), "--port", "0", "--threads", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  env=_bare_environment(**extra))
+        try:
+            while "serving " not in (line := server.stderr.readline()):
+                assert line, "the server stopped before serving"
+            environ = open(f"/proc/{server.pid}/environ", "rb").read().split(b"\0")
+        finally:
+            server.kill()
+            server.wait(timeout=30)
+        assert [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")] == [f"GLIBC_TUNABLES={expected}".encode()]
+
+
+def test_commands_that_stream_no_weights_start_without_reexecuting():
+    """`doctor` (like export, build, validate, inspect and --help) runs in the process it was started in: it reports
+    no tunable of its own."""
+    assert command_of(["--verbose", "serve", "ART"]) == "serve" and command_of(["doctor"]) == "doctor"
+    assert {"run", "serve", "bench"} == HUGE_PAGE_COMMANDS
+    done = subprocess.run([sys.executable, "-m", "mla_deploy", "doctor", "--no-providers"], capture_output=True,
+                          text=True, timeout=120, env=_bare_environment())
+    assert done.returncode == 0, done.stderr
+    line = next(l for l in done.stdout.splitlines() if l.startswith("huge pages"))
+    assert "GLIBC_TUNABLES=(unset)" in line, line
 
 
 def test_engine_sessions_spin_unless_asked_not_to_and_the_engine_reports_its_huge_pages():

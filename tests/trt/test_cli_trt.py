@@ -58,7 +58,11 @@ def test_doctor_reports_versions_providers_and_commands():
     assert f"torch        {torch.__version__}" in out
     assert "CPUExecutionProvider         loads" in out  # really created a session on it
     assert "polygraphy   " in out and "tensorrt     " in out
-    build_line = next(line for line in out.splitlines() if line.strip().startswith("build "))
+    build_line = next(line for line in out.splitlines() if line.strip().startswith("build (TensorRT)"))
+    cpu_line = next(line for line in out.splitlines() if line.strip().startswith("build --target cpu"))
+    assert cpu_line.split()[3] == "yes,"  # the CPU engine builds wherever ONNX Runtime runs
+    for command in ("inspect", "export", "run", "serve", "validate", "bench"):  # every command is listed
+        assert any(line.split()[:1] == [command] for line in out.splitlines()), command
     if TRT_AND_GPU:
         assert build_line.split()[-1] == "yes"
     else:
@@ -74,5 +78,20 @@ def test_doctor_json_in_a_real_process():
     info = json.loads(proc.stdout)
     assert info["torch"] == torch.__version__ and info["cuda_available"] == torch.cuda.is_available()
     assert info["onnxruntime"]["loaded"] is None and "CPUExecutionProvider" in info["onnxruntime"]["listed"]
-    assert set(info["commands"]) >= {"export", "run", "validate", "build"}
+    assert set(info["commands"]) >= {"inspect", "export", "run", "serve", "validate", "bench", "build --target cpu",
+                                      "build (TensorRT)"}
     assert info["commands"]["export"] == "yes"
+
+
+def test_a_dense_model_is_not_refused_for_experts_it_does_not_have():
+    """The tiny preset is dense: its graphs' entries record an experts form, but it has no routed experts, so the
+    TensorRT check has nothing to refuse (a MoE artifact with fused experts is refused: tests/exporter/
+    test_moe_graph.py)."""
+    from artifacts import tiny_artifact
+    from mla_deploy.artifact import load_manifest
+    from mla_deploy.trt.build import check_buildable
+
+    artifact = tiny_artifact()
+    manifest = load_manifest(artifact)
+    assert not manifest.config.is_moe and {e.experts for e in manifest.graphs.values()} == {"fused"}
+    check_buildable(manifest, artifact)  # raises nothing

@@ -243,13 +243,13 @@ def test_a_reference_beyond_the_memory_is_refused_before_any_weight_is_read(tiny
 
     from mla_deploy import load_recipe
     from mla_deploy.artifact import load_manifest
-    from mla_deploy.bench.machine import available_bytes
-    from mla_deploy.bench.whole_model.cost import weight_groups
+    from mla_deploy.host import available_memory
+    from mla_deploy.weight_bytes import weight_groups
     from mla_deploy.errors import InputError
     from mla_deploy.validate.reference import load_reference_model, require_memory
 
     big = load_recipe("deepseek-v2-lite").model
-    assert weight_groups(big, 4).total_bytes > 58 * 2**30 > available_bytes()  # 15.7 B parameters in fp32
+    assert weight_groups(big, 4).total_bytes > 58 * 2**30 > available_memory()  # 15.7 B parameters in fp32
     manifest = load_manifest(tiny_static)
     require_memory(manifest.config)
     with pytest.raises(InputError, match=r"needs its fp32 PyTorch reference, about 5\d\.\d GiB, and .* available"):

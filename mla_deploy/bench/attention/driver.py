@@ -150,7 +150,7 @@ def run_bench(spec: BenchSpec, out_dir: str | Path, echo: Callable[[str], None] 
               command: str | None = None) -> dict:
     """Run ``spec``, write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir`` (each written to a
     temporary name, then renamed) and return the report dict."""
-    from ..machine import describe
+    from ...host import describe
     from ..reporting import write_outputs
     from .output import markdown, plot
     from .report import build_report

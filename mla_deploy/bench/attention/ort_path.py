@@ -31,11 +31,9 @@ class OrtPath:
     threads: intra-op threads; margin: fixed-capacity layouts hold ``T + margin`` slots."""
 
     def __init__(self, graph: str, layout: CacheLayout | str, threads: int, margin: int):
-        import onnxruntime as ort
+        from ...ort.engine import open_session, require_onnxruntime
 
-        from ...ort.engine import open_session
-
-        self.ort = ort
+        self.ort = ort = require_onnxruntime()
         self.layout, self.margin = get_layout(layout), margin
         self.session = open_session(graph, "cpu", threads, LOG_SEVERITY)
         self.run_options = ort.RunOptions()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bound import roofline
-from ..machine import describe
+from ...host import describe
 from ..reporting import bound_rates, machine_summary, versions
 from .roofline import cache_bytes_per_token, implemented_flops, step_cost
 from .spec import NAIVE_PATHS, PATH_LABELS, BenchSpec, fixed_capacity

@@ -17,7 +17,8 @@ of its capacity), for the report only.
 from __future__ import annotations
 
 from ...config import MLAConfig
-from ..bound import PROCESS_OVERHEAD, attention_flops
+from ...weight_bytes import PROCESS_OVERHEAD
+from ..bound import attention_flops
 from .spec import fixed_capacity
 
 FP32 = 4

@@ -9,7 +9,7 @@ from typing import Any
 from ...cache_layout import CONCAT, STATIC, CacheLayout
 from ...config import MLAConfig
 from ...errors import InputError
-from ..parsing import parse_int_list
+from ...values import parse_int_list
 
 #: The variants, in report order. ``hf-*``: transformers' own attention (naive: re-expands K/V from the latent
 #: every step); ``torch-*``: this project's PyTorch model; ``ort-*``: the exported absorbed graph in ONNX Runtime;

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from ... import host
+
 from ..harness import Results, failure, load_job, pin_torch_threads
 from .spec import GRAPH_LAYOUTS
 
@@ -46,11 +48,10 @@ def make_path(path: str, spec, job: dict):
 def _too_big(spec, path: str, context: int, batch: int) -> dict:
     """The point's memory estimate and what is available; with ``status`` "does not fit" when the estimate
     exceeds the allowance (TensorRT's tensors live on the GPU: never refused here)."""
-    from .. import machine
     from .roofline import memory_estimate
 
     estimate = memory_estimate(spec.config, path, spec.layers, context, batch, context + spec.static_margin)
-    available = machine.available_bytes()
+    available = host.available_memory()
     record = {"memory_estimate_bytes": estimate, "memory_available_bytes": available}
     if path != "trt" and available is not None and estimate > spec.memory_fraction * available:
         record.update(status="does not fit",

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ... import quant
+from ... import host, quant
 from ...errors import ExportError, InputError
+from ...weight_bytes import PROCESS_OVERHEAD, export_bytes, manifest_weight_groups, weight_groups
 from .. import machine
-from ..bound import PROCESS_OVERHEAD
 from ..harness import run_points
-from .cost import export_bytes, manifest_weight_groups, weight_groups
 from .spec import TRANSFORMERS, WholeModelSpec, points
 
 #: marks ``OUT/checkpoint`` as written by the bench, with what it holds (a later run reuses it when equal)
@@ -173,7 +172,7 @@ def _require_fit(config, spec: WholeModelSpec) -> None:
     reference (transformers, the measured routing) is skipped where it does not fit."""
     plans = quant.plans(spec.weights, spec.block_size)
     need, smallest = min(((export_bytes(config, q) + PROCESS_OVERHEAD, q) for q in plans), key=lambda pair: pair[0])
-    available = machine.available_bytes()
+    available = host.available_memory()
     if available is not None and need > spec.memory_fraction * available:
         raise InputError(f"{config.name} needs about {need / 2**30:.1f} GiB in {smallest.stored_type('fp32')} and "
                          f"{available / 2**30:.1f} GiB are available, so no path could load it; bench its first "
@@ -287,7 +286,7 @@ def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
     """
     config = prepared.manifest.config
     fp32 = weight_groups(config, 4).total_bytes + PROCESS_OVERHEAD
-    available = machine.available_bytes()
+    available = host.available_memory()
     limit = spec.memory_fraction * available if available is not None else None
 
     def too_big(need: int) -> str | None:
@@ -296,10 +295,13 @@ def plan(spec: WholeModelSpec, prepared: Prepared) -> tuple[dict, dict]:
         return (f"needs about {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available "
                 f"(limit {spec.memory_fraction:.0%} of it)")
 
+    from ...errors import RuntimeMissingError
+    from ...ort.engine import require_onnxruntime
+
     try:
-        import onnxruntime  # noqa: F401
+        require_onnxruntime()
         missing = None
-    except ImportError:
+    except RuntimeMissingError:
         missing = "onnxruntime is not installed"
     status = {}
     for variant in prepared.variants:
@@ -390,7 +392,7 @@ def run_whole_model(spec: WholeModelSpec, out_dir: str | Path, echo: Callable[[s
     echo = echo or (lambda line: None)
     out = Path(out_dir)
     started = time.time()
-    described = machine.describe()
+    described = host.describe()
     prepared = prepare(spec, out, echo)  # checks the source before anything is written
     out.mkdir(parents=True, exist_ok=True)
     status, routing = plan(spec, prepared)

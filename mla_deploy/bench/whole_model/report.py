@@ -22,9 +22,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from ...quant import plan
+from ...weight_bytes import manifest_weight_groups, weight_groups
 from ..bound import bound_check_line, check_bound, roofline
 from ..reporting import GEMM_PROBES, bound_rates, format_bytes, format_ms, machine_line, machine_summary, versions
-from .cost import CHUNK_BYTES, expected_distinct_experts, manifest_weight_groups, step_cost, weight_groups
+from .cost import CHUNK_BYTES, expected_distinct_experts, step_cost
 from .spec import PREFILL, TRANSFORMERS, WholeModelSpec, parse_point, path_label, points, prompt_ids
 
 FORMAT = "mla-deploy-bench-whole-model"

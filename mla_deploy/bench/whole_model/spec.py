@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...quant import FLOAT, weights_list
-from ..parsing import parse_int, parse_int_list
+from ...values import parse_int, parse_int_list
 
 #: where the model comes from: an exported artifact (benched as is), a checkpoint folder (exported first), a
 #: preset or recipe file (a random checkpoint of its model written first, then exported)

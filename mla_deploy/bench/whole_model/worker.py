@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from ... import host
 from .. import machine
 from ..harness import Results, failure, load_job, pin_torch_threads
 from .cost import fill_chunk, point_bytes
@@ -102,7 +103,7 @@ class OursPath:
 
     def fits(self, batch: int, rows: int, chunk: int) -> tuple[int, bool]:
         need = point_bytes(self.config, batch, rows, chunk, self.itemsize)
-        available = machine.available_bytes()
+        available = host.available_memory()
         return need, available is None or need <= self.spec.memory_fraction * available
 
     def prefill(self, batch: int) -> dict:
@@ -299,7 +300,7 @@ def run_point(path, key: str) -> dict:
         chunk = path.spec.prompt_length if kind == "prefill" else fill_chunk(path.config, batch, rows, path.itemsize)
         need, ok = path.fits(batch, rows, chunk)
         if not ok:
-            available = machine.available_bytes() or 0
+            available = host.available_memory() or 0
             return {**record, "status": "does not fit",
                     "detail": f"the point needs about {need / 2**30:.1f} GiB beside the weights, "
                               f"{available / 2**30:.1f} GiB available"}

@@ -35,8 +35,10 @@
  * Attributes: k, expert_weight_bits (4, 8), block_size (32), normalize_routing_weights (0, 1).
  *
  * ABI: this file declares the few ONNX Runtime C API entries it uses itself (by their fixed positions in the
- * append-only OrtApi table, ORT >= 1.17), as the C API header is not distributed with the Python wheel; the tests
- * run both in real sessions against QMoE and MatMulNBits (tests/engines/test_cpu_ops.py). */
+ * append-only OrtApi table, ORT >= 1.17), as no package on the index ships ONNX Runtime's C header. Every library
+ * compiled from it is run once in a child process before an engine records it (mla_deploy/ort/probe.py), so a wrong
+ * position is refused in one line instead of crashing a session; the tests run the operators in real sessions
+ * against QMoE and MatMulNBits (tests/ort/test_cpu_ops.py). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -2355,12 +2357,15 @@ static OrtCustomOp float_matmul = OP_TABLE_FREED(float_linear_name, float_linear
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
+/* the OrtApi version whose table positions this file uses (mla_deploy/ort/operators.py refuses an older ONNX Runtime) */
+int mla_deploy_cpu_ops_api_version(void) { return API_VERSION; }
+
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                     const OrtApiBase *base) {
     const void *table = base->GetApi(API_VERSION);
     if (!table) { /* an ONNX Runtime older than the entries used here: say so through the oldest API */
         void *const *oldest = (void *const *)base->GetApi(1);
-        return ((CreateStatus_t)oldest[API_CreateStatus])(ORT_FAIL, "RoutedExperts needs ONNX Runtime 1.17 or newer");
+        return ((CreateStatus_t)oldest[API_CreateStatus])(ORT_FAIL, "the mla-deploy operators need a newer ONNX Runtime C API");
     }
     api = (void *const *)table;
     static OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep pointing at it */

@@ -1,9 +1,9 @@
-"""The bench options' values, parsed for both benches' specs (and the CLI's option types): a bad value is an
+"""Option values parsed one way for the command line's option types and the benches' specs: a bad value is an
 :class:`~mla_deploy.errors.InputError` naming the option."""
 
 from __future__ import annotations
 
-from ..errors import InputError
+from .errors import InputError
 
 
 def parse_int_list(text: str | int | list, option: str, minimum: int = 1) -> tuple[int, ...]:
