@@ -12,5 +12,5 @@ elif [ -x "$repo/.venv/bin/python" ]; then
 else
     py="$(command -v python3)"
 fi
-export PYTHONPATH="$repo/tools${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 exec "$py" -m llama_compare "$@"

@@ -91,7 +91,7 @@ def _meta_state(config: MLAConfig) -> dict:
     """The absorbed model's state dict, on the meta device (nothing allocated)."""
     import torch
 
-    from ...model import MLAForCausalLM
+    from .model import MLAForCausalLM
 
     with torch.device("meta"):
         return MLAForCausalLM(config, "A_CC").state_dict()

@@ -29,7 +29,7 @@ swapped for ``mla_deploy.FloatExperts`` and ``mla_deploy.FloatMatMul``. Quantize
 products (``MatMulNBits``) and the absorbed attention's per-head products (:data:`~mla_deploy.quant.formats.HEADWISE`), int4/int8 in blocks of 32, are swapped for
 mla-deploy's own operators ``mla_deploy.RoutedExperts``, ``mla_deploy.BlockwiseMatMul`` and
 ``mla_deploy.HeadwiseMatMul``
-(:mod:`~mla_deploy.ort.operators`), compiled into ``cpu/operators.so`` for this CPU: the same weights and the same
+(:mod:`~mla_deploy.ort.operators`), compiled into ``cpu/cpu_ops.so`` for this CPU: the same weights and the same
 compute, streamed faster; their weights are not packed (they are read where ONNX Runtime maps them), only those of
 ``RoutedExperts`` and of ``BlockwiseMatMul`` rows over 512 values stored interleaved in groups of 16 blocks
 (:func:`~mla_deploy.ort.swaps.interleave_weights`: the same bytes, moved). Each layer's
@@ -53,16 +53,15 @@ from pathlib import Path
 from typing import Callable
 
 from ..artifact import atomic_dir, check_artifact, load_manifest, now, sampled_sha256, sha256_file
-from .record import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, EngineGraph,
-                                   CpuOperators, host_cpu, write_cpu_engine_record)
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
 from ..errors import ArtifactError, ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
-from . import swaps
 from ..quant.formats import EXTERNAL_FOLDER_ENTRY
-from . import operators
+from . import operators, swaps
 from .engine import check_precision, require_onnxruntime, session_options
+from .record import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, CpuOperators, EngineGraph, host_cpu,
+                     write_cpu_engine_record)
 
 #: the kernels whose saved pre-packed weights ONNX Runtime 1.31.1 reads back bit for bit (fp32 ``MatMul``/``Gemm``)
 PREPACKED_KEPT = ("MatMul", "Gemm")
@@ -99,22 +98,22 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     for role, graph in manifest.graphs.items():
         sources.setdefault(graph.file, []).append(role)
     with atomic_dir(root / CPU_ENGINE_DIR) as tmp:
-        graphs, operators = [], _Operators(tmp)
+        graphs, own = [], _Operators(tmp)
         for source, roles in sources.items():
             if log:
                 log(f"optimising {source} ({' + '.join(roles)}) ...")
-            graphs.append(_build_graph(ort, root, manifest, source, tmp, tuple(roles), operators))
+            graphs.append(_build_graph(ort, root, manifest, source, tmp, tuple(roles), own))
         record = CpuEngineRecord(host_cpu(ort.__version__), manifest.fingerprint,
                                  (manifest.weights_data or {}).get("sha256"), tuple(graphs), dict(SESSION),
                                  prepacked_kernels(manifest), now(), round(time.perf_counter() - start, 3),
-                                 operators.record())
+                                 own.record())
         write_cpu_engine_record(tmp, record)
     return record
 
 
 def _engine_files(root: Path, manifest: Manifest) -> set[str]:
     """The names of the files a build of ``root``'s engine writes (``engine.json``, ``<graph>.onnx`` and
-    ``<graph>.data`` for each of its graph files, ``operators.so``), and those the engine there now records."""
+    ``<graph>.data`` for each of its graph files, ``cpu_ops.so``), and those the engine there now records."""
     from .record import read_cpu_engine_record
     from .operators import LIBRARY
 
@@ -205,7 +204,7 @@ class _Operators:
 
 
 def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, roles: tuple[str, ...],
-                 operators: _Operators) -> EngineGraph:
+                 own: _Operators) -> EngineGraph:
     """Optimise ``root/source`` once into ``tmp/<stem>.onnx`` + ``tmp/<stem>.data``, its quantized experts and
     products swapped for :mod:`~mla_deploy.ort.operators`'s operators where they compute them; its
     :class:`EngineGraph`."""
@@ -222,7 +221,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     # float16 scales, transposed float weights, interleaved quantized ones: read by the session below into the
     # engine's data, then gone
     side, rewritten = tmp / f"{stem}.scales16", tmp / f"{stem}.rewritten"
-    model, library = operators.swap(model, (root / source).parent, side, rewritten)
+    model, library = own.swap(model, (root / source).parent, side, rewritten)
     if library is not None:
         operators.register(options, library)
         entries = {**entries, EXTERNAL_FOLDER_ENTRY: str((root / source).parent)}  # the swapped graph, as bytes
@@ -253,7 +252,7 @@ def drop_cached_pages(path: Path) -> None:
 
     The build leaves the engine's weights cached in the 4 KiB pages it wrote them in, and a session reading cached
     pages keeps them. Dropped, they are read again on the first session's first use, into 2 MiB pages where the
-    engine's operators ask for them (``advise_huge`` in ``mla_deploy/ort/csrc/operators.c``): fewer TLB misses while a
+    engine's operators ask for them (``advise_huge`` in ``mla_deploy/ort/csrc/cpu_ops.c``): fewer TLB misses while a
     decode step streams them (``benchmarks/gemv_probe``). An engine without our operators keeps its pages cached: nothing
     in it asks for huge pages, so dropping them would only cost a read from disk."""
     if not hasattr(os, "posix_fadvise"):

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tools" / "compare_llama_cpp.sh"
+SCRIPT = ROOT / "benchmarks" / "compare_llama_cpp.sh"
 DATA = Path(__file__).resolve().parent / "data" / "llama_compare"
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from llama_compare import burst_worker, gguf, interleaved, paired, paired_worker, table  # noqa: E402
 from llama_compare.settings import CompareError  # noqa: E402
@@ -32,7 +32,7 @@ TINY_GGUF = DATA / "tiny-deepseek2-q8_0.gguf"
 def compare(*args: str, env: dict | None = None, path: str | None = None) -> subprocess.CompletedProcess:
     """The tool as a module of this interpreter (``path``: the PATH it sees)."""
     environ = {k: v for k, v in os.environ.items() if k not in ("CXX", "MLA_DEPLOY_CACHE")}
-    environ.update(PYTHONPATH=str(ROOT / "tools"), OMP_NUM_THREADS="1", **(env or {}))
+    environ.update(PYTHONPATH=str(ROOT / "benchmarks"), OMP_NUM_THREADS="1", **(env or {}))
     if path is not None:
         environ["PATH"] = path
     return subprocess.run([sys.executable, "-m", "llama_compare", *args], capture_output=True, text=True,
@@ -612,7 +612,7 @@ def test_no_network_is_one_line(checkpoint, tmp_path):
 def test_the_bandwidth_series_prints_each_probe_and_a_summary(tmp_path):
     """benchmarks/bandwidth_states.py on a small buffer: one line per probe, the summary, the JSON series; a bad
     setting is argparse's one-line usage error."""
-    script = ROOT / "tools" / "bandwidth_states.py"
+    script = ROOT / "benchmarks" / "bandwidth_states.py"
     out = tmp_path / "series.json"
     proc = subprocess.run([sys.executable, str(script), "--probes", "2", "--every", "0", "--mib", "16", "--threads",
                            "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "gemv_probe"
+TOOL = Path(__file__).resolve().parents[2] / "benchmarks" / "gemv_probe"
 sys.path.insert(0, str(TOOL.parent))
 
 from gemv_probe.__main__ import BLOCK, relative_error  # noqa: E402

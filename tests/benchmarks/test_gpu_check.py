@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tools" / "gpu_check.sh"
-sys.path.insert(0, str(ROOT / "tools"))
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_check import plan as call_plan  # noqa: E402
 from gpu_check import report, steps, wheels  # noqa: E402

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from artifacts import text_artifact  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "serve_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_bench.py"
 
 
 def test_the_serving_bench_prints_one_row_per_concurrency(tmp_path):

@@ -136,7 +136,7 @@ def ws(tmp_path_factory) -> Path:
     (root / "nested" / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # past Python's recursion limit
     (root / "latin1.toml").write_bytes(b"\xff\xfe[model]\n")
     (root / "list.json").write_text("[]")
-    (root / "rope.toml").write_text((Path(__file__).parents[1] / "export" / "tiny.toml").read_text().replace(
+    (root / "rope.toml").write_text((Path(__file__).parents[2] / "export" / "tiny.toml").read_text().replace(
         "factor = ", 'factor = "x" # '))
     (root / "genai").mkdir()  # what `export --target genai` writes (no manifest.json): no artifact
     (root / "genai" / "genai_config.json").write_text('{"model": {"type": "deepseek_v3"}}')
@@ -359,7 +359,7 @@ def test_reexport_keeps_what_it_did_not_write(tmp_path):
     stale = tmp_path / f".tiny.tmp-{dead_pid()}"
     stale.mkdir()
     (stale / "weights.data").write_bytes(b"\x00" * 1000)
-    recipe = (Path(__file__).parents[1] / "export" / "tiny.toml").read_text()
+    recipe = (Path(__file__).parents[2] / "export" / "tiny.toml").read_text()
     (tmp_path / "one-graph.toml").write_text(recipe.replace('prefill_form = "CC"', 'prefill_form = "A_CC"'))
     kept = {k: v for k, v in snapshot(out).items() if k.split("/")[0] in ("validation", "trt", "notes.txt")}
     proc = cli("export", "--recipe", "one-graph.toml", "--out", "tiny", "--progress", cwd=tmp_path)
@@ -566,7 +566,7 @@ def test_full_disk_during_export(tmp_path):
     """The weights stream hits a full disk: one line naming --out and the reason, nothing left behind. A real
     ENOSPC on a 256 KiB tmpfs in a private mount namespace where one can be made (the listing of the tmpfs after
     the export is printed from inside it), else RLIMIT_FSIZE (see the module docstring)."""
-    recipe = (Path(__file__).parents[1] / "export" / "tiny.toml").read_text()
+    recipe = (Path(__file__).parents[2] / "export" / "tiny.toml").read_text()
     recipe = (recipe.replace("num_hidden_layers = 2", "num_hidden_layers = 1")  # one graph of one layer: fast
               .replace('prefill_form = "CC"', 'prefill_form = "A_CC"')
               .replace("opset = 24", "opset = 24\nexternal_data_threshold = 0"))  # weights.data (1 MB), streamed
