@@ -106,3 +106,4 @@ def _interrupt_when_streaming(args: list[str], commas: int, timeout: float = 300
             proc.kill()
             proc.wait()
     return (seen + out).decode(), err.decode(), proc.returncode
+
