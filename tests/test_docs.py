@@ -52,6 +52,22 @@ def test_readme_is_short_and_has_no_dated_history():
         "\n".join(dated)
 
 
+def test_the_docs_carry_no_dated_history():
+    """A date belongs to a result file (benchmarks/results/, the GPU check's record), not to the prose."""
+    records = {"gpu-verification.md"}  # written by benchmarks/gpu_check.sh: its status line names the run's date
+    dated = [f"{page.name}: {line}" for page in sorted((ROOT / "docs").glob("*.md")) if page.name not in records
+             for line in page.read_text().splitlines() if DATE.search(line)]
+    assert not dated, "\n".join(dated)
+
+
+def test_the_readme_links_resolve():
+    """README.md is read on the repository's page, where mkdocs does not check it: each relative link names a file
+    or folder of the checkout."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert links and not missing, missing
+
+
 def shell_blocks(text: str) -> list[tuple[str | None, list[str]]]:
     """The ```bash blocks of ``text`` in order: (what the block needs, from a ``<!-- needs: ... -->`` line just
     before it, else None; its command lines)."""
