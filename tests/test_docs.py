@@ -68,6 +68,53 @@ def test_the_readme_links_resolve():
     assert links and not missing, missing
 
 
+def documented_commands() -> list[tuple[str, str]]:
+    """Every ``mla-deploy ...`` command line in the code blocks of README.md and docs/ (a synopsis with its
+    indented continuation lines), as (where, the command without a trailing comment)."""
+    found = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        in_block, command = False, None
+        for line in page.read_text().splitlines() + [""]:
+            if line.strip().startswith("```"):
+                in_block, command = not in_block, None
+                continue
+            if not in_block:
+                continue
+            text = line.strip().removeprefix("$ ")
+            if command is not None and line[:1].isspace() and not line.strip().startswith("$"):
+                command += " " + text
+                found[-1] = (found[-1][0], command)
+                continue
+            command = None
+            if text.startswith("mla-deploy "):
+                command = text.split(" #")[0]
+                found.append((page.name, command))
+    return found
+
+
+def test_the_documented_commands_and_options_exist():
+    """The commands and options the docs show are the command line's (caught here without running them)."""
+    import click
+
+    from mla_deploy.cli import main
+
+    commands = documented_commands()
+    assert len(commands) > 20
+    wrong = []
+    for where, command in commands:
+        words = command.split()
+        cmd = main.commands.get(words[1])
+        if isinstance(cmd, click.Group) and len(words) > 2 and words[2] in cmd.commands:
+            cmd = cmd.commands[words[2]]
+        if cmd is None:
+            wrong.append(f"{where}: {command}: no command {words[1]!r}")
+            continue
+        known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+        wrong += [f"{where}: {command}: no option {o}" for o in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command)
+                  if o not in known]
+    assert not wrong, "\n".join(wrong)
+
+
 def shell_blocks(text: str) -> list[tuple[str | None, list[str]]]:
     """The ```bash blocks of ``text`` in order: (what the block needs, from a ``<!-- needs: ... -->`` line just
     before it, else None; its command lines)."""
