@@ -18,7 +18,7 @@ DECODE_BATCHES = "1,32"
 #: the kernel benchmark's grid: bench.py's own plus the issue's target points (batch >= 32, context >= 4096)
 BENCH_GRID = ("--batch", "1", "8", "32", "64", "--heads", "16", "128", "--lengths", "1024", "4096", "8192", "32768")
 TINY_BF16 = ("the tiny preset's random weights (init_std 0.3) put bf16 up to 1.2 off even in PyTorch "
-             "(README, Validation): a failure is expected")
+             "(docs/validation.md): a failure is expected")
 NO_BF16_ON_CPU = "ONNX Runtime's CPU provider has no bf16 kernels (the CLI refuses bf16 there): runs on the GPU only"
 
 

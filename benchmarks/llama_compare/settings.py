@@ -52,7 +52,7 @@ class Settings:
         our_repeat: our timed decode steps per point and timed prefills (``--repeat``).
         rounds: how many times both engines are measured, alternating per precision (ours then llama.cpp in odd
             rounds, llama.cpp then ours in even ones): this machine's read bandwidth moves between states for
-            minutes at a time (README), so a ratio is taken within one round and the table gives their median.
+            minutes at a time (docs/benchmarks.md), so a ratio is taken within one round and the table gives their median.
         pairs: how many paired decode measurements follow the rounds per precision and context (0: none;
             :mod:`.paired`).
         interleave: how many neighbouring bursts of both engines, held open side by side, follow per precision

@@ -1,4 +1,4 @@
-"""The CLI's error contract (README, "Errors"), tried as a user meets it: real `python -m mla_deploy` processes.
+"""The CLI's error contract (docs/errors.md), tried as a user meets it: real `python -m mla_deploy` processes.
 
 For every bad input: the exit status (1 for a user error, 2 for a malformed command line), exactly one non-empty
 line on stderr, ``mla-deploy: error: ...``, naming the problem, no traceback, nothing left behind (no ``.tmp-`` or
