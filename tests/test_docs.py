@@ -181,9 +181,7 @@ def serve_once(command: str, work: Path, env: dict) -> None:
     """Start ``command`` (an ``mla-deploy serve``) on a free loopback port, ask it one chat completion, stop it
     with SIGTERM: it must answer and exit 0."""
     artifact = work / command.split()[2]
-    if json.loads((artifact / "manifest.json").read_text())["cache"]["mode"] == "concat":
-        pytest.xfail("the default export writes a concat cache here, which serve refuses: the code side of issue 47 "
-                     "makes `--cache-mode static` the default")
+    assert json.loads((artifact / "manifest.json").read_text())["cache"]["mode"] == "static"  # the default export
     port = free_port()
     # no shell in between, so that SIGTERM reaches the server itself
     argv = [shutil.which("mla-deploy", path=env["PATH"]), *shlex.split(command)[1:], "--port", str(port)]

@@ -2,7 +2,7 @@
 
 One module per command (:mod:`.export`, :mod:`.run`, :mod:`.validate`, :mod:`.build`, :mod:`.bench`,
 :mod:`.presets` for ``inspect`` and ``presets``, :mod:`.doctor`, :mod:`.serve`); :mod:`.contract` holds the error contract
-(:class:`~.contract.MainGroup`: every failure is one line on stderr and an exit status, README's Errors section).
+(:class:`~.contract.MainGroup`: every failure is one line on stderr and an exit status, docs/errors.md).
 Heavy modules (torch, onnx, onnxruntime, tensorrt) are imported inside the commands, so ``mla-deploy --help`` is
 instant.
 """

@@ -1,4 +1,4 @@
-"""The error contract of the ``mla-deploy`` command line (stated in the README's Errors section): every failure
+"""The error contract of the ``mla-deploy`` command line (stated in docs/errors.md): every failure
 prints exactly one line on stderr, ``mla-deploy: error: ...``:
 
 * a user error (:class:`~mla_deploy.errors.MLADeployError`) or a file that cannot be written or read (``OSError``:

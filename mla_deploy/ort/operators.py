@@ -13,7 +13,7 @@ products
 are most of a quantized decode step and a kernel written for them streams faster than ONNX Runtime 1.31's at decode
 (one token: the kernels' fixed costs, not the bytes, bound ONNX Runtime's on a layer's matrices), as fast at a
 512-token prefill, and reads the weights where ONNX Runtime maps them: nothing is packed at open, so an engine opens
-in seconds at the size of its weights. Figures: the README's CPU engine section.
+in seconds at the size of its weights. Figures: docs/cpu-engine.md and benchmarks/results/.
 
 ``mla_deploy.LatentAttention`` computes one layer's absorbed attention core over its latent cache (what
 :class:`~mla_deploy.model.mla.AbsorbedMLAttention` computes between its projections; its per-head products as

@@ -57,7 +57,7 @@ def _linear_eligible(node, dims: dict) -> dict | None:
     node does at ``accuracy_level`` 4: int4/int8 blocks of 32, no zero points, group indices or bias, its weight and
     scales initializers (``dims``: initializer name -> shape) of the layout ``[N, K/32, 32*bits/8]`` and ``N*K/32``
     values. Every size: the lm_head too, whose weights the operator reads from the engine's file on 2 MiB pages
-    (``advise_huge`` in ``cpu_ops.c``) faster than ``MatMulNBits`` reads its packed copy (README)."""
+    (``advise_huge`` in ``cpu_ops.c``) faster than ``MatMulNBits`` reads its packed copy (docs/cpu-engine.md)."""
     attrs = _attributes(node)
     k, n, bits, block = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4), attrs.get("block_size")
     used = [i for i, name in enumerate(node.input) if name]
@@ -300,7 +300,7 @@ def interleave_weights(model, folder=None, side=None) -> int:
     nodes. The new copies of external weights (under ``folder``) go into the file ``side`` (a path under ``folder``,
     appended to, each at a 4 KiB-aligned offset), which the model then names; in-graph ones are rewritten in place.
     The operators' products are the same integer sums per block: only the order of the float sums differs (a
-    decode step streams the rows faster: README, CPU engine)."""
+    decode step streams the rows faster: docs/cpu-engine.md)."""
     import contextlib
     import os
     from pathlib import Path
