@@ -24,8 +24,21 @@ EXPERT_FORMS = (AUTO, *FORMS)
 DEFAULT = AUTO
 #: the form of a manifest's graph entry that does not say (written before the choice existed)
 LEGACY = BRANCHES
+#: the fused form's layouts (:mod:`mla_deploy.exporter.moe_onnx`, :data:`mla_deploy.quant.formats.QMOE_LAYOUTS`)
+CPU_LAYOUT, CUDA_LAYOUT = "cpu", "cuda"
+#: the fused form's layout for each export precision: ONNX Runtime 1.31's CUDA ``QMoE`` registers float16 and
+#: bfloat16 kernels only (an fp32 node would be placed on the CPU provider); the CPU engine computes fp32 (its CPU
+#: provider has no bf16 kernels)
+FUSED_LAYOUTS = {"fp32": CPU_LAYOUT, "fp16": CUDA_LAYOUT, "bf16": CUDA_LAYOUT}
 #: the precisions the fused form is exported in
 FUSED_PRECISIONS = ("fp32",)
+
+
+def fused_layout(precision: str) -> str:
+    """The fused form's layout in an export of ``precision`` (:data:`FUSED_LAYOUTS`). Raises: ConfigError."""
+    if precision not in FUSED_LAYOUTS:
+        raise ConfigError(f"the fused experts have no layout for precision {precision!r}")
+    return FUSED_LAYOUTS[precision]
 
 
 def resolve(form: str, precision: str, plugin: bool, tensorrt_weights: bool, blocks: str | None = None) -> str:
