@@ -41,9 +41,9 @@ from mla_deploy.quant import dequantize, quantize
 #: rules out capturing the step as a CUDA graph
 DATA_DEPENDENT = {"NonZero", "If", "Loop", "Scan", "Compress", "Unique"}
 #: the V2-Lite 4-layer decode graph as exported (before ONNX Runtime fuses anything at load): measured 471 nodes
-#: (the branches form it replaces: 2,415, 192 of them NonZero). About 60 of the 471 should be fused or folded by
-#: ONNX Runtime when the session loads (each RMSNorm's Pow/ReduceMean/Add/Sqrt/Div into one node, the per-head
-#: weights' dequantization into constants), read from the graph, not measured
+#: (the branches form it replaces: 2,415, 192 of them NonZero). ONNX Runtime fuses each RMSNorm and folds the
+#: per-head weights' dequantization when the session loads: the same structure at small widths, optimised by its CPU
+#: provider, is 405 nodes (docs/gpu-export.md)
 V2_LITE_BUDGET = 480
 #: DeepSeek-V3's shapes, 1 dense + 1 MoE layer, as exported: measured 300 (query compression and the group-limited
 #: choice add to V2-Lite's layer)
