@@ -71,10 +71,10 @@ class ExportSettings:
             which TensorRT reads; ONNX Runtime fuses it at load in 2.2-2.8x). See :mod:`mla_deploy.quant.formats`.
         These three are read through :attr:`quantization`.
         experts: the routed experts' graph form (:mod:`mla_deploy.expert_forms`): ``fused`` (one ONNX Runtime
-            ``MoE``/``QMoE`` operator per MoE layer; ONNX Runtime only, fp32), ``branches`` (one branch of
-            standard ops per expert; TensorRT builds it) or ``auto`` (the default: fused unless precision is not
-            fp32, ``decode_attention = "plugin"`` or quantized weights are in the ``qdq`` format). Read through
-            :meth:`expert_form`.
+            ``MoE``/``QMoE`` operator per MoE layer; ONNX Runtime only; fp32 in the CPU layout, fp16/bf16 in the
+            CUDA one), ``branches`` (one branch of standard ops per expert; TensorRT builds it) or ``auto`` (the
+            default: fused unless ``decode_attention = "plugin"``, quantized weights are in the ``qdq`` format or
+            ``QMoE`` cannot hold the quantized experts). Read through :meth:`expert_form`.
     """
 
     precision: str = "fp32"
@@ -126,12 +126,13 @@ class ExportSettings:
         (:func:`mla_deploy.expert_forms.resolve` of :attr:`experts`).
 
         Raises:
-            ConfigError: an unknown form; ``fused`` with a precision other than fp32, or with quantization blocks
-                that do not divide the hidden and expert widths.
+            ConfigError: an unknown form; ``fused`` with quantization blocks that do not divide the hidden and
+                expert widths (in an fp16/bf16 export, widths that are not multiples of 64 either: CUDA's ``QMoE``).
         """
         quantization = self.quantization
         widths = {"hidden_size": config.hidden_size, "moe_intermediate_size": config.moe_intermediate_size or 0}
-        blocks = quantization.qmoe_misfit(widths) if config.n_routed_experts else None
+        layout = expert_forms.fused_layout(self.precision)
+        blocks = quantization.qmoe_misfit(widths, layout) if config.n_routed_experts else None
         return expert_forms.resolve(self.experts, self.precision, self.decode_attention == "plugin",
                                     quantization.tensorrt_format, blocks)
 

@@ -130,25 +130,32 @@ def test_a_bad_model_value_names_the_recipe_file(tmp_path):
 
 
 def test_the_experts_form_is_checked_and_auto_follows_the_runtime():
-    """``[export] experts``: fused, branches or auto; auto is fused for ONNX Runtime settings and branches for
-    TensorRT's (plugin attention, the qdq format) and where fused cannot run (not fp32, blocks wider than the
-    experts); fused asked for where it cannot run is refused in one line."""
+    """``[export] experts``: fused, branches or auto; auto is fused for ONNX Runtime settings, fp32 (the CPU
+    layout) and fp16/bf16 (the CUDA layout) alike, and branches for TensorRT's (plugin attention, the qdq format) and
+    where ``QMoE`` cannot hold the quantized experts (blocks wider than the experts; on CUDA, widths not multiples
+    of 64); fused asked for where it cannot run is refused in one line."""
     import dataclasses
+
+    from mla_deploy.expert_forms import fused_layout
 
     recipe = load_recipe("tiny")
     moe = recipe.model.replace(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                first_k_dense_replace=1)
+    wide = moe.replace(moe_intermediate_size=64)
 
-    def form(**export):
-        return dataclasses.replace(recipe.export, **export).expert_form(moe)
+    def form(config=moe, **export):
+        return dataclasses.replace(recipe.export, **export).expert_form(config)
 
     assert form() == "fused" and form(weights="int4") == "fused" and form(experts="branches") == "branches"
-    assert form(precision="fp16") == form(decode_attention="plugin") == "branches"
+    assert form(precision="fp16") == form(precision="bf16") == "fused" and form(decode_attention="plugin") == "branches"
+    assert form(wide, precision="fp16", weights="int4") == form(wide, precision="bf16", weights="int8") == "fused"
+    assert [fused_layout(p) for p in ("fp32", "fp16", "bf16")] == ["cpu", "cuda", "cuda"]
     assert form(weights="int8", quant_format="qdq") == form(weights="int4", block_size=64) == "branches"
+    assert form(precision="fp16", weights="int4") == "branches"  # 32 wide: CUDA's QMoE tiles K by 64
     assert form(experts="fused", weights="int8", quant_format="qdq") == "fused"
     with pytest.raises(ConfigError, match="experts must be auto, fused, branches, got 'dense'"):
         form(experts="dense")
-    with pytest.raises(ConfigError, match='experts = "fused" needs precision fp32'):
-        form(experts="fused", precision="fp16")
+    with pytest.raises(ConfigError, match="moe_intermediate_size 32 is not a multiple of 64; use branches"):
+        form(experts="fused", precision="fp16", weights="int4")
     with pytest.raises(ConfigError, match="moe_intermediate_size 32 is not a multiple of 64; use branches"):
         form(experts="fused", weights="int4", block_size=64)

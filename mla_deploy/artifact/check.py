@@ -19,7 +19,7 @@ from .. import expert_forms
 from ..cache_layout import STATIC
 from ..errors import ArtifactError
 from ..io_spec import ROLES
-from ..quant import observe_graphs
+from ..quant import layout_disagreement, observe_graphs
 from ..recipe import GRAPH_FORMS
 from .files import sha256_file
 from .manifest import ATTENTIONS, MANIFEST, PLUGIN_DOMAIN, PLUGIN_OP, GraphEntry, Manifest, load_manifest
@@ -139,7 +139,8 @@ def _check_graph_files(root: Path, manifest: Manifest) -> None:
         if (plugins > 0) != graph.uses_plugin:
             raise ArtifactError(f"{root / MANIFEST} says its {role} graph's attention is {graph.attention!r}, but "
                                 f"{graph.file} holds {plugins} {PLUGIN_OP} plugin nodes (edited?); export again")
-        reason = expert_forms.disagreement(graph.experts, models[graph.file], manifest.config.is_moe)
+        reason = (expert_forms.disagreement(graph.experts, models[graph.file], manifest.config.is_moe)
+                  or layout_disagreement(models[graph.file], manifest.precision))
         if reason:
             raise ArtifactError(f"{root / MANIFEST} does not describe its {role} graph {graph.file}: {reason} "
                                 f"(edited?); export again")

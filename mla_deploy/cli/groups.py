@@ -204,7 +204,8 @@ class ExportSettingsArgs(OptionGroup):
                         "TensorRT)."),
             option("--experts", type=click.Choice(EXPERT_FORMS),
                    help="Override [export] experts, the routed experts' graph form: fused (one ONNX Runtime "
-                        "MoE/QMoE operator per MoE layer; fp32, ONNX Runtime only), branches (standard ops, one "
+                        "MoE/QMoE operator per MoE layer; ONNX Runtime only: CPU for fp32, CUDA for fp16/bf16), "
+                        "branches (standard ops, one "
                         "branch per expert; for TensorRT) or auto (default: fused unless the settings are "
                         "TensorRT's).")]
 

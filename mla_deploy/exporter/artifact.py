@@ -24,6 +24,7 @@ import torch
 from ..artifact import GraphEntry, Manifest, WeightsSource, copy_tokenizer_files, now
 from ..artifact.target import check_export_target
 from ..config import MLAConfig
+from ..expert_forms import fused_layout
 from ..model import MLAForCausalLM
 from ..quant import Quantization
 from ..recipe import Recipe
@@ -141,7 +142,8 @@ class ArtifactTarget:
         inputs, outputs = layout.io(config, settings.precision)
         return GraphPlan(file, f"{roles}, form {form}", CausalLMGraph(model, layout).eval(), args,
                          decoder_dynamic_shapes(layout, config.num_hidden_layers), inputs, outputs, settings.opset,
-                         decode_checks(config) if decodes else (), settings.expert_form(config))
+                         decode_checks(config) if decodes else (), settings.expert_form(config),
+                         fused_layout(settings.precision))
 
     def finish(self, tmp: Path, exported: Exported) -> Manifest:
         recipe, settings, layout = self.recipe, self.recipe.export, self.recipe.export.layout

@@ -39,7 +39,7 @@ from ..artifact import atomic_dir, sha256_file
 from ..artifact.files import remove_stale
 from ..config import MLAConfig
 from ..errors import ExportError
-from ..expert_forms import BRANCHES
+from ..expert_forms import BRANCHES, CPU_LAYOUT
 from ..io_spec import TensorSpec
 from ..model.layers import routed_expert_parameters
 from ..quant import Quantization, QuantizedKeys, pack_int4
@@ -97,6 +97,8 @@ class GraphPlan:
         opset: the ONNX opset.
         checks: run on the saved graph, in order.
         experts: the routed experts' graph form (:mod:`mla_deploy.expert_forms`: ``fused`` or ``branches``).
+        fused_layout: the fused form's layout (:data:`~mla_deploy.expert_forms.FUSED_LAYOUTS`: ``cpu`` or ``cuda``),
+            one for every graph of an export.
     """
 
     file: str
@@ -109,6 +111,7 @@ class GraphPlan:
     opset: int
     checks: tuple[GraphCheck, ...] = ()
     experts: str = BRANCHES
+    fused_layout: str = CPU_LAYOUT
 
 
 @dataclass(frozen=True)
@@ -205,8 +208,11 @@ def _write_graphs(target: ExportTarget, source: TensorSource, tmp: Path, progres
         start = time.perf_counter()
         traced.append(trace_meta_graph(plan))
         log(f"traced {plan.file} in {time.perf_counter() - start:.1f} s")
+    layouts = {g.plan.fused_layout for g in traced}
+    if len(layouts) > 1:
+        raise ExportError(f"one export's graphs hold their fused experts in one layout, not {sorted(layouts)}")
     quantized = target.quantization.quantize_graphs([(g.model, g.placeholders, g.specs) for g in traced], log,
-                                                    target.per_head_weights)
+                                                    target.per_head_weights, *layouts)
     specs: dict[str, WeightSpec] = {}
     for graph in traced:
         for name, spec in graph.specs.items():
@@ -250,7 +256,7 @@ def trace_meta_graph(plan: GraphPlan) -> _Traced:
     wrapper = plan.module
     with torch.no_grad():
         model, placeholders = trace_graph(wrapper, plan.args, plan.inputs, plan.outputs, plan.dynamic_shapes,
-                                          plan.opset, plan.file, plan.experts)
+                                          plan.opset, plan.file, plan.experts, plan.fused_layout)
     parameters = {name for name, _ in wrapper.named_parameters()} | {name for name, _ in wrapper.named_buffers()}
     derived = fold_weight_views(model, placeholders)
     specs = {}

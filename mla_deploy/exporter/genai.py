@@ -47,6 +47,7 @@ from ..artifact.manifest import GENAI_CONFIG
 from ..artifact.tokenizer_files import TOKENIZER_FILES
 from ..cache_layout import GENAI
 from ..config import MLAConfig
+from ..expert_forms import fused_layout
 from ..errors import ExportError
 from ..io_spec import BATCH, SEQ
 from ..model import MLAForCausalLM
@@ -172,7 +173,7 @@ class GenaiTarget:
         shapes = cached_dynamic_shapes(GENAI, ({0: BATCH, 1: SEQ},), config.num_hidden_layers)
         return [GraphPlan(GRAPH_FILE, f"onnxruntime-genai, form {settings.decode_form}", GenaiGraph(decoder).eval(),
                           args, shapes, inputs, outputs, max(settings.opset, GENAI.min_opset), decode_checks(config),
-                          settings.expert_form(config))]
+                          settings.expert_form(config), fused_layout(settings.precision))]
 
     def finish(self, tmp: Path, exported: Exported) -> dict:
         carried = copy_tokenizer_files(self.checkpoint, tmp) if self.checkpoint else None

@@ -13,6 +13,16 @@ gate and up rows interleaved (the only SwiGLU layout of the CPU kernels, ``swigl
 ``Reshape -> Transpose -> Reshape`` of the stacked weight that the export folds into one stored tensor
 (:func:`~.onnx_export.fold_weight_views`).
 
+The fused form has two layouts (:data:`~mla_deploy.expert_forms.FUSED_LAYOUTS`), the same node and weights, their
+routing hand-off apart. ``cpu`` (fp32) is the one above, which the CPU engine's operators recognise
+(:mod:`mla_deploy.ort.swaps`). ``cuda`` (fp16/bf16: ONNX Runtime's CUDA ``QMoE`` has no fp32 kernel) computes the
+hand-off in float32 before any cast: the weights divided by their row's largest (softmax does not change under a
+shift, and the logs then lie near 0, where float16/bfloat16 are finest), floored at ``e^-60`` so that the log is
+finite and >= -60 (a 1e-30 floor is 0 in float16, its log -inf, and a chosen expert would tie with the others), the
+experts not chosen given -1e4 (finite in float16, ``exp`` of it 0), the whole cast to the activations' type; the sum
+of the weights is cast likewise before the product. ONNX Runtime's CUDA kernel ignores ``QMoE``'s ``router_weights``
+input (onnxruntime-cuda-facts.md), so this encoding is the hand-off there too.
+
 **branches** (:func:`moe_experts_onnx`): one static branch of standard ONNX ops per expert. For ``E`` experts,
 ``T`` tokens and ``k`` choices per token (``idx [T, k]`` distinct within a row):
 
@@ -35,7 +45,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Collection
 
-from ..expert_forms import BRANCHES, FORMS, FUSED
+from ..expert_forms import BRANCHES, CPU_LAYOUT, CUDA_LAYOUT, FORMS, FUSED, FUSED_LAYOUTS
 
 if TYPE_CHECKING:
     import onnx
@@ -89,32 +99,71 @@ MS_DOMAIN = "com.microsoft"
 _WEIGHT_FLOOR = 1e-30
 #: router_probs of the experts not chosen: exp(-1e30 - max) is 0 in float32
 _NOT_CHOSEN = -1e30
+#: the ``cuda`` layout's floor of a weight over its row's largest: its log is >= -60, finite in float16/bfloat16
+_CUDA_LOG_FLOOR = -60.0
+#: the ``cuda`` layout's router_probs of the experts not chosen: finite in float16 (-1e30 is -inf there), far below
+#: the chosen ones' >= -60, and exp(-1e4 - max) is 0 in float32
+_CUDA_NOT_CHOSEN = -1e4
 
 
 def moe_experts_fused_onnx(x, weights, idx, gate_up_proj, down_proj):
     """onnxscript translation of :func:`~mla_deploy.model.layers.moe_experts` into one ONNX Runtime
-    ``com.microsoft`` ``MoE`` node (see the module docstring); float32 only.
+    ``com.microsoft`` ``MoE`` node in the ``cpu`` layout (see the module docstring); float32 only.
 
     Args: x ``[T, D]``; weights ``[T, k]`` float; idx ``[T, k]`` int64; gate_up_proj ``[E, 2I, D]``;
     down_proj ``[E, D, I]``. Returns: ``[T, D]`` in x's dtype.
     """
-    import onnxscript
-    from onnxscript import ir
     from onnxscript import opset18 as op
+
+    floor = _filled(op, x, gate_up_proj, _NOT_CHOSEN)  # [T, E]
+    log_weights = op.Log(op.Max(weights, op.Constant(value_float=_WEIGHT_FLOOR)))  # [T, k]
+    router = op.ScatterElements(floor, idx, log_weights, axis=1)  # [T, E]
+    return op.Mul(_moe_node(op, x, router, idx, gate_up_proj, down_proj),
+                  op.ReduceSum(weights, op.Constant(value_ints=[1]), keepdims=1))
+
+
+def moe_experts_fused_cuda_onnx(x, weights, idx, gate_up_proj, down_proj):
+    """onnxscript translation of :func:`~mla_deploy.model.layers.moe_experts` into one ONNX Runtime
+    ``com.microsoft`` ``MoE`` node in the ``cuda`` layout (see the module docstring): the routing hand-off computed
+    in float32, then cast to x's dtype (float16, bfloat16; float32 in the layout's CPU twin).
+
+    Args and returns as :func:`moe_experts_fused_onnx`.
+    """
+    from onnxscript import opset18 as op
+
+    # [T, 1], float32; a row of zero weights (it adds nothing) divides by the floor, not by 0
+    largest = op.Max(op.ReduceMax(weights, op.Constant(value_ints=[1]), keepdims=1), op.Constant(value_float=1e-30))
+    ratio = op.Div(weights, largest)  # softmax is shift-invariant: log(w / max w) differs from log w by a constant
+    log_weights = op.Max(op.Log(ratio), op.Constant(value_float=_CUDA_LOG_FLOOR))  # [T, k]: finite, >= -60
+    router = op.ScatterElements(_filled(op, x, gate_up_proj, _CUDA_NOT_CHOSEN), idx, log_weights, axis=1)  # [T, E]
+    total = op.ReduceSum(weights, op.Constant(value_ints=[1]), keepdims=1)  # [T, 1], float32
+    router, total = op.CastLike(router, x), op.CastLike(total, x)  # to x's type, after the float32 arithmetic
+    return op.Mul(_moe_node(op, x, router, idx, gate_up_proj, down_proj), total)
+
+
+def _filled(op, x, gate_up_proj, value: float):
+    """``[T, E]`` float32 of ``value``: router_probs before the chosen experts' are scattered in."""
+    from onnxscript import ir
+
+    experts = int(gate_up_proj.shape[0])
+    return op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[experts]), axis=0),
+                              value=ir.tensor([value], dtype=ir.DataType.FLOAT))
+
+
+def _moe_node(op, x, router, idx, gate_up_proj, down_proj):
+    """The ``MoE`` node over ``router`` (``[T, E]`` in x's dtype): each token's top ``k`` of it, weighted by their
+    softmax normalised over the ``k``, gate and up rows interleaved (``swiglu_fusion=1``)."""
+    import onnxscript
 
     experts, rows, hidden = (int(d) for d in gate_up_proj.shape)
     inter, k = rows // 2, int(idx.shape[1])
-    floor = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[experts]), axis=0),
-                               value=ir.tensor([_NOT_CHOSEN], dtype=ir.DataType.FLOAT))  # [T, E]
-    log_weights = op.Log(op.Max(weights, op.Constant(value_float=_WEIGHT_FLOOR)))  # [T, k]
-    router = op.ScatterElements(floor, idx, log_weights, axis=1)  # [T, E]
     interleaved = op.Reshape(op.Transpose(op.Reshape(gate_up_proj, op.Constant(value_ints=[experts, 2, inter, hidden])),
                                           perm=[0, 2, 1, 3]), op.Constant(value_ints=[experts, rows, hidden]))
     moe = onnxscript.values.Op(onnxscript.values.Opset(MS_DOMAIN, 1), "MoE", _moe_schema())
     out = moe(x, router, interleaved, None, down_proj, k=k, activation_type="swiglu", swiglu_fusion=1,
-                   normalize_routing_weights=1, activation_alpha=1.0, activation_beta=0.0)  # [T, D]
+              normalize_routing_weights=1, activation_alpha=1.0, activation_beta=0.0)  # [T, D]
     out.shape, out.type = x.shape, x.type
-    return op.Mul(out, op.ReduceSum(weights, op.Constant(value_ints=[1]), keepdims=1))
+    return out
 
 
 def _moe_schema():
@@ -133,19 +182,25 @@ def _moe_schema():
                 param("fc1_experts_bias", "T", "", param_option=optional),
                 param("fc2_experts_weights", "T", "[E, D, I]")],
         outputs=[param("output", "T", "[T, D]")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "one float type")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "one float type")],
         attributes=[OpSchema.Attribute(name, kind, name) for name, kind in attrs.items()])
 
 
-def translation_table(form: str = BRANCHES) -> dict:
+#: the fused form's translation in each layout
+_FUSED = {CPU_LAYOUT: moe_experts_fused_onnx, CUDA_LAYOUT: moe_experts_fused_cuda_onnx}
+assert set(_FUSED) == set(FUSED_LAYOUTS.values())
+
+
+def translation_table(form: str = BRANCHES, layout: str = CPU_LAYOUT) -> dict:
     """``custom_translation_table`` entries of this module for ``torch.onnx.export``: the routed experts in
-    ``form`` (:data:`~mla_deploy.expert_forms.FUSED` or :data:`~mla_deploy.expert_forms.BRANCHES`)."""
+    ``form`` (:data:`~mla_deploy.expert_forms.FUSED` or :data:`~mla_deploy.expert_forms.BRANCHES`), the fused form
+    in ``layout`` (:data:`~mla_deploy.expert_forms.CPU_LAYOUT` or :data:`~mla_deploy.expert_forms.CUDA_LAYOUT`)."""
     import torch
 
     from ..model import layers  # noqa: F401  (registers mla_deploy::moe_experts)
 
-    assert form in FORMS, form
-    return {torch.ops.mla_deploy.moe_experts.default: moe_experts_fused_onnx if form == FUSED else moe_experts_onnx}
+    assert form in FORMS and layout in _FUSED, (form, layout)
+    return {torch.ops.mla_deploy.moe_experts.default: _FUSED[layout] if form == FUSED else moe_experts_onnx}
 
 
 #: ops that pass a weight on as a weight (a layout, a dtype, a part, one expert of a stacked tensor, its dequantized

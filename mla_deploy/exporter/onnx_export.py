@@ -23,7 +23,7 @@ import torch
 from ..cache_layout import CacheLayout, get_layout
 from ..config import MLAConfig
 from ..errors import ConfigError, ExportError
-from ..expert_forms import BRANCHES
+from ..expert_forms import BRANCHES, CPU_LAYOUT
 from ..io_spec import BATCH, CAPACITY, LOGITS, PAST, SEQ, TOTAL, TensorSpec
 
 _TOTAL_ALIASES = ("sequence_length + past_sequence_length", "past_sequence_length + sequence_length")
@@ -74,9 +74,10 @@ def decoder_dynamic_shapes(layout: CacheLayout | str, layers: int) -> tuple:
 
 
 def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                dynamic_shapes, opset: int, label: str, experts: str = BRANCHES):
+                dynamic_shapes, opset: int, label: str, experts: str = BRANCHES, fused_layout: str = CPU_LAYOUT):
     """Export ``module`` called on ``args`` with ``torch.onnx.export(dynamo=True)`` and optimise it; its routed
-    experts in the graph form ``experts`` (:mod:`mla_deploy.expert_forms`, :mod:`.moe_onnx`).
+    experts in the graph form ``experts`` (:mod:`mla_deploy.expert_forms`, :mod:`.moe_onnx`), the fused form in
+    ``fused_layout``.
 
     ``module`` may live on the ``meta`` device (``args`` too): its parameters then become *placeholder*
     initializers, with a name, dtype and shape but no data, which the optimiser leaves alone (no constant
@@ -91,7 +92,7 @@ def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], 
     from .moe_onnx import translation_table as moe_translation_table
 
     table = {torch.ops.mla_deploy.tensor_scatter.default: _tensor_scatter_onnx, **translation_table(),
-             **moe_translation_table(experts)}
+             **moe_translation_table(experts, fused_layout)}
     log = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), _quiet_torch_logs():
@@ -246,15 +247,17 @@ def save_graph(model, path: Path, inputs: list[TensorSpec], outputs: list[Tensor
 
 
 def trace_to_onnx(module: torch.nn.Module, args: tuple, path: Path, inputs: list[TensorSpec],
-                  outputs: list[TensorSpec], dynamic_shapes, opset: int, experts: str = BRANCHES) -> None:
+                  outputs: list[TensorSpec], dynamic_shapes, opset: int, experts: str = BRANCHES,
+                  fused_layout: str = CPU_LAYOUT) -> None:
     """Export a module with its weights in memory to one self-contained file ``path`` (weights inline):
-    :func:`trace_graph` then :func:`save_graph`, the routed experts in the form ``experts``. For small graphs
-    (comparison blocks, the bench's unit).
+    :func:`trace_graph` then :func:`save_graph`, the routed experts in the form ``experts`` (the fused form in
+    ``fused_layout``). For small graphs (comparison blocks, the bench's unit).
 
     Raises:
         ExportError: torch.export or the ONNX translation failed, or the result fails the checks.
     """
-    model, placeholders = trace_graph(module, args, inputs, outputs, dynamic_shapes, opset, path.name, experts)
+    model, placeholders = trace_graph(module, args, inputs, outputs, dynamic_shapes, opset, path.name, experts,
+                                      fused_layout)
     if placeholders:
         raise ExportError(f"{path.name}: the module has weights on the meta device ({next(iter(placeholders))})")
     save_graph(model, path, inputs, outputs)

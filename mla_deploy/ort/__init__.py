@@ -7,7 +7,9 @@
 * :mod:`.operators`: mla-deploy's own CPU operators: their C source (``csrc/cpu_ops.c``, shipped in the wheel), its
   compilation for this CPU, the C API check and the loading into a session;
 * :mod:`.swaps`: the graph rewrites that put those operators in an engine's graphs;
-* :mod:`.mapped`, :mod:`.huge_pages`: how the engine's weights are mapped and backed.
+* :mod:`.mapped`, :mod:`.huge_pages`: how the engine's weights are mapped and backed;
+* :mod:`.cuda_kernels`: which operators the CUDA provider has kernels for, in which types, as data
+  (:func:`cuda_kernel_misses`: the nodes of a graph it would place elsewhere).
 
 Importing this package imports neither onnxruntime nor onnx: names are loaded when first used.
 """
@@ -25,6 +27,7 @@ _LAZY = {
     "CpuEngineRecord": ".record",
     "read_cpu_engine_record": ".record",
     "check_cpu_engine": ".record",
+    "cuda_kernel_misses": ".cuda_kernels",
 }
 
 __all__ = list(_LAZY)

@@ -17,7 +17,9 @@ asks about it:
   ``matmulnbits``: the nodes' ``accuracy_level`` rewritten in memory (the files untouched).
 
 The fused experts (:mod:`mla_deploy.expert_forms`) hold their quantized weights in a third layout whatever the
-format, :data:`QMOE`: ONNX Runtime's ``QMoE`` node, the same scheme stacked over the experts (:class:`_QMoE`). The
+format, :data:`QMOE`: ONNX Runtime's ``QMoE`` node, the same scheme stacked over the experts (:class:`_QMoE`); an
+fp16/bf16 export's (the fused form's ``cuda`` layout, :mod:`mla_deploy.expert_forms`) in :data:`QMOE_CUDA`, the same
+bytes marked for ONNX Runtime's CUDA kernel (:class:`_QMoECuda`). The
 absorbed attention's per-head products (``w_uk``, ``w_uv``: ``[H, K, N]``) are held, by the formats that take them
 (:attr:`~WeightFormat.headwise`: ``matmulnbits``), in a fourth, :data:`HEADWISE` (:class:`_Headwise`).
 
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ArtifactError, ExportError, InputError
+from ..expert_forms import CPU_LAYOUT, CUDA_LAYOUT, FUSED_LAYOUTS, fused_layout
 from .scheme import WeightQuantization
 
 if TYPE_CHECKING:
@@ -177,6 +180,8 @@ class _Qdq(WeightFormat):
 class _MatMulNBits(WeightFormat):
     name, ops, parts = "matmulnbits", "com.microsoft MatMulNBits(accuracy_level=4)", (".nbits", ".scale")
     whole_blocks, tensorrt, headwise = True, False, True
+    #: the ``com.microsoft`` operator that carries the weights
+    op_type = "MatMulNBits"
     #: the accuracy level the nodes are written with (int8 activations)
     written = COMPUTE[FAST_COMPUTE]
 
@@ -263,7 +268,7 @@ def session(fmt: WeightFormat, path: Path, compute: str) -> tuple[str | bytes, d
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)  # the session reads the weights from path's folder
-    if not any([f.rewrite(model, level) for f in (fmt, QMOE)]):
+    if not any([f.rewrite(model, level) for f in (fmt, *QMOE_LAYOUTS.values())]):
         return str(path), entries
     return model.SerializeToString(), {**entries, EXTERNAL_FOLDER_ENTRY: str(Path(path).parent)}
 
@@ -307,6 +312,22 @@ class _QMoE(WeightFormat):
     written = COMPUTE[FAST_COMPUTE]
     #: the float ``MoE``'s weight inputs -> ``QMoE``'s (the scales follow each)
     slots = {2: 2, 4: 5}
+    #: the ``weights_prepacked`` attribute written (None: not written), which tells the layouts' nodes apart
+    prepacked: int | None = None
+    #: what ``hidden_size`` and ``moe_intermediate_size`` must be multiples of, besides the block size (1: nothing)
+    k_tile = 1
+
+    def misfit(self, widths, scheme: WeightQuantization) -> str | None:
+        """Why this layout cannot hold experts of these input widths (``{"hidden_size": 2048, ...}``) quantized in
+        ``scheme``: ``moe_intermediate_size 32 is not a multiple of 64``; None when it can."""
+        step = max(scheme.block_size, self.k_tile)  # both are powers of two: a multiple of the larger is of both
+        ragged = [f"{name} {width}" for name, width in widths.items() if width % step]
+        verb = "is" if len(ragged) == 1 else "are"
+        return f"{' and '.join(ragged)} {verb} not a multiple of {step}" if ragged else None
+
+    def _own(self, model) -> list:
+        """The graph's ``QMoE`` NodeProtos in this layout."""
+        return [n for n in _nodes(model, "QMoE") if _attributes(n).get("weights_prepacked") == self.prepacked]
 
     def insert(self, model, value, scheme):
         import onnx_ir as ir
@@ -338,6 +359,8 @@ class _QMoE(WeightFormat):
         attrs = [a for a in moe.attributes.values()] + [
             ir.AttrInt64("expert_weight_bits", scheme.bits), ir.AttrInt64("block_size", scheme.block_size),
             ir.AttrInt64("accuracy_level", self.written)]
+        if self.prepacked is not None:
+            attrs.append(ir.AttrInt64("weights_prepacked", self.prepacked))
         node = ir.Node(MS_DOMAIN, "QMoE", inputs=inputs, num_outputs=1, attributes=attrs, name=moe.name)
         node.metadata_props.update(moe.metadata_props)  # where it comes from (the module scope)
         _replace_node(model, moe, node)
@@ -363,14 +386,14 @@ class _QMoE(WeightFormat):
 
     def observe(self, model):
         found = {}
-        for node in _nodes(model, "QMoE"):
+        for node in self._own(model):
             attrs = _attributes(node)
             found.update({node.input[i]: (attrs.get("expert_weight_bits", 4), attrs.get("block_size", 0))
                           for i in self.slots.values()})
         return found
 
     def rewrite(self, model, level):
-        nodes = _nodes(model, "QMoE")
+        nodes = self._own(model)
         int4 = [n for n in nodes if _attributes(n).get("expert_weight_bits", 4) == 4]
         changed = _set_accuracy_level(int4, level)
         if level != self.written:
@@ -384,29 +407,51 @@ class _QMoE(WeightFormat):
                             f"--experts branches for TensorRT")
 
 
+class _QMoECuda(_QMoE):
+    """The fused experts' weights in an fp16/bf16 export (the ``cuda`` layout of :mod:`mla_deploy.expert_forms`),
+    for ONNX Runtime's CUDA ``QMoE`` (float16/bfloat16 kernels only; onnxruntime-cuda-facts.md, from ONNX Runtime
+    1.31.1's schema and source).
+
+    The bytes are :class:`_QMoE`'s (the schema's raw layout: ``uint8 [E, N, K*bits/8]``, zero point
+    ``2^(bits-1)``, int4 low nibble first; scales ``[E, N, K/B]``, in the graph's float type as the CUDA kernel
+    requires), and the node says so with ``weights_prepacked=0``: the CUDA provider converts them to the CUTLASS SM80
+    layout its kernels read when the session loads (``PrePackIntExpertWeights``), as onnxruntime-genai's builder
+    writes CUDA ``QMoE`` with ``weights_prepacked=0``. The alternative, storing that pre-packed layout, would mean
+    re-implementing CUTLASS's private row permutation and tile interleave here, which no CPU can run or check; these
+    bytes are dequantized in NumPy and run by ONNX Runtime's CPU ``QMoE`` (which ignores the attribute). CUDA's
+    kernel tiles ``K`` by 64, so ``hidden_size`` and ``moe_intermediate_size`` must be multiples of 64; blocks of 32,
+    64 and 128 are all supported there. A session must not set ``session.disable_prepacking`` (the conversion is a
+    pre-pack).
+    """
+
+    name, ops = "qmoe-cuda", "com.microsoft QMoE(weights_prepacked=0)"
+    prepacked, k_tile = 0, 64
+
+
 def _dequantized_moe(model, node) -> None:
     """Replace the ``QMoE`` NodeProto ``node`` of ``model`` (int8, blocked) by its weights dequantized in the graph
     (``(float(q) - 128) * scale`` per block, exactly PyTorch's ``q * scale``) feeding a float ``MoE`` with the same
     routing inputs and attributes."""
     import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
 
     dims = {init.name: list(init.dims) for init in model.graph.initializer}
+    types = {init.name: init.data_type for init in model.graph.initializer}
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     block, zero = attrs["block_size"], 1 << (attrs.get("expert_weight_bits", 8) - 1)
     nodes, weights = [], []
     for slot in _QMoE.slots.values():
         q, scale, name = node.input[slot], node.input[slot + 1], f"{node.input[slot]}.dequantized"
         e, n, k = dims[q]
-        consts = {f"{name}.zero": numpy_helper.from_array(np.array(zero, np.float32)),
+        dtype = types[scale]  # the graph's float type (float16 in a cuda layout's graph): q - zero is exact in it
+        consts = {f"{name}.zero": numpy_helper.from_array(np.array(zero, helper.tensor_dtype_to_np_dtype(dtype))),
                   f"{name}.blocks": numpy_helper.from_array(np.array([e, n, k // block, block], np.int64)),
                   f"{name}.shape": numpy_helper.from_array(np.array([e, n, k], np.int64)),
                   f"{name}.axis": numpy_helper.from_array(np.array([-1], np.int64))}
         for const_name, tensor in consts.items():
             tensor.name = const_name
             model.graph.initializer.append(tensor)
-        nodes += [helper.make_node("Cast", [q], [f"{name}.f"], to=onnx.TensorProto.FLOAT),
+        nodes += [helper.make_node("Cast", [q], [f"{name}.f"], to=dtype),
                   helper.make_node("Sub", [f"{name}.f", f"{name}.zero"], [f"{name}.c"]),
                   helper.make_node("Reshape", [f"{name}.c", f"{name}.blocks"], [f"{name}.b"]),
                   helper.make_node("Unsqueeze", [scale, f"{name}.axis"], [f"{name}.s"]),
@@ -512,6 +557,22 @@ MATMULNBITS = _MatMulNBits()
 HEADWISE = _Headwise()
 #: the fused experts' format (no ``--quant-format``: see :class:`_QMoE`)
 QMOE = _QMoE()
+#: the fused experts' format in an fp16/bf16 export (see :class:`_QMoECuda`)
+QMOE_CUDA = _QMoECuda()
+#: the fused experts' format of each layout of the fused form (:data:`mla_deploy.expert_forms.FUSED_LAYOUTS`)
+QMOE_LAYOUTS = {CPU_LAYOUT: QMOE, CUDA_LAYOUT: QMOE_CUDA}
+assert set(QMOE_LAYOUTS) == set(FUSED_LAYOUTS.values())
+
+
+def layout_disagreement(model, precision: str) -> str | None:
+    """Why the ``QMoE`` nodes of the ONNX ``ModelProto`` ``model`` (weights not needed) are not all in the fused
+    form's layout for ``precision`` (:func:`mla_deploy.expert_forms.fused_layout`), or None."""
+    layout = fused_layout(precision)
+    held = QMOE_LAYOUTS[layout].observe(model)
+    stray = [node for node in _nodes(model, "QMoE") if node.input[2] not in held]
+    if stray:
+        return f"its QMoE node {stray[0].name} is not in the {layout} layout of a {precision} export"
+    return None
 #: every format by name, the default first
 FORMATS = {f.name: f for f in (MATMULNBITS, QDQ)}
 DEFAULT_FORMAT = MATMULNBITS

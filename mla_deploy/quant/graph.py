@@ -17,8 +17,9 @@ way, so the artifact computes with one set of weights. What stays in the float t
 * the MoE router (``mlp.gate``): expert choice is a discontinuous function of its logits.
 
 Each weight is then written in its format (:meth:`~mla_deploy.quant.formats.WeightFormat.insert`); the stacked
-expert weights of the fused experts' ``MoE`` node (:mod:`mla_deploy.expert_forms`) in :data:`~.formats.QMOE`, which
-turns the node into ``QMoE``; the per-head halves in :data:`~.formats.HEADWISE`.
+expert weights of the fused experts' ``MoE`` node (:mod:`mla_deploy.expert_forms`) in :data:`~.formats.QMOE` (or,
+in the fused form's ``cuda`` layout, :data:`~.formats.QMOE_CUDA`), which turns the node into ``QMoE``; the
+per-head halves in :data:`~.formats.HEADWISE`.
 :func:`observe_graphs` reads the other way: what an artifact's graph files hold, so the artifact check can compare
 it with the manifest's record.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..errors import ExportError
-from .formats import FORMATS, HEADWISE, MS_DOMAIN, ONNX_DOMAINS, QMOE, WeightFormat
+from .formats import FORMATS, HEADWISE, MS_DOMAIN, ONNX_DOMAINS, QMOE, QMOE_LAYOUTS, WeightFormat
 from .scheme import WeightQuantization
 
 #: the MoE router's weight: kept in the float type (expert choice is discontinuous in its logits)
@@ -131,7 +132,8 @@ class QuantizedKeys:
 
 
 def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQuantization,
-                           quant_format: WeightFormat, per_head: bool = True) -> QuantizedKeys:
+                           quant_format: WeightFormat, per_head: bool = True,
+                           qmoe: WeightFormat = QMOE) -> QuantizedKeys:
     """Quantize every quantizable weight of ``graphs`` (see the module docstring) in ``quant_format``.
 
     Args:
@@ -142,6 +144,7 @@ def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQ
         quant_format: the format.
         per_head: the absorbed halves of ``kv_b_proj`` too, where ``quant_format`` takes them (False: kept float,
             for a consumer that would dequantize them at every step).
+        qmoe: the fused experts' format, that of the graphs' layout (:data:`~.formats.QMOE_LAYOUTS`).
     Returns:
         the checkpoint keys quantized. A key is quantized only where every use of it, in every graph, is held in
         one format: the artifact computes with one set of weights.
@@ -155,7 +158,8 @@ def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQ
             raise ExportError(f"quantized weights need opset >= {MIN_OPSET} (blocked DequantizeLinear); the recipe "
                               f"exports opset {opset}")
         for name, value in placeholders.items():
-            uses.setdefault(specs[name].key, set()).add(_layout(value, specs[name], quant_format, scheme, per_head))
+            uses.setdefault(specs[name].key, set()).add(_layout(value, specs[name], quant_format, scheme, per_head,
+                                                                qmoe))
     chosen = {key: next(iter(kinds)) for key, kinds in uses.items() if len(kinds) == 1 and None not in kinds}
     for model, placeholders, specs in graphs:
         for name in [n for n in placeholders if specs[n].key in chosen]:
@@ -170,9 +174,10 @@ def quantize_graph_weights(graphs: list[tuple[Any, dict, dict]], scheme: WeightQ
                          tuple(sorted(k for k, f in chosen.items() if f is HEADWISE)))
 
 
-def _layout(value, spec, quant_format: WeightFormat, scheme: WeightQuantization, per_head: bool) -> WeightFormat | None:
+def _layout(value, spec, quant_format: WeightFormat, scheme: WeightQuantization, per_head: bool,
+            qmoe: WeightFormat) -> WeightFormat | None:
     """The format one use of a weight would be held in: ``quant_format`` for a 2-D weight used only as ``MatMul``'s
-    second input (not the router's), :data:`~.formats.QMOE` for a fused ``MoE``'s expert weights,
+    second input (not the router's), ``qmoe`` for a fused ``MoE``'s expert weights,
     :data:`~.formats.HEADWISE` for an absorbed half of ``kv_b_proj`` multiplied per head (where ``quant_format``
     takes them and its input features fill whole blocks); None: kept in the float type."""
     uses = list(value.uses())
@@ -181,7 +186,7 @@ def _layout(value, spec, quant_format: WeightFormat, scheme: WeightQuantization,
     if spec.key.endswith(ROUTER_SUFFIX):
         return None
     if _moe_weight(value):
-        return QMOE
+        return qmoe
     if matmul and len(value.shape) == 2 and spec.part is None:
         return quant_format
     if (matmul and len(value.shape) == 3 and spec.part in HEAD_PARTS and quant_format.headwise and per_head
@@ -220,7 +225,7 @@ class GraphQuantization:
         format ``name``'s."""
         held: dict[tuple, int] = {}
         for (fmt, bits, block), n in self.held.items():
-            key = (name if fmt in (QMOE.name, HEADWISE.name) else fmt, bits, block)
+            key = (name if fmt in (*(f.name for f in QMOE_LAYOUTS.values()), HEADWISE.name) else fmt, bits, block)
             held[key] = held.get(key, 0) + n
         return GraphQuantization(held)
 
@@ -230,7 +235,7 @@ def observe_graphs(models: Iterable) -> GraphQuantization:
     by several graphs (prefill and decode) counts once."""
     seen: dict[str, tuple] = {}
     for model in models:
-        for fmt in (*FORMATS.values(), QMOE, HEADWISE):
+        for fmt in (*FORMATS.values(), *QMOE_LAYOUTS.values(), HEADWISE):
             seen.update({name: (fmt.name, *held) for name, held in fmt.observe(model).items()})
     held: dict[tuple, int] = {}
     for kind in seen.values():

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ArtifactError, ConfigError
-from .formats import DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, HEADWISE, QDQ, WeightFormat, accuracy_level
+from ..expert_forms import CPU_LAYOUT
+from .formats import (DEFAULT_FORMAT, EXACT_COMPUTE, FAST_COMPUTE, FORMATS, HEADWISE, QDQ, QMOE_LAYOUTS, WeightFormat,
+                      accuracy_level)
 from .formats import session as format_session
 from .graph import GraphQuantization, QuantizedKeys, WeightPart, quantize_graph_weights
 from .scheme import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, SCHEMES, WeightQuantization, fake_quantize
@@ -122,18 +124,20 @@ class Quantization:
         """The weights are quantized in a format written for TensorRT (``qdq``); float weights are not."""
         return False
 
-    def qmoe_misfit(self, widths: Mapping[str, int]) -> str | None:
-        """Why ONNX Runtime's ``QMoE`` cannot hold experts of these input widths (``{"hidden_size": 2048, ...}``: its
-        blocks must divide each), e.g. ``moe_intermediate_size 32 is not a multiple of 64``; None when it can (float
-        weights: always)."""
+    def qmoe_misfit(self, widths: Mapping[str, int], layout: str = CPU_LAYOUT) -> str | None:
+        """Why ONNX Runtime's ``QMoE`` in the fused form's ``layout`` cannot hold experts of these input widths
+        (``{"hidden_size": 2048, ...}``: its blocks must divide each; on CUDA, 64 too:
+        :meth:`~mla_deploy.quant.formats._QMoE.misfit`), e.g. ``moe_intermediate_size 32 is not a multiple of 64``;
+        None when it can (float weights: always)."""
         return None
 
     # the export -----------------------------------------------------------------------------------------------------
     def quantize_graphs(self, graphs: list[tuple[Any, dict, dict]], log: Callable[[str], None],
-                        per_head: bool = True) -> QuantizedKeys:
+                        per_head: bool = True, fused_layout: str = CPU_LAYOUT) -> QuantizedKeys:
         """Quantize the traced ``graphs`` in place (:func:`~mla_deploy.quant.graph.quantize_graph_weights`;
-        ``per_head``: the absorbed halves of ``kv_b_proj`` too, where the format takes them); returns the checkpoint
-        keys quantized (none for float)."""
+        ``per_head``: the absorbed halves of ``kv_b_proj`` too, where the format takes them; ``fused_layout``: the
+        fused experts' layout, :data:`~mla_deploy.expert_forms.FUSED_LAYOUTS`); returns the checkpoint keys quantized
+        (none for float)."""
         return QuantizedKeys()
 
     def recorded(self, keys: QuantizedKeys, parts: Iterable[tuple[WeightPart, int]]) -> "Quantization":
@@ -265,13 +269,11 @@ class Quantized(Quantization):
     def tensorrt_format(self) -> bool:
         return self.format.tensorrt
 
-    def qmoe_misfit(self, widths):
-        ragged = [f"{name} {width}" for name, width in widths.items() if width % self.block_size]
-        verb = "is" if len(ragged) == 1 else "are"
-        return f"{' and '.join(ragged)} {verb} not a multiple of {self.block_size}" if ragged else None
+    def qmoe_misfit(self, widths, layout=CPU_LAYOUT):
+        return QMOE_LAYOUTS[layout].misfit(widths, self.scheme)
 
-    def quantize_graphs(self, graphs, log, per_head=True):
-        keys = quantize_graph_weights(graphs, self.scheme, self.format, per_head)
+    def quantize_graphs(self, graphs, log, per_head=True, fused_layout=CPU_LAYOUT):
+        keys = quantize_graph_weights(graphs, self.scheme, self.format, per_head, QMOE_LAYOUTS[fused_layout])
         per_head = f" ({len(keys.per_head)} per head)" if keys.per_head else ""
         log(f"{self.weights} weights in blocks of {self.block_size}: {len(keys)} checkpoint tensors{per_head}")
         return keys
