@@ -119,6 +119,7 @@ class ContinuousBatcher:
             raise InputError(f"a row of {capacity} tokens per sequence exceeds the artifact's cache capacity "
                              f"{engine.capacity} (its max_cache_length)")
         self.engine, self.max_queue = engine, int(max_queue)
+        _check_cache_memory(engine, int(max_batch), capacity)
         self.state = engine.new_state(int(max_batch), rows=capacity)
         engine.rows(self.state, 0, 1)  # refuses a cache that is not in place, before anything is submitted
         self.capacity = int(self.state.capacity)
@@ -300,3 +301,14 @@ class ContinuousBatcher:
         self.next_tokens[row] = 0
         self.stats.finished[reason] += 1
         self.stats.active -= 1
+
+def _check_cache_memory(engine, max_batch: int, capacity: int | None) -> None:
+    """Refuse a cache of ``max_batch`` rows that this machine cannot hold, before it is allocated. Raises:
+    InputError."""
+    from ..memory import check_fits_memory
+
+    rows = min(capacity or engine.capacity or 1, engine.capacity or capacity or 1)
+    itemsize = np.dtype(getattr(engine, "dtype", np.float32)).itemsize
+    config = engine.config
+    nbytes = max_batch * rows * config.latent_dim * config.num_hidden_layers * itemsize
+    check_fits_memory(nbytes, f"a cache of {max_batch} rows (--max-batch) of {rows} tokens")
