@@ -127,7 +127,8 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ...: passed to the chat template as given
+    # extra: name, tool_call_id, ...: passed to the chat template as given
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
 
