@@ -176,7 +176,8 @@ class Service:
     async def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """The ids of a conversation through the artifact's chat template, with the generation prompt (rendered and
         tokenized off the event loop). Raises: ApiError: 400 no template, a conversation too long for a row."""
-        self._check_length(sum(len(str(m.get("content") or "")) for m in messages), "messages")
+        # every string a message holds counts (a template may render a name or a tool call id too)
+        self._check_length(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)), "messages")
         try:
             return await self._off_loop(self.tokenizer.chat_ids, messages, release_gil=True)
         except InputError as exc:
