@@ -353,9 +353,8 @@ def _header(scope, name: bytes) -> str:
 
 def _key_matches(authorization: str, key: str) -> bool:
     """``Authorization: Bearer KEY`` (the scheme's case does not matter, RFC 9110 11.1), compared in constant time."""
-    scheme, _, token = authorization.strip().partition(" ")
-    return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode()) \
-        and scheme.lower() == "bearer"
+    kind, _, token = authorization.strip().partition(" ")
+    return hmac.compare_digest(token.strip().encode(), key.encode()) and kind.lower() == "bearer"
 
 
 async def _reply(send, error: ApiError, close: bool = False) -> None:

@@ -114,7 +114,8 @@ class Service:
         (a driver that starts replicas elsewhere calls it first); returns the model's id in the API.
 
         Raises: ArtifactError: no artifact, a broken manifest, no tokenizer. CacheCapacityError: a concat cache.
-            InputError: ``max_batch``, ``max_queue`` or ``max_cache_length`` out of range.
+            InputError: ``max_batch``, ``max_queue`` or ``max_cache_length`` out of range, or a cache larger than
+            this machine's memory.
         """
         from ..artifact.check import check_artifact
 
@@ -130,6 +131,10 @@ class Service:
         if capacity and options.max_cache_length and options.max_cache_length > capacity:
             raise InputError(f"a row of {options.max_cache_length} tokens per sequence exceeds the artifact's cache "
                              f"capacity {capacity} (its max_cache_length)")
+        from ..generate.batching import check_cache_memory
+
+        check_cache_memory(options.max_batch, options.max_cache_length or capacity or 1, manifest.config,
+                           4 if manifest.precision == "fp32" else 2)
         return options.model_name or manifest.name
 
     def start(self) -> None:
