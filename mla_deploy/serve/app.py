@@ -135,10 +135,12 @@ def create_app(service: Service):
         return {**head, "choices": [choice], "usage": _usage([text_request])}
 
     def _sse(chunks: AsyncIterator[dict], requests: list[TextRequest], request: Request):
+        # the client leaving cancels the request at once, even while it waits for a row or a long prefill and no
+        # event is being written (a write is where a closed connection would show otherwise), and also when the
+        # reply never began
+        watch = _cancel_when_gone(request, requests)
+
         async def events():
-            # the client leaving cancels the request at once, even while it waits for a row or a long prefill and
-            # no event is being written (a write is where a closed connection would show otherwise)
-            watch = _cancel_when_gone(request, requests)
             try:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
@@ -320,6 +322,7 @@ class _Gate:
             await self.app(scope, replay, send)
         finally:
             watcher.cancel()
+            gone.set()  # the exchange is over: what still waits on the client (a stream never begun) lets go
 
     async def _body(self, receive, send) -> bytes | None:
         """The whole body (small: a limit of a few MiB), or None once answered. A body over the limit is read to its
