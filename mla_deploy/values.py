@@ -23,17 +23,26 @@ def parse_int_list(text: str | int | list, option: str, minimum: int = 1) -> tup
     for v in items:
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
             raise InputError(f"{option} values must be integers >= {minimum}, got {v!r}")
+        if v > INT_MAX:
+            raise InputError(f"{option} values must be <= {INT_MAX}, got {v!r}")
     return tuple(dict.fromkeys(items))
 
 
-def parse_int(text: str | int, option: str, minimum: int = 1) -> int:
-    """One integer option >= ``minimum``; a user error is an :class:`~mla_deploy.errors.InputError`."""
+#: the largest integer an option takes: every count and size ends up in an int64 (NumPy, torch, ONNX Runtime)
+INT_MAX = 2 ** 63 - 1
+
+
+def parse_int(text: str | int, option: str, minimum: int = 1, maximum: int = INT_MAX) -> int:
+    """One integer option from ``minimum`` to ``maximum``; a user error is an
+    :class:`~mla_deploy.errors.InputError`."""
     try:
         value = int(str(text).strip())
     except ValueError:
         raise InputError(f"{option} takes an integer, got {text!r}") from None
     if value < minimum:
         raise InputError(f"{option} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise InputError(f"{option} must be <= {maximum}, got {value}")
     return value
 
 

@@ -5,6 +5,10 @@
   temporary name in the same folder, then ``os.replace`` it over the target.
 * :func:`sha256_file`: the hex sha256 of a file, read in 1 MiB chunks; :func:`sampled_sha256`: of its size and
   256 of its 4 KiB pages, read past the page cache.
+* :func:`followed`: where a path a user gave really is, its symbolic links followed: what a move or a delete acts
+  on, so that ``--out LINK`` writes where the link points and never replaces the link or moves the files beside it.
+* :func:`require_regular_file`: refuse, before any ``open``, a path that is a named pipe, a device or a socket
+  (opening a FIFO blocks until a writer comes, deaf to Ctrl-C; a device reads forever).
 
 Temporary names are ``.<name>.tmp-<pid>`` (a folder) and ``.<name>.tmp-<pid><suffix>`` (a file), so a
 leftover is recognisable and never mistaken for a result. A leftover of a process that no longer runs (killed
@@ -18,8 +22,43 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from ..errors import InputError
+
+
+def followed(path: str | Path) -> Path:
+    """``path`` with every symbolic link in it followed (``os.path.realpath``; a path that does not exist yet is
+    followed as far as it exists). Temporaries are made beside, and the swap happens at, this path: a link the user
+    gave keeps pointing where it did, at the new result."""
+    return Path(os.path.realpath(path))
+
+
+#: what a file that is not a regular one is, by the ``stat`` test that recognises it
+_FILE_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def require_regular_file(path: str | Path, error: type[Exception] = InputError) -> Path:
+    """``path``, checked with ``stat`` (no ``open``) to be a regular file where it exists (links followed).
+
+    Call it before opening a file a user named: ``open`` on a FIFO waits for a writer with signals deferred, and
+    a character device such as ``/dev/zero`` never ends. A path that does not exist passes (the ``open`` that
+    follows says so).
+
+    Raises:
+        ``error`` (an :class:`~mla_deploy.errors.MLADeployError` class): ``PATH is a named pipe (FIFO), not a file``.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return Path(path)
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+        raise error(f"{path} is {kind}, not a file")
+    return Path(path)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -153,7 +192,7 @@ def atomic_dir(out: str | Path, keep: Iterable[str] = ()) -> Iterator[Path]:
         with atomic_dir("build/tiny") as tmp:
             (tmp / "manifest.json").write_text(...)
     """
-    out = Path(out)
+    out = followed(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     remove_stale(out)
     missing = [p for p in out.parents if not p.exists()]  # created here, removed again on failure
@@ -173,7 +212,7 @@ def atomic_dir(out: str | Path, keep: Iterable[str] = ()) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed over ``path``, on failure removed."""
-    path = Path(path)
+    path = followed(path)
     tmp = temp_name(path)
     remove_stale(path)
     try:

@@ -6,6 +6,9 @@ heavy imports, and the exporter checks it again).
   replace; return the names there that are not the artifact's, which the export keeps.
 * :func:`probe_writable`: make and remove the export's temporary folder, so that an ``out`` that cannot be
   written (a read-only place, a parent that is a file, ``/proc``) is refused before any work.
+
+An ``out`` that is a symbolic link is the folder it points to (:func:`~mla_deploy.artifact.files.followed`), as
+the export itself writes there.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 from pathlib import Path
 
 from ..errors import ExportError
+from .files import followed
 from .manifest import MANIFEST, read_fingerprint
 from .tokenizer_files import TOKENIZER_FILES
 
@@ -32,11 +36,12 @@ def check_export_target(out: str | Path, fingerprint: str | None = None, overwri
     Raises:
         ExportError: naming the problem.
     """
-    out = Path(out)
-    if not out.exists():
-        if out.is_symlink():
-            raise ExportError(f"{out} is a broken symbolic link")
+    given = Path(out)
+    if not given.exists():
+        if given.is_symlink():
+            raise ExportError(f"{given} is a broken symbolic link")
         return []
+    out = followed(given)
     if not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory")
     try:
@@ -84,14 +89,14 @@ def probe_writable(out: str | Path) -> None:
     Raises:
         ExportError: ``cannot write OUT: <reason>``.
     """
-    out = Path(out)
+    given, out = Path(out), followed(out)
     missing = [p for p in out.parents if not p.exists()]
     probe = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         probe.mkdir(parents=True)
         probe.rmdir()
     except OSError as exc:
-        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
+        raise ExportError(f"cannot write {given}: {exc.strerror or exc}") from None
     finally:
         for parent in missing:
             with contextlib.suppress(OSError):

@@ -58,8 +58,12 @@ def entry() -> None:
 
         environ = environment_with_huge_pages(os.environ)
         if environ is not None and command and sys.executable:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):  # None where the descriptor was closed before Python started
+                if stream is not None:
+                    try:
+                        stream.flush()
+                    except OSError:
+                        pass
             try:
                 os.execve(sys.executable, [sys.executable, *command[1:]], environ)
             except OSError:  # cannot re-execute (a vanished interpreter): run on, on small pages

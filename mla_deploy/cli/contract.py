@@ -10,6 +10,10 @@ prints exactly one line on stderr, ``mla-deploy: error: ...``:
   lands where Python drops exceptions (a weakref callback, a ``__del__``) is delivered again until it propagates;
 * anything else is a bug: the line names it and the file where the full traceback was written, exit 70.
 
+Standard output whose reader has gone (``mla-deploy presets | head -1``) ends the command without a line, exit 1
+(click's own handling of ``EPIPE``, kept when the pipe breaks at the last flush too); standard output closed before
+the start (``>&-``) is output discarded.
+
 :class:`MainGroup` is the command group that keeps it.
 """
 
@@ -218,6 +222,8 @@ class MainGroup(click.Group):
         handlers = _install(_on_signal)
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if sys.stdout is not None:
+                sys.stdout.flush()  # here, where a reader that has gone is seen, not at the interpreter's exit
             sys.exit(result if isinstance(result, int) else 0)  # click returns ctx.exit()'s code here
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
@@ -229,6 +235,8 @@ class MainGroup(click.Group):
             stop_children()
             _fail(f"interrupted ({_signal_name(signum)}); temporary files were removed", 128 + signum)
         except Exception as exc:  # noqa: BLE001 - every other failure: one line (a bug's names the traceback file)
+            if isinstance(exc, BrokenPipeError) and _stdout_reader_gone():
+                _exit_on_closed_stdout()
             _fail(*_error_line(exc))
         finally:
             _Redelivery.disarm()
@@ -255,6 +263,30 @@ def _error_line(exc: Exception) -> tuple[str, int]:
     if isinstance(exc, OSError):
         return _os_error_line(exc), 1
     return _bug_line(exc), EXIT_BUG
+
+
+def _stdout_reader_gone() -> bool:
+    """Standard output is a pipe or socket whose reading end has been closed."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _exit_on_closed_stdout() -> "NoReturn":
+    """Exit as click does when a write meets a closed pipe: no line, 1. Standard output is pointed at /dev/null
+    first, so that the interpreter's last flush of what is still buffered does not fail again at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, ValueError, OSError):
+        pass
+    sys.exit(1)
 
 
 def _signal_name(signum: int) -> str:

@@ -30,6 +30,13 @@ def export(source: ModelSource, out, settings: ExportOverrides, overwrite, run_v
            progress: Progress, target):
     """Export the absorbed model to ONNX (prefill + decode graphs) with the latent cache as explicit I/O."""
     recipe = settings.apply(source.recipe(), from_checkpoint=source.kind == "hf")
+    _check_block_settings(block, settings)
+    if not dump_recipe and recipe.export.max_cache_length:
+        from ..memory import check_fits_memory
+
+        model = recipe.model  # the export traces one sequence's cache of max_cache_length rows, in float32
+        check_fits_memory(recipe.export.max_cache_length * model.latent_dim * model.num_hidden_layers * 4,
+                          f"--max-cache-length {recipe.export.max_cache_length} (one sequence's cache)")
     if dump_recipe:
         import json
 
@@ -55,6 +62,19 @@ def export(source: ModelSource, out, settings: ExportOverrides, overwrite, run_v
             from ..validate import validate_artifact
 
             report_validation(validate_artifact(out))
+
+
+def _check_block_settings(block: str, settings: ExportOverrides) -> None:
+    """A comparison block is exported from the model's sizes alone, in float: an export setting given with it would
+    be ignored, so it is refused. Raises: ConfigError."""
+    if block == "decoder":
+        return
+    given = [f"--{name.replace('_', '-')}" for name in ("weights", "block_size", "quant_format", "experts",
+                                                         "precision", "cache_mode", "max_cache_length")
+             if getattr(settings, name) is not None]
+    if given:
+        raise ConfigError(f"--block {block} exports the block in float32 from the model's sizes alone: it takes no "
+                          f"{given[0]}")
 
 
 def _export_artifact(recipe, checkpoint: str | None, out: str, overwrite: bool, progress: Progress) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import click
 
-from ..errors import ConfigError, InputError
+from ..errors import CheckpointError, ConfigError, InputError
 from ..expert_forms import EXPERT_FORMS
 from ..host import usable_cpus
 from ..io_spec import PRECISIONS
@@ -139,7 +139,38 @@ class SourceArgs(OptionGroup):
         given = [(kind, value) for kind, value in values.items() if value]
         if len(given) != 1:
             raise ConfigError("give exactly one of --preset, --recipe, --hf")
-        return ModelSource(*given[0])
+        kind, location = given[0]
+        from ..artifact.files import require_regular_file  # here: the artifact package imports numpy
+
+        if kind == "recipe":
+            require_regular_file(location, ConfigError)
+        elif kind == "hf":
+            _require_regular_checkpoint_files(Path(location))
+        return ModelSource(kind, location)
+
+
+#: the files of a checkpoint folder that mla-deploy opens (configs and index, weights, tokenizer files)
+CHECKPOINT_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja")
+
+
+def _require_regular_file_entries(folder: Path, patterns) -> None:
+    from ..artifact.files import require_regular_file
+
+    for pattern in patterns:
+        for entry in sorted(folder.glob(pattern)):
+            require_regular_file(entry, CheckpointError)
+
+
+def _require_regular_checkpoint_files(path: Path) -> None:
+    """A checkpoint given as a folder or one of its files: none of the files read from it is a named pipe or a
+    device (the reader would block on it before any error could be shown). Raises: CheckpointError."""
+    from ..artifact.files import require_regular_file
+
+    if not path.is_dir():
+        require_regular_file(path, CheckpointError)
+    folder = path if path.is_dir() else path.parent
+    if path.exists():
+        _require_regular_file_entries(folder, CHECKPOINT_FILE_PATTERNS)
 
 
 # --- what an export changes in the recipe ------------------------------------------------------------------------

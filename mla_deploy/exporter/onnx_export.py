@@ -109,6 +109,8 @@ def trace_graph(module: torch.nn.Module, args: tuple, inputs: list[TensorSpec], 
                     value.const_value = None  # shape and dtype stay on the value
                     placeholders[name] = value
             _optimize(model)
+    except OSError:  # a full disk, a file-size limit: the OS's own words (the CLI names the file and the cause)
+        raise
     except Exception as exc:  # torch raises many types here; the cause is in the first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ExportError(f"torch.onnx.export failed for {label}: {first}") from exc

@@ -108,7 +108,8 @@ class ContinuousBatcher:
             Every decode step attends over all of them, so keep it to what requests need.
         max_queue: the most requests waiting for a row; past it :meth:`submit` raises :class:`BusyError`.
     Raises:
-        InputError: ``max_batch`` or ``max_queue`` below 1, ``capacity`` past the engine's.
+        InputError: ``max_batch`` or ``max_queue`` below 1, ``capacity`` past the engine's, a cache past this
+            machine's memory.
         CacheCapacityError: the engine's cache is not in place.
     """
 
@@ -119,6 +120,9 @@ class ContinuousBatcher:
             raise InputError(f"a row of {capacity} tokens per sequence exceeds the artifact's cache capacity "
                              f"{engine.capacity} (its max_cache_length)")
         self.engine, self.max_queue = engine, int(max_queue)
+        rows = min(capacity or engine.capacity or 1, engine.capacity or capacity or 1)
+        check_cache_memory(int(max_batch), rows, engine.config,
+                           np.dtype(getattr(engine, "dtype", np.float32)).itemsize)
         self.state = engine.new_state(int(max_batch), rows=capacity)
         engine.rows(self.state, 0, 1)  # refuses a cache that is not in place, before anything is submitted
         self.capacity = int(self.state.capacity)
@@ -300,3 +304,11 @@ class ContinuousBatcher:
         self.next_tokens[row] = 0
         self.stats.finished[reason] += 1
         self.stats.active -= 1
+
+def check_cache_memory(max_batch: int, rows: int, config, itemsize: int) -> None:
+    """Refuse a cache of ``max_batch`` rows of ``rows`` tokens of ``config``'s latent (``itemsize`` bytes a number)
+    that this machine cannot hold, before it is allocated. Raises: InputError."""
+    from ..memory import check_fits_memory
+
+    nbytes = max_batch * rows * config.latent_dim * config.num_hidden_layers * itemsize
+    check_fits_memory(nbytes, f"a cache of {max_batch} rows (--max-batch) of {rows} tokens")

@@ -71,7 +71,11 @@ def token_probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarra
         ``[V]`` float64 probabilities summing to 1, zero outside the top-k / top-p set.
     """
     assert not config.greedy, "greedy decoding takes the argmax"
-    scaled = np.asarray(logits, dtype=np.float64) / config.temperature
+    logits = np.asarray(logits, dtype=np.float64)
+    # the maximum is subtracted before dividing: (logit - max) / T is <= 0 and at worst -inf for a temperature so
+    # small (a denormal) that logits / T overflows, where inf - inf would make every probability NaN; the limit is
+    # then the argmax's, all the mass on the largest logits
+    scaled = (logits - logits.max()) / config.temperature
     order = np.argsort(-scaled, kind="stable")  # most likely first; equal logits in index order, as argmax
     if config.top_k is not None:
         order = order[: config.top_k]

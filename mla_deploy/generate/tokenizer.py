@@ -79,8 +79,16 @@ class ArtifactTokenizer:
         generation = _json(folder, "generation_config.json", present)
         self.eos_ids = _eos_ids(generation.get("eos_token_id"), self.special_tokens.get("eos_token"), self.backend)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The ids of ``text`` (``add_special_tokens``: as the post-processor adds them, e.g. a BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
+        """The ids of ``text`` (``add_special_tokens``: as the post-processor adds them, e.g. a BOS).
+
+        ``release_gil``: encode without holding Python's interpreter lock (``tokenizers`` releases it in
+        ``encode_batch``, not in ``encode``), so that other threads, a server's event loop, run meanwhile; the ids
+        are the same. Only for a process that does not fork afterwards: ``tokenizers`` then warns that its thread
+        pool was used before the fork.
+        """
+        if release_gil:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -96,9 +104,12 @@ class ArtifactTokenizer:
                              "tokenizer_config.json)")
         return render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt)
 
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """The ids of the rendered conversation (the template writes the special tokens; none are added)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                 release_gil: bool = False) -> list[int]:
+        """The ids of the rendered conversation (the template writes the special tokens; none are added);
+        ``release_gil`` as :meth:`encode`."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False,
+                           release_gil=release_gil)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """A new :class:`IncrementalDetokenizer` over this tokenizer."""

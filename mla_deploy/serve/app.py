@@ -4,6 +4,10 @@ not) and ``/v1/models``, with ``/health`` and ``/metrics``, over a :class:`~mla_
 :func:`create_app` returns a FastAPI (ASGI) app: ``mla-deploy serve`` runs it under uvicorn, and Ray Serve can
 mount the same app on a deployment. Every refusal is OpenAI's error JSON with its status, never a traceback.
 This module imports FastAPI: only the server (and its tests) load it.
+
+In front of the app, :class:`_Gate` (plain ASGI, the outermost layer) checks the API key, reads the body under its
+size limit and time limit, counts every reply in the request metrics, and watches the connection while the request
+runs: a client that goes away, streaming or not, has its requests cancelled and their rows freed at the next step.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ def create_app(service: Service):
         finally:
             await asyncio.to_thread(service.stop)
 
-    app = FastAPI(title="mla-deploy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # the OpenAPI schema is served (/openapi.json, no docs pages): it describes the bodies taken, for clients and
+    # for the schema-driven fuzzing of the tests
+    app = FastAPI(title="mla-deploy", lifespan=lifespan, docs_url=None, redoc_url=None)
     service.metrics = metrics = Metrics(service.batcher, service.model_name)
 
     def error_reply(error: ApiError) -> JSONResponse:
@@ -58,24 +64,6 @@ def create_app(service: Service):
     @app.exception_handler(Exception)
     async def _unexpected(request, error: Exception):  # a bug of ours: the client still gets OpenAI's JSON
         return error_reply(ApiError(500, f"internal error: {type(error).__name__}: {error}", type="server_error"))
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        """The API key on ``/v1/*``, and the request counter."""
-        path = request.url.path
-        label = path if path in _ROUTES else "other"  # a bounded set of label values, whatever paths are asked
-        if service.options.api_key and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {service.options.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                reply = error_reply(ApiError(401, "Incorrect API key provided" if given else
-                                             "You didn't provide an API key (Authorization: Bearer KEY)",
-                                             code="invalid_api_key"))
-                metrics.requests.labels(label, "401").inc()
-                return reply
-        reply = await call_next(request)
-        metrics.requests.labels(label, str(reply.status_code)).inc()
-        return reply
 
     @app.get("/health")
     async def health():
@@ -105,21 +93,25 @@ def create_app(service: Service):
         prompts = _prompts(body.prompt)
         if body.stream and len(prompts) > 1:
             raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
+        if len(prompts) > service.options.max_queue:  # never accepted, however long the client waits: not a 429
+            raise ApiError(400, f"{len(prompts)} prompts in one request are more than the {service.options.max_queue} "
+                                f"requests this server queues (--max-queue): send fewer per request", param="prompt",
+                           code="too_many_prompts")
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
         requests: list[TextRequest] = []
         try:
-            for prompt in prompts:  # tokenized off the event loop: a long prompt does not stall the other streams
-                ids = await asyncio.to_thread(service.prompt_ids, prompt)
+            for prompt in prompts:
+                ids = await service.prompt_ids(prompt)
                 requests.append(service.generate(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
                                                  body.stop))
-        except ApiError:
+        except BaseException:  # refused, or the client left: what was submitted is withdrawn
             for started in requests:
                 started.cancel()
             raise
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": service.model_name}
         if body.stream:
-            return _sse(_completion_chunks(head, requests[0], _usage_wanted(body)))
+            return _sse(_completion_chunks(head, requests[0], _usage_wanted(body)), requests, request)
         results = await _collect(requests, request)
         choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
                    for i, (text, reason) in enumerate(results)]
@@ -128,20 +120,26 @@ def create_app(service: Service):
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check(service, body)
-        ids = await asyncio.to_thread(service.chat_ids, body.template_messages())
+        ids = await service.chat_ids(body.template_messages())
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
         text_request = service.generate(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": service.model_name}
         if body.stream:
-            return _sse(_chat_chunks({**head, "object": "chat.completion.chunk"}, text_request, _usage_wanted(body)))
+            return _sse(_chat_chunks({**head, "object": "chat.completion.chunk"}, text_request, _usage_wanted(body)),
+                        [text_request], request)
         (text, reason), = await _collect([text_request], request)
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": reason}
         return {**head, "choices": [choice], "usage": _usage([text_request])}
 
-    def _sse(chunks: AsyncIterator[dict]):
+    def _sse(chunks: AsyncIterator[dict], requests: list[TextRequest], request: Request):
+        # the client leaving cancels the request at once, even while it waits for a row or a long prefill and no
+        # event is being written (a write is where a closed connection would show otherwise), and also when the
+        # reply never began
+        watch = _cancel_when_gone(request, requests)
+
         async def events():
             try:
                 async for chunk in chunks:
@@ -151,12 +149,14 @@ def create_app(service: Service):
             except Exception as error:  # a bug of ours: still an error event, not a cut connection
                 failure = ApiError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
                 yield f"data: {json.dumps(failure.body())}\n\n"
+            finally:
+                watch.cancel()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    return _BodyLimit(app, service.options.max_body_bytes)
+    return _Gate(app, service.options, metrics)
 
 
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -201,8 +201,26 @@ def _usage(requests: list[TextRequest]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _collect(requests: list[TextRequest], request) -> list[tuple[str, str]]:
-    """Each request's whole text and finish reason; a client that disconnects first cancels them all."""
+#: the ``scope`` key of the :class:`asyncio.Event` that :class:`_Gate` sets when the request's client has gone
+GONE = "mla_deploy.client_gone"
+
+
+def _cancel_when_gone(request: Request, requests: list[TextRequest]) -> asyncio.Task:
+    """A task that cancels ``requests`` (their rows freed before the next step) once the client has gone; cancel
+    the task when the reply has ended."""
+    gone: asyncio.Event = request.scope[GONE]
+
+    async def watch():
+        await gone.wait()
+        for text_request in requests:
+            text_request.cancel()
+
+    return asyncio.ensure_future(watch())
+
+
+async def _collect(requests: list[TextRequest], request: Request) -> list[tuple[str, str]]:
+    """Each request's whole text and finish reason; a client that disconnects first cancels them all (499, which
+    nobody reads: it is for the request metrics)."""
 
     async def one(text_request: TextRequest) -> tuple[str, str]:
         text, reason = [], None
@@ -212,18 +230,18 @@ async def _collect(requests: list[TextRequest], request) -> list[tuple[str, str]
         return "".join(text), reason
 
     work = asyncio.ensure_future(asyncio.gather(*(one(r) for r in requests)))
+    gone = asyncio.ensure_future(request.scope[GONE].wait())
     try:
-        while not work.done():
-            await asyncio.wait([work], timeout=0.25)
-            if not work.done() and await request.is_disconnected():
-                work.cancel()
-                for text_request in requests:
-                    text_request.cancel()
-                raise asyncio.CancelledError()
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ApiError(499, "the client closed the connection", type="client_closed_request")
         return work.result()
     finally:
+        gone.cancel()
         if not work.done():
             work.cancel()
+            for text_request in requests:
+                text_request.cancel()
 
 
 async def _completion_chunks(head: dict, text_request: TextRequest, usage: bool) -> AsyncIterator[dict]:
@@ -245,45 +263,109 @@ async def _chat_chunks(head: dict, text_request: TextRequest, usage: bool) -> As
         yield {**head, "choices": [], "usage": _usage([text_request])}
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413."""
+class _Gate:
+    """ASGI middleware in front of the app (the module docstring): the key, the body's size and time limits, the
+    request counter, and the watch on the connection (the :data:`GONE` event in the request's scope)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, int(limit)
+    def __init__(self, app, options, metrics):
+        self.app, self.options, self.metrics = app, options, metrics
+        self.limit, self.key = int(options.max_body_bytes), options.api_key
         self.state = getattr(app, "state", None)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        # read the whole body first (it is small: a limit of a few MiB), then hand it to the app as one message; a
-        # body over the limit is read to its end (up to 16 times the limit) before the 413, so that a client still
-        # writing it reads the reply instead of a reset connection
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return
-            size += len(message.get("body", b""))
-            if size <= self.limit:
-                chunks.append(message.get("body", b""))
-            if not message.get("more_body", False) or size > 16 * self.limit:
-                break
-        if size > self.limit:
-            return await self._too_large(send)
-        body, replayed = b"".join(chunks), False
+        path = scope["path"]
+        label = path if path in _ROUTES else "other"  # a bounded set of label values, whatever paths are asked
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._request(scope, receive, counted, path)
+        finally:
+            if status is not None:
+                self.metrics.requests.labels(label, str(status)).inc()
+
+    async def _request(self, scope, receive, send, path: str):
+        if self.key and path.startswith("/v1/"):
+            given = _header(scope, b"authorization")
+            if not _key_matches(given, self.key):
+                return await _reply(send, ApiError(401, "Incorrect API key provided" if given else
+                                                   "You didn't provide an API key (Authorization: Bearer KEY)",
+                                                   code="invalid_api_key"))
+        body = await self._body(receive, send)
+        if body is None:  # answered (413, 408) or the client left
+            return
+        gone, replayed = asyncio.Event(), False
+        scope[GONE] = gone
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            await gone.wait()  # the watch reads the connection; the app hears of its end from here
+            return {"type": "http.disconnect"}
 
-        await self.app(scope, replay, send)
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            watcher.cancel()
+            gone.set()  # the exchange is over: what still waits on the client (a stream never begun) lets go
 
-    async def _too_large(self, send):
-        body = json.dumps(ApiError(413, f"the request body exceeds {self.limit} bytes", code="body_too_large")
-                          .body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    async def _body(self, receive, send) -> bytes | None:
+        """The whole body (small: a limit of a few MiB), or None once answered. A body over the limit is read to its
+        end (up to 16 times the limit) before the 413, so that a client still writing it reads the reply instead of
+        a reset connection; one that takes longer than the client timeout to arrive gets 408."""
+        chunks, size, timeout = [], 0, self.options.client_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left
+                        return None
+                    size += len(message.get("body", b""))
+                    if size <= self.limit:
+                        chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False) or size > 16 * self.limit:
+                        break
+        except TimeoutError:
+            await _reply(send, ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                                        type="timeout_error", code="timeout"), close=True)
+            return None
+        if size > self.limit:
+            await _reply(send, ApiError(413, f"the request body exceeds {self.limit} bytes", code="body_too_large"))
+            return None
+        return b"".join(chunks)
+
+
+def _header(scope, name: bytes) -> str:
+    return next((value.decode("latin-1") for key, value in scope["headers"] if key == name), "")
+
+
+def _key_matches(authorization: str, key: str) -> bool:
+    """``Authorization: Bearer KEY`` (the scheme's case does not matter, RFC 9110 11.1), compared in constant time."""
+    kind, _, token = authorization.strip().partition(" ")
+    return hmac.compare_digest(token.strip().encode(), key.encode()) and kind.lower() == "bearer"
+
+
+async def _reply(send, error: ApiError, close: bool = False) -> None:
+    """``error`` as the whole reply, from outside the app."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), str(v).encode()) for k, v in error.headers.items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -3,14 +3,16 @@
 
 A body field that the API defines and this server does not implement is refused when it asks for something
 (``n > 1``, ``logprobs``, ``echo``, non-zero penalties, a ``logit_bias``), never silently ignored; a field the API
-does not define is refused as the API refuses it ("Unrecognized request argument").
+does not define is refused as the API refuses it ("Unrecognized request argument"). Types are strict (pydantic's
+strict mode): ``max_tokens: true``, ``"16"`` or ``16.0`` are refused, not coerced; a string holding a lone UTF-16
+surrogate (``"\\ud800"``, which JSON can spell but no UTF-8 text holds, and no tokenizer takes) is refused too.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 
 class ApiError(Exception):
@@ -26,15 +28,43 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _lone_surrogate(value, where: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone surrogate (not UTF-8 text), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}.{i}" if where else str(i))
+            if found:
+                return found
+    return None
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data):
+        where = _lone_surrogate(data)
+        if where:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not text (send UTF-8 text)")
+        return data
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -97,7 +127,8 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template as given
+    # extra: name, tool_call_id, ...: passed to the chat template as given
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
 
@@ -149,4 +180,7 @@ def validation_error(errors: list[dict]) -> ApiError:
     if first.get("type") == "json_invalid":
         return ApiError(400, "the body is not valid JSON", code="invalid_json")
     where = ".".join(loc) or "body"
-    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not loc:  # a check of the whole body names its field itself
+        return ApiError(400, message)
+    return ApiError(400, f"{where}: {message}", param=param)

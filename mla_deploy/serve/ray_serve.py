@@ -93,6 +93,10 @@ def app_builder(args: Mapping[str, Any]):
         raise InputError(f"unknown argument(s) {', '.join(unknown)}; known: {', '.join(BUILDER_ARGS + tuple(fields))}"
                          if unknown else "app_builder needs artifact=PATH (an exported artifact every node can read)")
     values = {name: _typed(name, args[name], fields[name].type) for name in args if name in fields}
+    if "api_key" in values:  # an empty key in a config is refused, as `--api-key ''` is, never "no key"
+        from .server import check_access
+
+        check_access("127.0.0.1", values["api_key"], None)
     cpus = args.get("cpus_per_replica")
     return application(args["artifact"], ServeOptions(**values), int(_typed("replicas", args.get("replicas", 1), "int")),
                        None if cpus is None else float(_typed("cpus_per_replica", cpus, "float")))

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Sequence
@@ -43,6 +44,9 @@ class ServeOptions:
         request_timeout: seconds a request may take before it is ended (408).
         max_body_bytes: the largest request body (413 past it).
         grace: seconds in-flight requests get to finish at SIGTERM/SIGINT before they are cancelled.
+        client_timeout: seconds a client has to send a request's headers, then its body, and that a connection may
+            stay idle between requests.
+        max_header_bytes: the largest request line and headers (the connection is answered 400 and closed past it).
     """
 
     host: str = "127.0.0.1"
@@ -58,6 +62,8 @@ class ServeOptions:
     request_timeout: float = 600.0
     max_body_bytes: int = 4 << 20
     grace: float = 30.0
+    client_timeout: float = 15.0
+    max_header_bytes: int = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,11 @@ class Service:
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (/health), one of many
         self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue)
         self.capacity = self.batcher.capacity
+        # no text of more characters than this can fit in a row, whatever it says: the cheap check that comes
+        # before a tokenizer is handed megabytes it would hold the interpreter and a gigabyte of memory for
+        self.max_prompt_chars = self.capacity * _longest_token(self.tokenizer)
+        # tokenizing runs here, off the event loop, two prompts at a time at most
+        self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="mla-deploy-tokenize")
         self.metrics = None  # set by the app (mla_deploy.serve.metrics.Metrics)
         self._thread = threading.Thread(target=self.batcher.run, name="mla-deploy-engine", daemon=True)
         self.stopping = False
@@ -103,7 +114,8 @@ class Service:
         (a driver that starts replicas elsewhere calls it first); returns the model's id in the API.
 
         Raises: ArtifactError: no artifact, a broken manifest, no tokenizer. CacheCapacityError: a concat cache.
-            InputError: ``max_batch``, ``max_queue`` or ``max_cache_length`` out of range.
+            InputError: ``max_batch``, ``max_queue`` or ``max_cache_length`` out of range, or a cache larger than
+            this machine's memory.
         """
         from ..artifact.check import check_artifact
 
@@ -119,6 +131,10 @@ class Service:
         if capacity and options.max_cache_length and options.max_cache_length > capacity:
             raise InputError(f"a row of {options.max_cache_length} tokens per sequence exceeds the artifact's cache "
                              f"capacity {capacity} (its max_cache_length)")
+        from ..generate.batching import check_cache_memory
+
+        check_cache_memory(options.max_batch, options.max_cache_length or capacity or 1, manifest.config,
+                           4 if manifest.precision == "fp32" else 2)
         return options.model_name or manifest.name
 
     def start(self) -> None:
@@ -140,18 +156,47 @@ class Service:
         if self._thread.is_alive():
             self.batcher.close(cancel=True)
             self._thread.join(5)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    def cancel_all(self) -> None:
+        """Accept nothing more and end every waiting and running request now (each gets its 503)."""
+        self.stopping = True
+        self.batcher.close(cancel=True)
 
     # a request ------------------------------------------------------------------------------------------------
-    def prompt_ids(self, prompt) -> list[int]:
-        """A completion prompt's ids: a string encoded with the tokenizer, or ids as given (checked later)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    async def prompt_ids(self, prompt) -> list[int]:
+        """A completion prompt's ids: a string encoded with the tokenizer (off the event loop), or ids as given.
 
-    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
-        """The ids of a conversation through the artifact's chat template, with the generation prompt."""
+        Raises: ApiError: 400 a text too long for a row, an id outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            self._check_length(len(prompt), "prompt")
+            return await self._off_loop(self.tokenizer.encode, prompt, release_gil=True)
+        vocab = self.engine.vocab_size
+        outside = next((i for i in prompt if not 0 <= i < vocab), None)
+        if outside is not None:  # before NumPy, which cannot hold an id past int64
+            raise ApiError(400, f"token id {outside} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return list(prompt)
+
+    async def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The ids of a conversation through the artifact's chat template, with the generation prompt (rendered and
+        tokenized off the event loop). Raises: ApiError: 400 no template, a conversation too long for a row."""
+        # every string a message holds counts (a template may render a name or a tool call id too)
+        self._check_length(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)), "messages")
         try:
-            return self.tokenizer.chat_ids(messages)
+            return await self._off_loop(self.tokenizer.chat_ids, messages, release_gil=True)
         except InputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+
+    def _check_length(self, characters: int, param: str) -> None:
+        if characters > self.max_prompt_chars:
+            raise ApiError(400, f"the {param} is {characters} characters, more than the {self.max_prompt_chars} "
+                                f"that {self.capacity} tokens of this tokenizer can hold; this server holds at most "
+                                f"{self.capacity} per sequence", param=param, code="context_length_exceeded")
+
+    async def _off_loop(self, function, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing,
+                                                                lambda: function(*args, **kwargs))
 
     def max_new_tokens(self, prompt_length: int, asked: int | None) -> int:
         """``asked``, or what the cache leaves after the prompt; refused when it cannot fit (400)."""
@@ -205,6 +250,13 @@ def _tokenizer(artifact: str | Path):
         raise ArtifactError(f"{artifact} has no tokenizer files; export it with --hf from a checkpoint that has them "
                             f"to serve text")
     return tokenizer
+
+
+def _longest_token(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary entry, added tokens
+    included): a text of ``n`` characters is at least ``n / this`` tokens. (A byte-level vocabulary spells each byte
+    as one character, and a character is at least one byte, so the bound holds there too.)"""
+    return max(1, max((len(entry) for entry in tokenizer.backend.get_vocab(with_added_tokens=True)), default=1))
 
 
 def _deliver(loop, events: asyncio.Queue, event: SequenceEvent) -> None:

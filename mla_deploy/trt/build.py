@@ -235,6 +235,8 @@ def build_engines(artifact: str | Path, build: BuildSettings | None = None, stro
         for file, spec in plan.items():
             try:
                 engines[file] = _build_one(trt, spec, root, tmp, cache, build.workspace_mib, optimization_level)
+            except OSError:  # a full disk, a file-size limit: the OS's own words, not a failed build
+                raise
             except Exception as exc:  # Polygraphy raises PolygraphyException with TensorRT's log above it
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ExportError(f"TensorRT could not build {file} ({' and '.join(spec['roles'])}) from "

@@ -77,6 +77,17 @@ def test_greedy_and_top_k_1_are_the_argmax():
         assert next_tokens(logits, config, config.generator()).tolist() == want.tolist()
 
 
+def test_a_temperature_that_overflows_the_logits_is_the_argmax_not_nan():
+    """logits / T overflows to inf for a denormal T (inf - inf: NaN probabilities); the limit is the argmax."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(8, 300)).astype(np.float32)
+    for temperature in (5e-324, 1e-300, 1e-40):
+        config = SamplingConfig(temperature, seed=0)
+        probs = token_probabilities(logits[0], config)
+        assert np.isfinite(probs).all() and probs[logits[0].argmax()] == 1.0
+        assert next_tokens(logits, config, config.generator()).tolist() == logits.argmax(-1).tolist()
+
+
 def test_a_seed_repeats_and_another_differs():
     logits = np.random.default_rng(1).normal(size=(32, 50))
     config = SamplingConfig(1.0, top_p=0.95, seed=11)

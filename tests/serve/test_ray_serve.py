@@ -74,6 +74,8 @@ def test_the_builder_takes_rays_key_value_arguments(artifact):
         app_builder({"artifact": str(artifact), "max_batch": "two"})
     with pytest.raises(InputError, match="artifact=PATH"):
         app_builder({"replicas": "2"})
+    with pytest.raises(InputError, match="is empty"):  # never taken as "no key"
+        app_builder({"artifact": str(artifact), "api_key": ""})
 
 
 def test_what_cannot_be_scaled_out_is_refused_in_one_line(artifact, tmp_path):

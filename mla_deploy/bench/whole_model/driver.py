@@ -12,6 +12,7 @@ through the shared harness :mod:`..harness`): probes of the machine, ``ours`` on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -386,11 +387,22 @@ def _run_paths(spec: WholeModelSpec, prepared: Prepared, status: dict, routing: 
 def run_whole_model(spec: WholeModelSpec, out_dir: str | Path, echo: Callable[[str], None] | None = None,
                     command: str | None = None) -> dict:
     """Run ``spec``; write ``bench.json`` and ``bench.md`` into ``out_dir`` (atomically) and return the report."""
+    echo = echo or (lambda line: None)
+    out = Path(out_dir)
+    created = [p for p in (out, *out.parents) if not os.path.lexists(p)]  # deepest first
+    try:
+        return _run_whole_model(spec, out, echo, command)
+    except BaseException:  # failed or interrupted: the folders this run made and left empty go too
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one: an export kept for a later run stays
+        raise
+
+
+def _run_whole_model(spec: WholeModelSpec, out: Path, echo: Callable[[str], None], command: str | None) -> dict:
     from ..reporting import write_outputs
     from .report import build_report, markdown
 
-    echo = echo or (lambda line: None)
-    out = Path(out_dir)
     started = time.time()
     described = host.describe()
     prepared = prepare(spec, out, echo)  # checks the source before anything is written
