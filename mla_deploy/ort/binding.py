@@ -185,7 +185,7 @@ class TokenChooser:
             binding.bind_input("logits", engine.device, engine.device_id, engine.element, list(logits.shape),
                                logits.address)
             entry[4] = logits.address
-        session.run_with_iobinding(binding, self.engine.new_run_options(EAGER))
+        session.run_with_iobinding(binding, self.engine.new_run_options(None))  # never a capturing session
         return np.array(ids.numpy(), dtype=np.int64)
 
     def argmax(self, logits: DeviceLogits) -> np.ndarray:

@@ -60,7 +60,7 @@ def sampling_graph(batch: int, vocab: int, elem: int, top_k: int | None):
               numpy_helper.from_array(np.array([batch, vocab], np.int64), "shape"),
               numpy_helper.from_array(np.array([vocab - 1], np.int64), "last"),
               numpy_helper.from_array(np.array([1], np.int64), "axes"),
-              numpy_helper.from_array(np.array(vocab - 1, np.int64), "top_index")]
+              numpy_helper.from_array(np.array(vocab - 1, np.float32), "top_index")]
     n = helper.make_node
     nodes = [
         n("Cast", ["logits"], ["x"], to=TensorProto.FLOAT),
@@ -84,9 +84,11 @@ def sampling_graph(batch: int, vocab: int, elem: int, top_k: int | None):
         n("Unsqueeze", ["uniforms", "axes"], ["u"]),
         n("Mul", ["u", "total"], ["target"]),
         n("LessOrEqual", ["cumulative", "target"], ["passed"]),
-        n("Cast", ["passed"], ["passed_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["passed_i", "axes"], ["count"], keepdims=0),
-        n("Min", ["count", "top_index"], ["ids"]),
+        # counted in float32 (exact below 2^24 tokens): the integer ReduceSum and Min have fewer CUDA kernels
+        n("Cast", ["passed"], ["passed_f"], to=TensorProto.FLOAT),
+        n("ReduceSum", ["passed_f", "axes"], ["count"], keepdims=0),
+        n("Min", ["count", "top_index"], ["index"]),
+        n("Cast", ["index"], ["ids"], to=TensorProto.INT64),
     ]
     inputs = [_tensor("logits", elem, (batch, vocab)), _tensor("temperature", TensorProto.FLOAT, (1,)),
               _tensor("top_p", TensorProto.FLOAT, (1,)), _tensor("uniforms", TensorProto.FLOAT, (batch,))]

@@ -17,7 +17,7 @@ import numpy as np
 from ..artifact import check_artifact
 from .record import CPU_ENGINE_DIR, check_cpu_engine, host_cpu
 from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
-from ..io_spec import PRECISIONS, past_name, present_name
+from ..io_spec import PRECISIONS, past_name
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from ..engines.base import Engine
 from .binding import Bindings, DeviceLogits, TokenChooser
@@ -397,7 +397,10 @@ class OrtEngine(Engine):
         session that may capture, None where no graph is involved."""
         options = self.ort.RunOptions()
         options.log_severity_level = self.log_severity
-        if graph_id is not None and self.cuda is not None and self.cuda.cuda_graph:
+        # a session that may capture captures a run without an id as graph 0: every run of one names its graph,
+        # or -1 (eager); sessions that never capture get no id
+        graphs = getattr(self, "graphs", None)
+        if graph_id is not None and graphs is not None and graphs.enabled:
             options.add_run_config_entry("gpu_graph_id", str(graph_id))
         return options
 
