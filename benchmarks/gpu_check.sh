@@ -13,5 +13,5 @@ elif [ -x "$repo/.venv/bin/python" ]; then
 else
     py="$(command -v python3)"
 fi
-export PYTHONPATH="$repo/tools:$repo${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo/benchmarks:$repo${PYTHONPATH:+:$PYTHONPATH}"
 exec "$py" -m gpu_check "$@"

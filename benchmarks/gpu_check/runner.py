@@ -57,7 +57,7 @@ def child_env(work: Work) -> dict:
     provider probe found the later steps need (``env.json``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     paths = [str(work.site)] if work.site.is_dir() else []
-    paths += [str(REPO), str(REPO / "tools"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    paths += [str(REPO), str(REPO / "benchmarks"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if work.env_file.is_file():
         env.update(json.loads(work.env_file.read_text()))
