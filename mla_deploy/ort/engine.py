@@ -5,7 +5,9 @@
   ``[B, P+S, C]``; ``attention_mask [B, P+S]`` marks the padded slots of shorter sequences.
 * An in-place (``static``) cache is one ONNX Runtime buffer per layer ``[B, 1, capacity, C]`` bound as both
   ``past_latent.{i}`` and ``present_latent.{i}`` (IO binding), so ``TensorScatter`` writes the new rows in place
-  and a decode step never copies the cache; ``write_indices [B]`` = rows already held.
+  and a decode step never copies the cache; ``write_indices [B]`` = rows already held. Its steps run through
+  :mod:`.binding` (inputs and logits on the provider's device, bound once per step shape and state) and, on CUDA,
+  replay a CUDA graph per decode binding (:mod:`.cuda`).
 """
 
 from __future__ import annotations
