@@ -41,9 +41,7 @@ class DeviceLogits:
         return self.value.data_ptr()
 
     def host(self) -> np.ndarray:
-        from .engine import host_array
-
-        return host_array(self.engine.ort, self.value).reshape(self.shape)
+        return self.engine.to_host(self.value).reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
         array = self.host()

@@ -55,10 +55,11 @@ class CudaOptions:
             options["use_tf32"] = "0"
         return CUDA, options
 
-    def session_entries(self) -> dict[str, str]:
-        """The session config entries these options set."""
+    def session_entries(self, strict: bool = True) -> dict[str, str]:
+        """The session config entries these options set; ``strict`` False: without the refusal of CPU nodes (the
+        session that finds which nodes they are)."""
         entries = {}
-        if self.strict_placement:
+        if self.strict_placement and strict:
             entries["session.disable_cpu_ep_fallback"] = "1"
         if self.fpa_intb is not None:
             entries["ep.cuda.fpa_intb_gemm"] = "1" if self.fpa_intb else "0"
@@ -70,14 +71,29 @@ class CudaOptions:
                 "strict_placement": self.strict_placement}
 
 
-def providers(provider: str, cuda: CudaOptions | None, precision: str, capture: bool) -> list:
-    """The ``providers`` argument of a session on ``provider`` (``CPUExecutionProvider`` or CUDA's). With strict
-    placement the CPU provider is not listed: ONNX Runtime refuses the pair (it would be the fallback refused)."""
+@dataclass(frozen=True)
+class CudaSession:
+    """What one CUDA session is opened with: the options, the artifact's precision (fp32 turns TF32 off) and whether
+    the session may capture CUDA graphs (the one serving decode)."""
+
+    options: CudaOptions = CudaOptions()
+    precision: str = "fp32"
+    capture: bool = False
+
+    @property
+    def capturing(self) -> bool:
+        return self.capture and self.options.cuda_graph
+
+
+def providers(provider: str, cuda: CudaSession | None, capture: bool) -> list:
+    """The ``providers`` argument of a session on ``provider`` (``CPUExecutionProvider`` or CUDA's; ``capture``:
+    it may capture CUDA graphs). With strict placement the CPU provider is not listed: ONNX Runtime refuses the
+    pair (it would be the fallback refused)."""
     if provider != CUDA:
         return [provider]
-    cuda = cuda or CudaOptions()
-    entry = cuda.provider(precision, capture)
-    return [entry] if cuda.strict_placement else [entry, "CPUExecutionProvider"]
+    cuda = cuda or CudaSession()
+    entry = cuda.options.provider(cuda.precision, capture)
+    return [entry] if cuda.options.strict_placement else [entry, "CPUExecutionProvider"]
 
 
 def off_device_nodes(ort, model, options) -> collections.Counter:

@@ -23,8 +23,8 @@ from ..io_spec import PRECISIONS, past_name
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from ..engines.base import Engine
 from .binding import Bindings, DeviceLogits, TokenChooser
-from .cuda import CUDA, EAGER, FALLBACK_REFUSED, CudaOptions, GraphIds, off_device_nodes, placement_error, \
-    providers, require_cuda
+from .cuda import CUDA, EAGER, FALLBACK_REFUSED, CudaOptions, CudaSession, GraphIds, off_device_nodes, \
+    placement_error, providers, require_cuda
 from .huge_pages import huge_pages
 from .mapped import populate
 
@@ -157,8 +157,7 @@ def _preload_cuda_libraries(ort) -> None:
 
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
                  quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False,
-                 spin: bool = False, library: Path | None = None, cuda: CudaOptions | None = None,
-                 precision: str = "fp32"):
+                 spin: bool = False, library: Path | None = None, cuda: CudaSession | None = None):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
     ``threads``, ``log_severity``, ``spin``: :func:`session_options`.
 
@@ -172,21 +171,21 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     0.5% relative error per product), ``fp32`` multiplies in float32 with the dequantized weights (exact to float32
     rounding; several times slower, int8 weights about 30x): what validation compares with PyTorch.
 
-    ``cuda``: the CUDA provider's options (:class:`~mla_deploy.ort.cuda.CudaOptions`; default: strict placement,
-    no CUDA graph capture in this session), ``precision`` the artifact's (fp32 turns TF32 off).
+    ``cuda``: on the CUDA provider, its options, the artifact's precision and whether the session may capture CUDA
+    graphs (:class:`~mla_deploy.ort.cuda.CudaSession`; default: strict placement, no capture).
 
     Raises:
         RuntimeMissingError: onnxruntime missing, or the provider did not load. PlacementError: a node would fall
         back to the CPU (strict placement). ArtifactError: the graph does not load.
     """
     return _open(path, provider, threads, log_severity, quantized_compute, quantization, optimized, spin, library,
-                 cuda, precision, capture=False)[0]
+                 cuda)[0]
 
 
-def _open(path, provider, threads, log_severity, quantized_compute, quantization, optimized, spin, library, cuda,
-          precision, capture: bool):
-    """:func:`open_session`, and with ``capture`` a session that may capture CUDA graphs: ``(session, why)``, where
-    ``why`` says why CUDA graphs are off when ONNX Runtime refused them (the session is then opened without)."""
+def _open(path, provider, threads, log_severity, quantized_compute, quantization, optimized, spin, library,
+          cuda: CudaSession | None):
+    """:func:`open_session`, returning ``(session, why)``: ``why`` says why CUDA graphs are off where the session
+    was to capture them and ONNX Runtime refused (it is then opened without them), else None."""
     ort = require_onnxruntime()
     if provider not in PROVIDERS:
         raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -194,7 +193,7 @@ def _open(path, provider, threads, log_severity, quantized_compute, quantization
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
         _preload_cuda_libraries(ort)
-    cuda = cuda or CudaOptions()
+    cuda = cuda or CudaSession()
     model, entries = quantization.session(path, quantized_compute)
 
     def options(strict: bool):
@@ -210,39 +209,41 @@ def _open(path, provider, threads, log_severity, quantized_compute, quantization
             from .operators import register
 
             register(made, library)
-        for key, value in entries.items():
+        added = {**entries, **(cuda.options.session_entries(strict) if wanted == CUDA else {})}
+        for key, value in added.items():
             made.add_session_config_entry(key, value)
-        if wanted == CUDA:
-            for key, value in cuda.session_entries().items():
-                if strict or key != "session.disable_cpu_ep_fallback":
-                    made.add_session_config_entry(key, value)
         return made
 
-    capture = capture and wanted == CUDA and cuda.cuda_graph
-    why = None
-    try:
-        session = ort.InferenceSession(model, options(True), providers=providers(wanted, cuda, precision, capture))
-    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if wanted == CUDA and FALLBACK_REFUSED in first:
-            raise _placement_refusal(ort, path, model, options, precision) from None
-        if not capture:
-            raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {first}") from exc
-        # ONNX Runtime checks at load that a graph can be captured (every node on CUDA, no copy node, no control
-        # flow): the same graph without CUDA graphs may still run
-        why = f"ONNX Runtime refused CUDA graphs for {Path(path).name}: {first[:200]}"
-        try:
-            session = ort.InferenceSession(model, options(True), providers=providers(wanted, cuda, precision, False))
-        except Exception as again:
-            first = (str(again).strip().splitlines() or [type(again).__name__])[0]
-            raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {first}") from again
+    session, why = _create(ort, Path(path).name, model, options, wanted, cuda)
     if session.get_providers()[0] != wanted:
         raise RuntimeMissingError(f"ONNX Runtime could not use {wanted} (it fell back to "
                                   f"{session.get_providers()[0]}); run `mla-deploy doctor`")
     return session, why
 
 
-def _placement_refusal(ort, path, model, options, precision) -> Exception:
+def _create(ort, name: str, model, options, wanted: str, cuda: CudaSession):
+    """The session of :func:`_open` and why CUDA graphs are off (None if not refused). ``options(strict)``: its
+    session options, with or without the refusal of CPU nodes."""
+    capture = wanted == CUDA and cuda.capturing
+    try:
+        return ort.InferenceSession(model, options(True), providers=providers(wanted, cuda, capture)), None
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if wanted == CUDA and FALLBACK_REFUSED in first:
+            raise _placement_refusal(ort, name, model, options) from None
+        if not capture:
+            raise ArtifactError(f"ONNX Runtime cannot load {name}: {first}") from exc
+    # ONNX Runtime checks at load that a graph can be captured (every node on CUDA, no copy node, no control flow):
+    # the same graph without CUDA graphs may still run
+    why = f"ONNX Runtime refused CUDA graphs for {name}: {first[:200]}"
+    try:
+        return ort.InferenceSession(model, options(True), providers=providers(wanted, cuda, False)), why
+    except Exception as again:
+        first = (str(again).strip().splitlines() or [type(again).__name__])[0]
+        raise ArtifactError(f"ONNX Runtime cannot load {name}: {first}") from again
+
+
+def _placement_refusal(ort, name: str, model, options) -> Exception:
     """Why a strict CUDA session was refused, in one line: the CUDA provider did not load at all (every node then
     falls to the CPU), or the graph's nodes that it cannot run."""
     try:
@@ -255,7 +256,7 @@ def _placement_refusal(ort, path, model, options, precision) -> Exception:
         import collections
 
         counts = collections.Counter()
-    return placement_error(Path(path).name, counts)
+    return placement_error(name, counts)
 
 
 class _Rows:
@@ -294,14 +295,11 @@ class OrtEngine(Engine):
             attention scores within 1 GiB; :meth:`Engine.prefill <mla_deploy.engines.base.Engine.prefill>`).
         cuda: the CUDA provider's options (:class:`~mla_deploy.ort.cuda.CudaOptions`: CUDA graphs, fpA_intB,
             strict placement; default: all on but fpA_intB at ONNX Runtime's default). Ignored on the CPU.
-        device_tokens: choose tokens where the logits are (:class:`~mla_deploy.ort.binding.TokenChooser`: greedy
-            and sampled ids computed by a small graph on the provider, only ``[B]`` ids copied back); None: on the
-            CUDA provider only. Static (in-place) caches only.
 
     With an in-place cache every step runs through :class:`~mla_deploy.ort.binding.Bindings`: inputs, logits and
     caches in ``OrtValue`` buffers on the provider's device, bound once per ``(role, batch, state)`` and refreshed
     in place; on CUDA each decode binding is captured as a CUDA graph and replayed (``info()["cuda_graph"]`` says
-    whether, or why not).
+    whether, or why not), and tokens are chosen on the GPU (:meth:`choose_tokens_on_device`).
 
     The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
     describes its graphs, their I/O and the weights they hold quantized).
@@ -310,7 +308,7 @@ class OrtEngine(Engine):
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
                  capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
                  use_engine: bool = True, spin: bool = True, prefill_chunk: int | None = None,
-                 cuda: CudaOptions | None = None, device_tokens: bool | None = None):
+                 cuda: CudaOptions | None = None):
         ort = require_onnxruntime()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -326,13 +324,32 @@ class OrtEngine(Engine):
         self.onnx_element = ONNX_ELEMENTS[self.precision]
         self.log_severity = log_severity
         self.run_options = self.new_run_options(None)
-        self.sessions = {}
-        graph_reasons = []
-        # CUDA graphs replay fixed addresses: only an in-place cache keeps them (a concat cache grows every step)
-        capturing = self.cuda is not None and self.cuda.cuda_graph and self.layout.in_place
         self.built = None  # the CPU engine's record when its graphs are run
         if use_engine and provider == "cpu" and quantized_compute == FAST_COMPUTE:
             self.built = fresh_cpu_engine(self.root, manifest)
+        # CUDA graphs replay fixed addresses: only an in-place cache keeps them (a concat cache grows every step)
+        capturing = self.cuda is not None and self.cuda.cuda_graph and self.layout.in_place
+        refused = self._open_sessions(provider, threads, quantized_compute, spin, capturing)
+        self.provider = PROVIDERS[provider]
+        reason = refused or ("the concat cache grows every step; export with --cache-mode static"
+                             if self.cuda is not None and self.cuda.cuda_graph and not self.layout.in_place else None)
+        self.graphs = GraphIds(capturing and not refused, reason)
+        self.bindings = Bindings(self)
+        self.chooser = None
+        self.choose_tokens_on_device(provider == "cuda")
+        self._spare = None  # a dropped state's caches, kept for the next state of the same shape (new_state)
+        # the CPU engine's weights, which ONNX Runtime maps from its files and its operators read in place: faulted
+        # in now rather than by the first steps that read each expert (mla_deploy.ort.mapped). Not the source
+        # graphs': ONNX Runtime copies or packs what it computes with, and their mapped files would only be read.
+        self.populated = populate(self.root / CPU_ENGINE_DIR) if self.built is not None else None
+        # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
+        self.huge_pages = huge_pages().describe()
+
+    def _open_sessions(self, provider: str, threads, quantized_compute: str, spin: bool, capturing: bool):
+        """One session per graph file of the manifest, checked against it (``self.sessions``, by role); returns
+        why ONNX Runtime refused to capture CUDA graphs (None: it did not)."""
+        manifest, refused = self.manifest, None
+        self.sessions = {}
         for role, graph in manifest.graphs.items():
             if graph.uses_plugin:
                 raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
@@ -342,34 +359,26 @@ class OrtEngine(Engine):
             session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
             if session is None:
                 # a CUDA graph is captured for decode only (a prefill's width changes with every prompt)
-                serves_decode = any(g.file == graph.file for r, g in manifest.graphs.items() if r == "decode")
-                session, why = _open(self._graph_path(graph.file), provider, threads, log_severity,
-                                     quantized_compute, manifest.quantization, self.built is not None, spin,
-                                     None if self.built is None else self.built.library_path(self.root), self.cuda,
-                                     self.precision, capture=capturing and serves_decode)
-                if why:
-                    graph_reasons.append(why)
+                decode = any(g.file == graph.file for r, g in manifest.graphs.items() if r == "decode")
+                cuda = CudaSession(self.cuda, self.precision, capturing and decode) if self.cuda else None
+                library = None if self.built is None else self.built.library_path(self.root)
+                session, why = _open(self._graph_path(graph.file), provider, threads, self.log_severity,
+                                     quantized_compute, manifest.quantization, self.built is not None, spin, library,
+                                     cuda)
+                refused = refused or why
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
                                     f"manifest {(graph.input_names, graph.output_names)}")
             self.sessions[role] = session
-        self.provider = PROVIDERS[provider]
-        reason = graph_reasons[0] if graph_reasons else (
-            "the concat cache grows every step; export with --cache-mode static"
-            if self.cuda is not None and self.cuda.cuda_graph and not self.layout.in_place else None)
-        self.graphs = GraphIds(capturing and not graph_reasons, reason)
-        self.bindings = Bindings(self)
-        if device_tokens is None:
-            device_tokens = provider == "cuda"
-        self.chooser = TokenChooser(self) if device_tokens and self.layout.in_place else None
-        self._spare = None  # a dropped state's caches, kept for the next state of the same shape (new_state)
-        # the CPU engine's weights, which ONNX Runtime maps from its files and its operators read in place: faulted
-        # in now rather than by the first steps that read each expert (mla_deploy.ort.mapped). Not the source
-        # graphs': ONNX Runtime copies or packs what it computes with, and their mapped files would only be read.
-        self.populated = populate(self.root / CPU_ENGINE_DIR) if self.built is not None else None
-        # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
-        self.huge_pages = huge_pages().describe()
+        return refused
+
+    def choose_tokens_on_device(self, on: bool = True) -> None:
+        """Choose greedy and sampled tokens with the token-choice graphs on this engine's provider
+        (:class:`~mla_deploy.ort.binding.TokenChooser`: only ``[B]`` ids come back to the host) or, ``on`` False,
+        on the host from a copy of the logits. On by default on the CUDA provider; on the CPU it runs the very
+        graphs the GPU runs (what the tests compare with the host's choice). In-place caches only."""
+        self.chooser = TokenChooser(self) if on and self.layout.in_place else None
 
     def _graph_path(self, file: str) -> Path:
         """What runs the artifact's graph ``file``: its CPU engine's graph, or the file itself."""
@@ -414,8 +423,8 @@ class OrtEngine(Engine):
             for key, value in self.cuda.session_entries().items():
                 options.add_session_config_entry(key, value)
         try:
-            session = self.ort.InferenceSession(model, options, providers=providers(self.provider, self.cuda,
-                                                                                    "fp32", False))
+            session = self.ort.InferenceSession(model, options, providers=providers(
+                self.provider, CudaSession(self.cuda) if self.cuda else None, False))
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RuntimeMissingError(f"the token-choice graph does not run on {self.provider}: {first[:200]}") from exc

@@ -15,7 +15,7 @@ from mla_deploy.errors import PlacementError
 from mla_deploy.generate.sampling import SamplingConfig, draw, token_probabilities
 from mla_deploy.ort import choice
 from mla_deploy.ort.binding import DeviceLogits
-from mla_deploy.ort.cuda import EAGER, MAX_GRAPHS, CudaOptions, GraphIds, placement_error, providers
+from mla_deploy.ort.cuda import EAGER, MAX_GRAPHS, CudaOptions, CudaSession, GraphIds, placement_error, providers
 from mla_deploy.ort.engine import OrtEngine
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [27, 18, 28, 18]]
@@ -26,7 +26,9 @@ SAMPLINGS = [SamplingConfig(1.0, seed=1), SamplingConfig(0.7, top_k=5, seed=2), 
 @pytest.fixture(scope="module")
 def engines():
     root = tiny_artifact("static")
-    return OrtEngine(root, threads=1, capacity=96), OrtEngine(root, threads=1, capacity=96, device_tokens=True)
+    device = OrtEngine(root, threads=1, capacity=96)
+    device.choose_tokens_on_device()
+    return OrtEngine(root, threads=1, capacity=96), device
 
 
 def test_a_decode_binds_once_and_its_buffers_keep_their_addresses(engines):
@@ -140,10 +142,13 @@ def test_the_cuda_provider_options_and_session_entries():
     assert CudaOptions(fpa_intb=True, strict_placement=False).session_entries() == {"ep.cuda.fpa_intb_gemm": "1"}
     assert CudaOptions(fpa_intb=False).session_entries()["ep.cuda.fpa_intb_gemm"] == "0"
     # ONNX Runtime refuses the CPU provider listed beside disable_cpu_ep_fallback (checked on this CPU build)
-    assert providers("CUDAExecutionProvider", CudaOptions(), "fp16", True) == [CudaOptions().provider("fp16", True)]
-    assert providers("CUDAExecutionProvider", CudaOptions(strict_placement=False), "fp16", False)[-1] == \
+    assert providers("CUDAExecutionProvider", CudaSession(CudaOptions(), "fp16"), True) == [
+        CudaOptions().provider("fp16", True)]
+    assert providers("CUDAExecutionProvider", CudaSession(CudaOptions(strict_placement=False)), False)[-1] == \
         "CPUExecutionProvider"
-    assert providers("CPUExecutionProvider", None, "fp32", False) == ["CPUExecutionProvider"]
+    assert providers("CPUExecutionProvider", None, False) == ["CPUExecutionProvider"]
+    assert CudaOptions().session_entries(strict=False) == {}  # the session that lists the CPU nodes
+    assert CudaSession(CudaOptions(cuda_graph=False), capture=True).capturing is False
 
 
 def test_graph_ids_one_per_binding_within_the_limit_and_failures_say_why():
