@@ -47,6 +47,19 @@ def test_every_command_refuses_a_cuda_provider_that_does_not_load_in_one_line(ar
     assert not (tmp_path / "bench" / "gpu-bench.json").exists()
 
 
+def test_serve_refuses_a_cuda_provider_that_does_not_load_in_one_line():
+    pytest.importorskip("transformers")
+    pytest.importorskip("uvicorn")
+    if _cuda_loads():
+        pytest.skip("ONNX Runtime's CUDA provider loads here: nothing to refuse")
+    from artifacts import text_artifact
+
+    result = cli("serve", text_artifact("static"), "--port", "0", "--provider", "cuda", "--no-cuda-graph")
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        "mla-deploy: error: ONNX Runtime could not use CUDAExecutionProvider (it fell back to CPUExecutionProvider); "
+        "run `mla-deploy doctor`"), result.stderr
+
+
 def test_the_gpu_bench_plan_runs_without_a_gpu(artifact):
     result = cli("bench", "model", "--artifact", artifact, "--provider", "cuda", "--dry-run", "--context", "0,16",
                  "--repeat", "4", "--variants", "graph,eager,graph-fpa")
