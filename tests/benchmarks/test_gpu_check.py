@@ -235,6 +235,7 @@ def test_the_gpu_decode_group_of_issue_48():
     assert "cpu" in dry["gpu-validate-fused"].argv
     selected = set(steps.GPU_DECODE_SELECTION.split(","))
     assert selected <= set(steps.GROUPS) | set(gpu) | {"ort-cuda-load"}
+    assert call_plan.DECODE_COMMAND in (ROOT / "docs" / "gpu-verification.md").read_text()
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -335,7 +335,3 @@ def format_table(report: dict) -> str:
     if "peer" in report and "error" in report["peer"]:
         lines.append(f"\npeer not measured: {report['peer']['error']}")
     return "\n".join(lines)
-
-
-def to_dict(spec: GpuBenchSpec) -> dict:
-    return asdict(spec)
