@@ -39,6 +39,10 @@ class RuntimeMissingError(MLADeployError):
     """A runtime (ONNX Runtime, TensorRT, a GPU) that the command needs is not available."""
 
 
+class PlacementError(ArtifactError):
+    """A graph holds nodes the requested device cannot run (they would fall back to the CPU)."""
+
+
 class AccuracyError(MLADeployError):
     """An exported artifact does not compute what the PyTorch original computes."""
 
@@ -52,6 +56,7 @@ __all__ = [
     "ArtifactError",
     "CacheCapacityError",
     "RuntimeMissingError",
+    "PlacementError",
     "AccuracyError",
 ]
 

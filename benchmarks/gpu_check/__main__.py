@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from . import plan as call_plan
 from . import steps as steps_mod
 from . import wheels
-from .layout import DEFAULT_WORK, PACK, REPO, Work
+from .layout import DEFAULT_WORK, PACK, Work
 from .report import write_outputs
 from .runner import Runner, exit_status, prepare_work
 
@@ -59,13 +58,6 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def bench_has_provider() -> bool:
-    """Whether `mla-deploy bench model` takes --provider (the whole-model bench on the CUDA provider)."""
-    proc = subprocess.run([sys.executable, "-m", "mla_deploy", "bench", "model", "--help"], capture_output=True, text=True,
-                          cwd=REPO)
-    return "--provider" in proc.stdout
-
-
 def notes_for(work: Work, cleared: str | None) -> list[str]:
     notes = [cleared] if cleared else []
     if work.install_file.is_file():
@@ -77,7 +69,7 @@ def notes_for(work: Work, cleared: str | None) -> list[str]:
 
 def run(args) -> int:
     work = Work(args.work.resolve())
-    options = steps_mod.Options(work, args.dry_run, args.models, args.precisions, bench_has_provider())
+    options = steps_mod.Options(work, args.dry_run, args.models, args.precisions)
     planned = steps_mod.plan(options)
     if args.list:
         print("\n".join(f"{s.group:7} {s.name}{'  (GPU)' if s.gpu else ''}" for s in planned))

@@ -7,9 +7,15 @@ import subprocess
 
 from .layout import CALL_LIMIT, DOC, REPO, MiB, part_dir
 from .report import HOW_TO_RUN
+from .steps import GPU_DECODE_SELECTION
 
 BUDGET = 480  # seconds of steps per call: the tool stops a command at 600 s; install and the report fit the rest
 COMMAND = f"benchmarks/gpu_check.sh install; benchmarks/gpu_check.sh run --budget {BUDGET}"
+#: issue 48's check alone (GPU decode: the expert forms, CUDA graphs, fpA_intB, the torch.compile peer, the kernel
+#: under CUDA-graph timing): its steps after ``install`` are sized for one call of under 8 minutes
+DECODE_BUDGET = 450
+DECODE_COMMAND = (f"benchmarks/gpu_check.sh install; benchmarks/gpu_check.sh run --budget {DECODE_BUDGET} "
+                  f"--steps {GPU_DECODE_SELECTION}")
 
 
 def tree_bytes() -> int:
@@ -69,6 +75,12 @@ provider; a step that does not fit the call's {BUDGET} s is left PENDING for the
 `gpu-verification.md`, `steps.json` and `logs.tar.gz` into `$OUT`. Repeat the command while it exits 2 (steps
 pending); then 0 means every step passed (or was skipped, with the reason) and 1 that a step failed (the others
 still ran). Commit the last call's `gpu-verification.md` as `docs/gpu-verification.md`.
+
+Issue 48's GPU decode check alone: the same calls with the command `{DECODE_COMMAND}`. While the parts travel,
+the calls run what needs no onnxruntime-gpu (the device, both exports, the kernel bench under CUDA-graph timing);
+the call after `install` runs the rest (the CUDA provider's load, the branches form profiled, the fused form
+validated and timed with and without CUDA graphs and fpA_intB, the torch.compile peer, the CUDA engine's GPU tests)
+within {DECODE_BUDGET} s.
 
 Elsewhere: `benchmarks/gpu_check.sh run` on any GPU machine with the packages (all steps, no budget);
 `benchmarks/gpu_check.sh run --dry-run [--models tiny] [--precisions fp16] [--out DIR]` on the CPU, which skips the

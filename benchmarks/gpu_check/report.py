@@ -64,7 +64,9 @@ def read_kernel_bench(text: str) -> list[str]:
     rows = bench_rows(text)
     if not rows:
         return ["no table in the log"]
+    timing = re.search(r"^timing: (.*)$", text, re.M)
     lines = [f"Device-to-device copy measured in the same run: {copy.group(1)} GB/s (read + write)." if copy else "",
+             f"Timing: {timing.group(1)}." if timing else "",
              "", "| batch | heads | length | splits | µs | GB/s | of copy | max rel err |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']:.0f} | {r['heads']:.0f} | {r['length']:.0f} | {r['splits']:.0f} | {r['us']:.1f} | "
               f"{r['gbps']:.0f} | {r['of_copy']:.1f}% | {r['err']} |" for r in rows]
@@ -156,7 +158,7 @@ def read_lines(pattern: str):
 READERS = {"kernel-bench": read_kernel_bench, "versions": read_versions, "run": read_run, "static": read_static,
            "cuda-load": read_cuda_load, "decode": read_decode, "doctor": read_doctor,
            "pytest": read_lines(r"^(=+ )?\d+ (passed|failed|skipped|error|deselected)"),
-           "export": read_lines(r"^exported "), "validate": read_lines(r"^(mla-deploy: (error: )?)?(validation|quantization) "),
+           "export": read_lines(r"^exported "), "gpu-bench": read_lines(r"^(plan: |variant |wrote )"), "validate": read_lines(r"^(mla-deploy: (error: )?)?(validation|quantization) "),
            "nvidia-smi": read_lines(r"^(NVIDIA|name,)|.*\d+ MiB, \d+ MHz$")}
 
 
@@ -167,6 +169,8 @@ SECTIONS = (
     ("ONNX Runtime's CUDA provider", ("ort-cuda-load", "doctor")),
     ("The pipeline: run, the in-place static cache, validate", ("run", "static", "validate")),
     ("Whole-model decode", ("bench-whole", "decode")),
+    ("GPU decode (issue 48): branches against the fused experts, CUDA graphs, fpA_intB, the torch.compile peer",
+     ("gpu",)),
 )
 
 
@@ -188,6 +192,8 @@ def step_lines(work: Work, record: Record) -> list[str]:
             lines += [f"(the log could not be read: {type(exc).__name__}: {exc})", ""]
     if record.name == "bench-whole" and (work.root / "bench-whole" / "bench.md").is_file():
         lines += [(work.root / "bench-whole" / "bench.md").read_text(), ""]
+    if record.kind == "gpu-bench" and (work.root / "gpu-bench" / record.name / "gpu-bench.md").is_file():
+        lines += [(work.root / "gpu-bench" / record.name / "gpu-bench.md").read_text(), ""]
     return lines
 
 
@@ -258,8 +264,8 @@ def write_outputs(work: Work, records: list[Record], out: Path, dry_run: bool, n
         for folder in ("logs", "records"):
             if (work.root / folder).is_dir():
                 tar.add(work.root / folder, arcname=folder)
-        for pattern in ("validate/*/report.md", "validate/*/report.json", "bench-whole/bench.*", "env.json",
-                        "install.json"):
+        for pattern in ("validate/*/report.md", "validate/*/report.json", "bench-whole/bench.*",
+                        "gpu-bench/*/gpu-bench.*", "env.json", "install.json"):
             for path in sorted(work.root.glob(pattern)):
                 tar.add(path, arcname=str(path.relative_to(work.root)))
     return doc

@@ -40,6 +40,13 @@ MODELS = {
                                            "--max-cache-length", "4352"), 540, 540),
 }
 PRECISIONS = ("fp16", "bf16")
+#: issue 48's GPU decode check: the routed experts' two forms, by ``export --experts``: the branches form (the old
+#: GPU artifact, one static branch per expert) and ``auto`` (the fused form CUDA's QMoE runs, the exporter's choice
+#: for fp16/bf16 GPU exports once issue 48's export half is in)
+EXPERT_FORMS = {"branches": "branches", "fused": "auto"}
+#: the GPU bench's engine variants timed on the fused form: CUDA graphs on/off, fpA_intB on (graph) against off
+GPU_BENCH_VARIANTS = "graph,eager,graph-fpa"
+GPU_BENCH_BATCHES = "1,8,32,64"
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,6 @@ class Options:
     dry_run: bool = False
     models: tuple[str, ...] = tuple(MODELS)
     precisions: tuple[str, ...] = PRECISIONS
-    bench_has_provider: bool = False
     python: str = sys.executable
 
     @property
@@ -96,6 +102,13 @@ def _probe(options: Options, *args: str) -> tuple[str, ...]:
     return (options.python, "-m", "gpu_check.probes", *args)
 
 
+def ort_cuda_test_files(repo: Path = REPO) -> tuple[str, ...]:
+    """The test files of the engine on ONNX Runtime's CUDA provider (marked ``ort_cuda``): they need the carried
+    onnxruntime-gpu, so they run after ``install`` in a step of their own, not among the kernel tests."""
+    return tuple(str(p.relative_to(repo)) for p in sorted((repo / "tests").rglob("test_*.py"))
+                 if "mark.ort_cuda" in p.read_text())
+
+
 def gpu_test_files(repo: Path = REPO) -> tuple[str, ...]:
     """The test files holding ``gpu``-marked tests (only these are collected: the rest may need packages the GPU
     machine lacks, and a collection error would fail the step), less the TensorRT modules (``pytest.mark.trt`` on
@@ -104,7 +117,8 @@ def gpu_test_files(repo: Path = REPO) -> tuple[str, ...]:
     files = []
     for path in sorted((repo / "tests").rglob("test_*.py")):
         text = path.read_text()
-        if "mark.gpu" in text and not re.search(r"^pytestmark = .*mark\.trt", text, re.M):
+        if ("mark.gpu" in text and not re.search(r"^pytestmark = .*mark\.trt", text, re.M)
+                and "mark.ort_cuda" not in text):
             files.append(str(path.relative_to(repo)))
     return tuple(files)
 
@@ -118,7 +132,8 @@ def env_steps(options: Options) -> list[Step]:
 def kernel_steps(options: Options) -> list[Step]:
     pytest = (options.python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
     # TensorRT cannot be installed there: its tests would only skip
-    return [Step("kernel-tests", "kernel", (*pytest, "-m", "gpu and not trt", *gpu_test_files()), 540, gpu=True,
+    return [Step("kernel-tests", "kernel", (*pytest, "-m", "gpu and not trt and not ort_cuda", *gpu_test_files()),
+                 540, gpu=True,
                  fail_on_skip=True, kind="pytest"),
             Step("plugin-tests", "kernel", (*pytest, "-m", "not gpu and not trt", "tests/plugins"), 540, gpu=True,
                  kind="pytest"),
@@ -162,29 +177,82 @@ def ort_steps(options: Options) -> list[Step]:
 
 
 def decode_steps(options: Options) -> list[Step]:
-    """Whole-model decode ms/token of the 4-layer V2-Lite int4 export on the GPU."""
+    """Whole-model decode ms/token of the 4-layer V2-Lite int4 export on the GPU, through `mla-deploy run` (the
+    GPU bench of `bench model --provider cuda` is the gpu-decode group's)."""
     if "v2lite4-int4" not in options.models:
         return []
-    bench_skip = None if options.bench_has_provider else (
-        "`mla-deploy bench model` has no --provider option: it times ONNX Runtime on the CPU only, so "
-        "transformers beside ONNX Runtime's CUDA provider on the same GPU is not measured")
-    bench = Step("bench-whole", "decode",
-                 _mla(options, "bench", "model", *MODELS["v2lite4-int4"].export_args[:4], "--weights", "int4",
-                      "--context", DECODE_CONTEXTS, "--batch", DECODE_BATCHES, "--provider", "cuda", "--out",
-                      str(options.work.root / "bench-whole")), 540, gpu=True, needs_ort=True, skip=bench_skip,
-                 kind="bench-whole")
     timing = [Step(f"decode-{p}", "decode",
                    _probe(options, "decode", str(artifact(options, "v2lite4-int4", p)), "--provider", "cuda",
                           "--contexts", DECODE_CONTEXTS, "--batch", DECODE_BATCHES), 540, gpu=True, needs_ort=True,
                    after=(f"export-v2lite4-int4-{p}",), kind="decode")
               for p in options.precisions]
-    return [bench, *timing]
+    return timing
+
+
+def gpu_decode_artifact(options: Options, form: str) -> Path:
+    return options.work.artifacts / f"gpu-decode-{form}"
+
+
+def gpu_decode_steps(options: Options) -> list[Step]:
+    """Issue 48's GPU decode check (group ``gpu-decode``), on the first model of ``--models``: export the branches
+    and the fused form (bf16; fp16 in a dry run, which the CPU provider can run), profile the branches form
+    (eager, CPU nodes allowed: it is the old artifact), validate the fused form on CUDA, time it with and without
+    CUDA graphs and fpA_intB over batch 1/8/32/64 and context 0/1024/4096, time it beside transformers' static
+    cache under torch.compile, the CUDA engine's GPU tests, and the kernel bench under CUDA-graph timing. The
+    model is the 4-layer V2-Lite int4 where ``--models`` holds it, else the first one asked for.
+
+    A dry run runs the exports, validates on the CPU provider and runs each bench as ``--dry-run`` (its plan:
+    the command lines are checked, nothing is timed)."""
+    if not options.models:
+        return []
+    model = MODELS["v2lite4-int4" if "v2lite4-int4" in options.models else options.models[0]]
+    precision = "fp16" if options.dry_run else "bf16"
+    args = tuple(a for a in model.export_args if a not in ("--max-cache-length", "4352"))
+    capacity = ("--max-cache-length", "4352") if model.key != "tiny" else ()
+    # the tiny preset holds 64 rows: its plan checks the command lines at contexts that fit
+    contexts = "0,16" if model.key == "tiny" else DECODE_CONTEXTS
+    dry = ("--dry-run",) if options.dry_run else ()
+    steps = []
+    for form, experts in EXPERT_FORMS.items():
+        steps.append(Step(f"gpu-export-{form}", "gpu-decode",
+                          _mla(options, "export", *args, *capacity, "--precision", precision, "--cache-mode", "static",
+                               "--experts", experts, "--out", str(gpu_decode_artifact(options, form)), "--overwrite",
+                               "--quiet"), model.export_timeout, kind="export"))
+
+    def bench(name: str, form: str, *extra: str, timeout: int = 420) -> Step:
+        argv = _mla(options, "bench", "model", "--artifact", str(gpu_decode_artifact(options, form)), "--provider",
+                    "cuda", "--repeat", "10", "--out", str(options.work.root / "gpu-bench" / name), *extra, *dry)
+        return Step(name, "gpu-decode", argv, timeout, gpu=not options.dry_run, after=(f"gpu-export-{form}",),
+                    needs_ort=True, kind="gpu-bench")
+
+    pytest = (options.python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
+    steps += [
+        bench("gpu-profile-branches", "branches", "--allow-cpu-nodes", "--variants", "eager", "--batch", "1,32",
+              "--context", "0", "--no-transformers"),
+        Step("gpu-validate-fused", "gpu-decode",
+             _mla(options, "validate", str(gpu_decode_artifact(options, "fused")), "--provider", options.provider,
+                  "--steps", "8", "--out", str(options.work.root / "validate" / "gpu-decode-fused"), "--quiet"),
+             MODELS[model.key].validate_timeout, after=("gpu-export-fused",), needs_ort=True, kind="validate"),
+        bench("gpu-bench-fused", "fused", "--variants", GPU_BENCH_VARIANTS, "--batch", GPU_BENCH_BATCHES,
+              "--context", contexts, "--no-transformers"),
+        bench("gpu-peer", "fused", "--variants", "graph", "--batch", "1,32", "--context", contexts.split(",")[0] +
+              "," + contexts.split(",")[1]),
+        Step("gpu-engine-tests", "gpu-decode", (*pytest, "-m", "ort_cuda", *ort_cuda_test_files()), 300, gpu=True,
+             needs_ort=True, fail_on_skip=True, kind="pytest"),
+        Step("gpu-kernel-bench-graphs", "gpu-decode",
+             (options.python, "plugins/mla_decode/bench.py", "--timing", "cudagraph", *BENCH_GRID), 300, gpu=True,
+             kind="kernel-bench"),
+    ]
+    return steps
 
 
 def plan(options: Options) -> list[Step]:
     """Every step, in the order it runs."""
     return [*env_steps(options), *kernel_steps(options), *export_steps(options), *ort_steps(options),
-            *decode_steps(options)]
+            *decode_steps(options), *gpu_decode_steps(options)]
 
 
-GROUPS = ("env", "kernel", "export", "ort", "decode")
+GROUPS = ("env", "kernel", "export", "ort", "decode", "gpu-decode")
+#: issue 48's check in one call (after ``install``): the device and versions, the CUDA provider's load (which
+#: writes the environment the later steps need) and the GPU decode group
+GPU_DECODE_SELECTION = "env,ort-cuda-load,gpu-decode"

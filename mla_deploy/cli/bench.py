@@ -74,7 +74,8 @@ def _command_line(ctx: click.Context) -> str:
     parts = ["mla-deploy", "bench", ctx.info_name or "bench"]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if value is None or (getattr(param, "is_flag", False) and value == param.default):
+        flag = getattr(param, "is_flag", False)
+        if value is None or (flag and (value == param.default or not (value or param.secondary_opts))):
             continue
         if getattr(param, "is_flag", False):
             parts.append(param.opts[0] if value else param.secondary_opts[0])
@@ -187,10 +188,21 @@ def attention(preset, recipe, out, **options):
 @click.option("--block-size", type=click.Choice(BLOCK_SIZES),
               help="Input features per scale of the int8/int4 exports [default: 32].")
 @_PROBE
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: an --artifact exported for the GPU on ONNX Runtime's CUDA provider (batch 1,8,32,64 and "
+                   "context 0,1024,4096 unless given), kernels per step and GPU busy fraction from torch.profiler, "
+                   "beside transformers' DeepSeek-V2 with its static cache under torch.compile (reduce-overhead); "
+                   "writes gpu-bench.json and gpu-bench.md.")
+@click.option("--variants", metavar="LIST", default="graph,eager", show_default=True,
+              help="--provider cuda: engine variants, comma list of graph, eager (CUDA graphs on/off), graph-fpa, "
+                   "graph-nofpa (MatMulNBits' fpA_intB GEMM on/off).")
+@click.option("--allow-cpu-nodes", is_flag=True,
+              help="--provider cuda: let nodes the CUDA provider cannot run fall back to the CPU (an older export).")
+@click.option("--dry-run", is_flag=True, help="--provider cuda: print the plan (points, variants, bounds) and exit.")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
               help="Folder for bench.json and bench.md; from --hf, --preset or --recipe also keeps the exported "
                    "artifact (and the random checkpoint) there, reused by a later run on the same model.")
-def model(artifact, hf, preset, recipe, out, **options):
+def model(artifact, hf, preset, recipe, out, provider, variants, allow_cpu_nodes, dry_run, **options):
     """The whole model (--artifact, --hf, or --preset/--recipe [--layers N]) in ONNX Runtime beside transformers'
     AutoModelForCausalLM.generate on the same checkpoint: decode ms/token and tokens/s after each --context,
     prefill tokens/s of a --prompt-length prompt, peak RSS, and each step's time over its bound (the weights it
@@ -204,9 +216,43 @@ def model(artifact, hf, preset, recipe, out, **options):
     given = [name for name, value in sources.items() if value]
     if len(given) != 1:
         raise ConfigError("bench model takes exactly one of --artifact, --hf, --preset, --recipe")
+    context = click.get_current_context()
+    if provider == "cuda":
+        return _gpu_model(context, artifact, out, variants, allow_cpu_nodes, dry_run, options)
+    if dry_run or allow_cpu_nodes or context.get_parameter_source("variants") != click.core.ParameterSource.DEFAULT:
+        raise ConfigError("--variants, --allow-cpu-nodes and --dry-run apply to --provider cuda")
     options["block_size"] = parse_block_size(options["block_size"])
     spec = WholeModelSpec(source=given[0], location=sources[given[0]],
                           **{k: v for k, v in options.items() if v is not None})
     report = run_whole_model(spec, out, echo=_echo, command=_command_line(click.get_current_context()))
     click.echo(format_table(report))
     click.echo(f"wrote {out}/bench.json, {out}/bench.md")
+
+
+def _gpu_model(context: click.Context, artifact, out, variants: str, allow_cpu_nodes: bool, dry_run: bool,
+               options: dict) -> None:
+    """``bench model --provider cuda`` (:mod:`mla_deploy.bench.whole_model.gpu`)."""
+    from click.core import ParameterSource
+
+    from ..bench.whole_model import gpu
+
+    if not artifact:
+        raise ConfigError("bench model --provider cuda benches an exported GPU artifact: give --artifact (export it "
+                          "with `mla-deploy export ... --precision bf16 --cache-mode static`)")
+    cpu_only = [name for name in ("layers", "weights", "block_size", "prompt_length", "engine")
+                if name in options and context.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    if cpu_only:
+        raise ConfigError(f"--{cpu_only[0].replace('_', '-')} applies to the CPU bench, not to --provider cuda")
+    given = lambda name: context.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
+    spec = gpu.GpuBenchSpec(artifact=artifact,
+                            batches=tuple(options["batches"]) if given("batches") else gpu.BATCHES,
+                            contexts=tuple(options["contexts"]) if options.get("contexts") else gpu.CONTEXTS,
+                            variants=tuple(v for v in variants.split(",") if v),
+                            repeat=options.get("repeat") or 20, warmup=max(1, options["warmup"]),
+                            peer=options["transformers"], allow_cpu_nodes=allow_cpu_nodes, seed=options["seed"])
+    click.echo(gpu.format_plan(gpu.plan(spec)))
+    if dry_run:
+        return
+    report = gpu.run_gpu_bench(spec, out, echo=_echo)
+    click.echo(gpu.format_table(report))
+    click.echo(f"wrote {out}/gpu-bench.json, {out}/gpu-bench.md")

@@ -255,6 +255,8 @@ class Runtime:
     threads: int | None = None
     #: open the artifact's pre-built CPU engine when it has one (``--no-engine``: the source graphs)
     use_engine: bool = True
+    #: the CUDA provider's options (:class:`~mla_deploy.ort.cuda.CudaOptions`); None on the CPU
+    cuda: Any = None
 
 
 def threads_help(what: str) -> str:
@@ -273,11 +275,24 @@ class RuntimeArgs(OptionGroup):
                 option("--threads", type=Threads(), help=threads_help("ONNX Runtime intra-op threads")),
                 option("--no-engine", "no_engine", is_flag=True,
                        help="Open the source graphs even when ARTIFACT/cpu holds an engine built by `mla-deploy build "
-                            "ARTIFACT --target cpu` (used by default on the CPU provider; a stale one is refused).")]
+                            "ARTIFACT --target cpu` (used by default on the CPU provider; a stale one is refused)."),
+                option("--cuda-graph/--no-cuda-graph", "cuda_graph", default=True, show_default=True,
+                       help="--provider cuda: capture each decode batch as a CUDA graph and replay it (falls back, "
+                            "saying why, where ONNX Runtime cannot capture the graph)."),
+                option("--fpa-intb/--no-fpa-intb", "fpa_intb", default=None,
+                       help="--provider cuda: MatMulNBits' fpA_intB GEMM on or off (ep.cuda.fpa_intb_gemm; default: "
+                            "ONNX Runtime's, off in 1.31)."),
+                option("--allow-cpu-nodes", is_flag=True,
+                       help="--provider cuda: let nodes the CUDA provider cannot run fall back to the CPU (an older "
+                            "GPU export) instead of refusing the artifact.")]
 
     def parse(self, values: dict[str, Any]) -> Runtime:
+        from ..ort.cuda import CudaOptions
+
         no_engine = values.pop("no_engine")
-        return Runtime(**values, use_engine=not no_engine)
+        cuda = CudaOptions(cuda_graph=values.pop("cuda_graph"), fpa_intb=values.pop("fpa_intb"),
+                           strict_placement=not values.pop("allow_cpu_nodes"))
+        return Runtime(**values, use_engine=not no_engine, cuda=cuda if values["provider"] == "cuda" else None)
 
 
 # --- progress lines ----------------------------------------------------------------------------------------------

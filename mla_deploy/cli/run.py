@@ -33,7 +33,7 @@ def run(artifact, prompts: Prompts, max_new_tokens, sampling, as_json, runtime: 
     tokenizer = load_tokenizer(artifact)
     ids = _prompt_ids(prompts, tokenizer, artifact)
     engine = OrtEngine(artifact, provider=runtime.provider, threads=runtime.threads, use_engine=runtime.use_engine,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, cuda=runtime.cuda)
     longest = max((len(p) for p in ids), default=0)
     warning = check_positions(engine.config, longest, max_new_tokens, allow_long)
     engine.check_request(longest, max_new_tokens)  # a request the cache cannot hold fails before any warning
@@ -68,7 +68,14 @@ def _print_timings(result, info: dict, from_text: bool) -> None:
     click.echo(f"provider {result.provider} ({info['graphs']}); {info['precision']}, {info['cache_mode']} cache; "
                f"batch {len(result.tokens)}; time to first token {result.prefill_seconds * 1e3:.1f} ms; decode "
                f"{result.tokens_per_second:.1f} tokens/s for the batch, {per_sequence} tokens/s per sequence "
-               f"({result.decode_steps} steps)", err=from_text)
+               f"({result.decode_steps} steps){_cuda_note(info)}", err=from_text)
+
+
+def _cuda_note(info: dict) -> str:
+    """On the CUDA provider: whether decode replays CUDA graphs (or why not) and where tokens are chosen."""
+    if "cuda_graph" not in info:
+        return ""
+    return f"; CUDA graphs {info['cuda_graph']}; tokens chosen on the {info['token_choice']}"
 
 
 def _run_record(result, info: dict, prompts: list[list[int]], texts, sampling) -> dict:
@@ -85,7 +92,8 @@ def _run_record(result, info: dict, prompts: list[list[int]], texts, sampling) -
         sequences.append(record)
     return {"provider": result.provider, "graphs": info["graphs"], "huge_pages": info.get("huge_pages"),
             "mapped_weights": info.get("mapped_weights"), "precision": info["precision"],
-            "cache_mode": info["cache_mode"],
+            "cache_mode": info["cache_mode"], "cuda": info.get("cuda"), "cuda_graph": info.get("cuda_graph"),
+            "token_choice": info.get("token_choice"),
             "sampling": dataclasses.asdict(sampling), "sequences": sequences,
             "timings": {"time_to_first_token_s": result.prefill_seconds, "decode_s": result.decode_seconds,
                         "decode_steps": result.decode_steps,

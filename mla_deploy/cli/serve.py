@@ -49,7 +49,8 @@ def serve(artifact, runtime: Runtime, replicas, ray_address, **server):
     from ..serve.service import ServeOptions
 
     check_access(server["host"], server["api_key"], os.environ.get(KEY_ENV))
-    options = ServeOptions(threads=runtime.threads, provider=runtime.provider, use_engine=runtime.use_engine, **server)
+    options = ServeOptions(threads=runtime.threads, provider=runtime.provider, use_engine=runtime.use_engine,
+                           cuda=runtime.cuda, **server)
     announce = lambda line: click.echo(f"mla-deploy: {line}", err=True)  # noqa: E731
     if replicas is None and ray_address is None:
         from ..serve.server import serve as run_server

@@ -33,6 +33,6 @@ def validate(artifact_dir, steps, out, load_results, runtime: Runtime, with_trt,
     result = validate_artifact(artifact_dir, out_dir=out, steps=steps, load_results=load_results,
                                runtimes=("onnxrt", "tensorrt") if with_trt else ("onnxrt",),
                                provider=runtime.provider, threads=runtime.threads,
-                               options=ValidateOptions(use_engine=runtime.use_engine),
+                               options=ValidateOptions(use_engine=runtime.use_engine, cuda=runtime.cuda),
                                log=progress.log(time.perf_counter()))
     report_validation(result)

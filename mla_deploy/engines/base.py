@@ -10,7 +10,7 @@ of a graph (:meth:`Engine.step`), and the public interface the generation loop d
 * :meth:`Engine._allocate` ``(shape) -> array``: one zeroed cache array of the runtime's kind;
 * :meth:`Engine._run` ``(role, ids, positions, logits_index, control, state) -> (logits, presents)``: one graph run;
 * where its arrays are not host NumPy arrays or its work is queued: :meth:`Engine.to_host`,
-  :meth:`Engine.argmax`, :meth:`Engine.synchronize`, :meth:`Engine._sliceable`, and :meth:`Engine.info` for its
+  :meth:`Engine.argmax`, :meth:`Engine.sample`, :meth:`Engine.synchronize`, :meth:`Engine._sliceable`, and :meth:`Engine.info` for its
   own facts.
 
 Shapes: ``B`` batch, ``S`` new tokens per sequence, ``V`` vocabulary, ``C`` latent width, ``T`` rows held.
@@ -29,7 +29,7 @@ from ..cache_layout import CacheState
 from ..errors import InputError, RuntimeMissingError, ShapeError
 from ..generate.loop import Generation, GenerationStream, generate_tokens, stream_tokens
 from ..generate.request import check_ids
-from ..generate.sampling import SamplingConfig
+from ..generate.sampling import SamplingConfig, draw
 from ..io_spec import present_name
 
 
@@ -176,6 +176,11 @@ class Engine:
     def argmax(self, logits) -> np.ndarray:
         """``[B]`` int64: the most likely token of each row of ``logits [B, V]`` (the first of equal maxima)."""
         return self.to_host(logits).argmax(-1).astype(np.int64)
+
+    def sample(self, logits, config: SamplingConfig, uniforms: np.ndarray) -> np.ndarray:
+        """``[B]`` int64: the tokens ``uniforms [B]`` pick from the sampling distribution of ``logits [B, V]``
+        (:func:`~mla_deploy.generate.sampling.draw` on the host copy)."""
+        return draw(self.to_host(logits), config, uniforms)
 
     def synchronize(self) -> None:
         """Wait for queued work (asynchronous runtimes; a no-op here)."""

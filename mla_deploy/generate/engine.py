@@ -45,6 +45,11 @@ class GenerationEngine(Protocol):
     def argmax(self, logits: Any) -> np.ndarray:
         """``[B]`` int64 host: the most likely token of each row (the first of equal maxima)."""
 
+    def sample(self, logits: Any, config: Any, uniforms: np.ndarray) -> np.ndarray:
+        """``[B]`` int64 host: the token each row's uniform in ``uniforms [B]`` picks from the sampling distribution
+        of ``logits [B, V]`` under ``config`` (a sampling :class:`~mla_deploy.generate.sampling.SamplingConfig`),
+        as :func:`~mla_deploy.generate.sampling.draw` picks it on the host."""
+
     def to_host(self, logits: Any) -> np.ndarray:
         """``logits`` as a NumPy array on the host (a copy that outlives the next step)."""
 

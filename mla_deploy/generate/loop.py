@@ -1,8 +1,8 @@
 """The generation loop, over any :class:`~mla_deploy.generate.engine.GenerationEngine`.
 
 * :func:`prefill_step` and :func:`decode_step`: one step each, the engine's logits then the next tokens
-  (:func:`choose_tokens`: greedy where the logits are, else drawn on the host by a
-  :class:`~mla_deploy.generate.sampling.Sampler`). :func:`decode_step` takes any batch of cache rows, each at its
+  (:func:`choose_tokens`: greedy or drawn by the engine where the logits are, with a
+  :class:`~mla_deploy.generate.sampling.Sampler`'s uniforms). :func:`decode_step` takes any batch of cache rows, each at its
   own position, and knows nothing of the requests they belong to: a server that batches requests as they come
   drives it directly.
 * :class:`GenerationStream`: the loop over one batch of prompts (made by :func:`stream_tokens`): prefill the
@@ -86,11 +86,12 @@ class StepTokens:
 
 
 def choose_tokens(engine: GenerationEngine, logits: Any, sampler: Sampler) -> np.ndarray:
-    """``[B]`` int64 host: the next token of each row of ``logits [B, V]``: the engine's argmax when greedy (the
-    logits stay where they are), else the sampler's draw from their host copy."""
+    """``[B]`` int64 host: the next token of each row of ``logits [B, V]``, chosen by the engine where the logits
+    are: its argmax when greedy, else its draw with the sampler's next uniforms (one per row), so the same seed
+    gives the same tokens whichever engine draws."""
     if sampler.greedy:
         return engine.argmax(logits)
-    return sampler.choose(engine.to_host(logits))
+    return engine.sample(logits, sampler.config, sampler.uniforms(logits.shape[0]))
 
 
 def prefill_step(engine: GenerationEngine, ids: np.ndarray, lengths: np.ndarray, state: Any,

@@ -4,11 +4,13 @@ top-k and top-p, deterministic under a seed.
 * :class:`SamplingConfig` (frozen): ``temperature`` 0 is greedy (the default, an exact argmax);
   ``temperature > 0`` samples from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
   tokens, then to the smallest set whose probability reaches ``top_p``, renormalised.
-* :func:`next_tokens` ``(logits [B, V], config, rng) -> [B]``; :func:`token_probabilities` ``[V] -> [V]`` is the
+* :func:`next_tokens` ``(logits [B, V], config, rng) -> [B]``, through :func:`draw` ``(logits, config, uniforms [B])``,
+  the inverse-cumulative choice an engine may also make where its logits are (one uniform per row from the host); :func:`token_probabilities` ``[V] -> [V]`` is the
   distribution one draw follows (what the sampler draws from, exposed for tests and for inspection).
 * :class:`Sampler`: a config with the one random generator of a generation's draws.
 
-Sampling runs on the host in float64 on the ``[B, V]`` rows of the last position; the graphs are unchanged.
+On the host, sampling runs in float64 on the ``[B, V]`` rows of the last position; an engine that chooses on its
+device (:meth:`~mla_deploy.engines.base.Engine.sample`) takes the same uniforms.
 """
 
 from __future__ import annotations
@@ -90,6 +92,24 @@ def token_probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarra
     return probs
 
 
+def draw(logits: np.ndarray, config: SamplingConfig, uniforms: np.ndarray) -> np.ndarray:
+    """The tokens that ``uniforms`` pick from the sampling distribution of each row, by its inverse cumulative in
+    vocabulary order: row ``b`` takes the first token whose cumulative probability passes ``uniforms[b]`` times the
+    total. What the host does and what an engine's device-side choice reproduces (same uniforms, same tokens).
+
+    Args:
+        logits: ``[B, V]`` on the host. config: a sampling (temperature > 0) config. uniforms: ``[B]`` in [0, 1).
+    Returns:
+        ``[B]`` int64.
+    """
+    logits = np.asarray(logits)
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    for b, row in enumerate(logits):
+        cumulative = np.cumsum(token_probabilities(row, config))
+        out[b] = min(int(np.searchsorted(cumulative, uniforms[b] * cumulative[-1], side="right")), len(row) - 1)
+    return out
+
+
 def next_tokens(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator | None) -> np.ndarray:
     """The next token of each sequence.
 
@@ -103,11 +123,7 @@ def next_tokens(logits: np.ndarray, config: SamplingConfig, rng: np.random.Gener
     logits = np.asarray(logits)
     if config.greedy:
         return logits.argmax(-1).astype(np.int64)
-    out = np.empty(logits.shape[0], dtype=np.int64)
-    for b, row in enumerate(logits):
-        cumulative = np.cumsum(token_probabilities(row, config))
-        out[b] = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(row) - 1)
-    return out
+    return draw(logits, config, rng.random(logits.shape[0]))
 
 
 class Sampler:
@@ -126,6 +142,11 @@ class Sampler:
     def greedy(self) -> bool:
         """The argmax, no draw (an engine may take it where its logits are, e.g. on the GPU)."""
         return self.config.greedy
+
+    def uniforms(self, batch: int) -> np.ndarray:
+        """``[batch]`` float64 in [0, 1): the next draws, one per row in order (the same numbers
+        :meth:`choose` would use: ``Generator.random(n)`` repeats ``n`` calls of ``random()``)."""
+        return self.rng.random(batch)
 
     def choose(self, logits: np.ndarray) -> np.ndarray:
         """``[B]`` int64: the next token of each row of host ``logits [B, V]`` (:func:`next_tokens`)."""

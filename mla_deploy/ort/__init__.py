@@ -2,6 +2,10 @@
 
 * :mod:`.engine`: :class:`OrtEngine` (CPU or CUDA provider) and the session helpers (:func:`open_session`,
   :func:`session_options`, :func:`require_onnxruntime`, the dtype and ``OrtValue`` conversions);
+* :mod:`.binding`: the in-place cache's step buffers and IO bindings, made once and refreshed in place (the same
+  code on the CPU and CUDA providers), and the token choice on the provider; :mod:`.choice`: its two small graphs;
+* :mod:`.cuda`: the CUDA provider's options (:class:`CudaOptions`: CUDA graphs, fpA_intB, strict placement), the
+  one-line refusals and the CUDA graphs' ids;
 * :mod:`.cpu_build`: ``mla-deploy build ART --target cpu`` (:func:`build_cpu_engine`), the pre-built CPU engine;
 * :mod:`.record`: that engine's record (``ART/cpu/engine.json``), what it is tied to and the staleness check;
 * :mod:`.operators`: mla-deploy's own CPU operators: their C source (``csrc/cpu_ops.c``, shipped in the wheel), its
@@ -23,6 +27,7 @@ _LAZY = {
     "open_session": ".engine",
     "session_options": ".engine",
     "require_onnxruntime": ".engine",
+    "CudaOptions": ".cuda",
     "build_cpu_engine": ".cpu_build",
     "CpuEngineRecord": ".record",
     "read_cpu_engine_record": ".record",

@@ -5,7 +5,9 @@
   ``[B, P+S, C]``; ``attention_mask [B, P+S]`` marks the padded slots of shorter sequences.
 * An in-place (``static``) cache is one ONNX Runtime buffer per layer ``[B, 1, capacity, C]`` bound as both
   ``past_latent.{i}`` and ``present_latent.{i}`` (IO binding), so ``TensorScatter`` writes the new rows in place
-  and a decode step never copies the cache; ``write_indices [B]`` = rows already held.
+  and a decode step never copies the cache; ``write_indices [B]`` = rows already held. Its steps run through
+  :mod:`.binding` (inputs and logits on the provider's device, bound once per step shape and state) and, on CUDA,
+  replay a CUDA graph per decode binding (:mod:`.cuda`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import numpy as np
 from ..artifact import check_artifact
 from .record import CPU_ENGINE_DIR, check_cpu_engine, host_cpu
 from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
-from ..io_spec import PRECISIONS, past_name, present_name
+from ..io_spec import PRECISIONS, past_name
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from ..engines.base import Engine
+from .binding import Bindings, DeviceLogits, TokenChooser
+from .cuda import CUDA, EAGER, FALLBACK_REFUSED, CudaOptions, CudaSession, GraphIds, off_device_nodes, \
+    placement_error, providers, require_cuda
 from .huge_pages import huge_pages
 from .mapped import populate
 
@@ -27,6 +32,11 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 #: ONNX's element type of bfloat16 (``TensorProto.BFLOAT16``): ONNX Runtime's Python API takes NumPy dtypes except
 #: ``ml_dtypes.bfloat16``, which it names by this number instead
 BF16_ELEMENT = 16
+#: ONNX's element type numbers (``TensorProto``) of the artifact precisions
+ONNX_ELEMENTS = {"fp32": 1, "fp16": 10, "bf16": BF16_ELEMENT}
+#: with CUDA graphs, a state's capacity is rounded up to a multiple of this many rows (within the engine's
+#: capacity): each (batch, capacity) is a graph of its own, and requests of every length would each capture one
+GRAPH_CAPACITY_STEP = 256
 
 
 def require_onnxruntime():
@@ -147,7 +157,7 @@ def _preload_cuda_libraries(ort) -> None:
 
 def open_session(path: str | Path, provider: str = "cpu", threads: int | None = None, log_severity: int = 4,
                  quantized_compute: str = FAST_COMPUTE, quantization: Quantization = FLOAT, optimized: bool = False,
-                 spin: bool = False, library: Path | None = None):
+                 spin: bool = False, library: Path | None = None, cuda: CudaSession | None = None):
     """An ``InferenceSession`` on ``provider`` (``cpu``/``cuda``), refusing a silent fallback to another provider.
     ``threads``, ``log_severity``, ``spin``: :func:`session_options`.
 
@@ -161,9 +171,21 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     0.5% relative error per product), ``fp32`` multiplies in float32 with the dequantized weights (exact to float32
     rounding; several times slower, int8 weights about 30x): what validation compares with PyTorch.
 
+    ``cuda``: on the CUDA provider, its options, the artifact's precision and whether the session may capture CUDA
+    graphs (:class:`~mla_deploy.ort.cuda.CudaSession`; default: strict placement, no capture).
+
     Raises:
-        RuntimeMissingError: onnxruntime missing, or the provider did not load. ArtifactError: the graph does not load.
+        RuntimeMissingError: onnxruntime missing, or the provider did not load. PlacementError: a node would fall
+        back to the CPU (strict placement). ArtifactError: the graph does not load.
     """
+    return _open(path, provider, threads, log_severity, quantized_compute, quantization, optimized, spin, library,
+                 cuda)[0]
+
+
+def _open(path, provider, threads, log_severity, quantized_compute, quantization, optimized, spin, library,
+          cuda: CudaSession | None):
+    """:func:`open_session`, returning ``(session, why)``: ``why`` says why CUDA graphs are off where the session
+    was to capture them and ONNX Runtime refused (it is then opened without them), else None."""
     ort = require_onnxruntime()
     if provider not in PROVIDERS:
         raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -171,28 +193,70 @@ def open_session(path: str | Path, provider: str = "cpu", threads: int | None = 
     if wanted != "CPUExecutionProvider":  # a provider that fails to load logs through the default logger; the
         ort.set_default_logger_severity(max(log_severity, 3))  # fallback is reported below as one line instead
         _preload_cuda_libraries(ort)
-    options = session_options(threads, log_severity, spin)
-    # ONNX Runtime's memory-reuse planning (which activation buffers may share memory) took 6 of the 10-15 s a 4-layer
-    # V2-Lite int4 session needed to open, and grows faster than the graph; without it: open in 7.6-9.3 s, the same
-    # tokens, decode as fast, peak RSS no higher (a 4 x 256 prefill: 2.04 GiB against 2.39), measured on the CPU here
-    options.enable_mem_reuse = provider != "cpu"
-    if optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if library is not None:
-        from .operators import register
-
-        register(options, library)
+    cuda = cuda or CudaSession()
     model, entries = quantization.session(path, quantized_compute)
-    for key, value in entries.items():
-        options.add_session_config_entry(key, value)
-    try:
-        session = ort.InferenceSession(model, options, providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
-    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-        raise ArtifactError(f"ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from exc
+
+    def options(strict: bool):
+        made = session_options(threads, log_severity, spin)
+        # ONNX Runtime's memory-reuse planning (which activation buffers may share memory) took 6 of the 10-15 s a
+        # 4-layer V2-Lite int4 session needed to open, and grows faster than the graph; without it: open in 7.6-9.3
+        # s, the same tokens, decode as fast, peak RSS no higher (a 4 x 256 prefill: 2.04 GiB against 2.39),
+        # measured on the CPU here
+        made.enable_mem_reuse = provider != "cpu"
+        if optimized:
+            made.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if library is not None:
+            from .operators import register
+
+            register(made, library)
+        added = {**entries, **(cuda.options.session_entries(strict) if wanted == CUDA else {})}
+        for key, value in added.items():
+            made.add_session_config_entry(key, value)
+        return made
+
+    session, why = _create(ort, Path(path).name, model, options, wanted, cuda)
     if session.get_providers()[0] != wanted:
         raise RuntimeMissingError(f"ONNX Runtime could not use {wanted} (it fell back to "
                                   f"{session.get_providers()[0]}); run `mla-deploy doctor`")
-    return session
+    return session, why
+
+
+def _create(ort, name: str, model, options, wanted: str, cuda: CudaSession):
+    """The session of :func:`_open` and why CUDA graphs are off (None if not refused). ``options(strict)``: its
+    session options, with or without the refusal of CPU nodes."""
+    capture = wanted == CUDA and cuda.capturing
+    try:
+        return ort.InferenceSession(model, options(True), providers=providers(wanted, cuda, capture)), None
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if wanted == CUDA and FALLBACK_REFUSED in first:
+            raise _placement_refusal(ort, name, model, options) from None
+        if not capture:
+            raise ArtifactError(f"ONNX Runtime cannot load {name}: {first}") from exc
+    # ONNX Runtime checks at load that a graph can be captured (every node on CUDA, no copy node, no control flow):
+    # the same graph without CUDA graphs may still run
+    why = f"ONNX Runtime refused CUDA graphs for {name}: {first[:200]}"
+    try:
+        return ort.InferenceSession(model, options(True), providers=providers(wanted, cuda, False)), why
+    except Exception as again:
+        first = (str(again).strip().splitlines() or [type(again).__name__])[0]
+        raise ArtifactError(f"ONNX Runtime cannot load {name}: {first}") from again
+
+
+def _placement_refusal(ort, name: str, model, options) -> Exception:
+    """Why a strict CUDA session was refused, in one line: the CUDA provider did not load at all (every node then
+    falls to the CPU), or the graph's nodes that it cannot run."""
+    try:
+        require_cuda(ort)
+    except RuntimeMissingError as missing:
+        return missing
+    try:
+        counts = off_device_nodes(ort, model, options(False))
+    except Exception:  # the diagnosis is best effort: the refusal stands without its list
+        import collections
+
+        counts = collections.Counter()
+    return placement_error(name, counts)
 
 
 class _Rows:
@@ -229,6 +293,13 @@ class OrtEngine(Engine):
             engine sharing its cores with other work (a server's event loop).
         prefill_chunk: the most prompt tokens per sequence in one prefill call (None: as many as keep one layer's
             attention scores within 1 GiB; :meth:`Engine.prefill <mla_deploy.engines.base.Engine.prefill>`).
+        cuda: the CUDA provider's options (:class:`~mla_deploy.ort.cuda.CudaOptions`: CUDA graphs, fpA_intB,
+            strict placement; default: all on but fpA_intB at ONNX Runtime's default). Ignored on the CPU.
+
+    With an in-place cache every step runs through :class:`~mla_deploy.ort.binding.Bindings`: inputs, logits and
+    caches in ``OrtValue`` buffers on the provider's device, bound once per ``(role, batch, state)`` and refreshed
+    in place; on CUDA each decode binding is captured as a CUDA graph and replayed (``info()["cuda_graph"]`` says
+    whether, or why not), and tokens are chosen on the GPU (:meth:`choose_tokens_on_device`).
 
     The artifact is checked first (:func:`~mla_deploy.artifact.check_artifact` without hashing: its manifest
     describes its graphs, their I/O and the weights they hold quantized).
@@ -236,7 +307,8 @@ class OrtEngine(Engine):
 
     def __init__(self, artifact: str | Path, provider: str = "cpu", threads: int | None = None,
                  capacity: int | None = None, log_severity: int = 4, quantized_compute: str = FAST_COMPUTE,
-                 use_engine: bool = True, spin: bool = True, prefill_chunk: int | None = None):
+                 use_engine: bool = True, spin: bool = True, prefill_chunk: int | None = None,
+                 cuda: CudaOptions | None = None):
         ort = require_onnxruntime()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -246,12 +318,38 @@ class OrtEngine(Engine):
         self.ort = ort
         self.dtype = numpy_dtype(self.precision)
         self.device = "cuda" if provider == "cuda" else "cpu"
-        self.run_options = ort.RunOptions()
-        self.run_options.log_severity_level = log_severity
-        self.sessions = {}
+        self.cuda = (cuda or CudaOptions()) if provider == "cuda" else None
+        self.device_id = self.cuda.device_id if self.cuda else 0
+        self.element = element_type(self.dtype)
+        self.onnx_element = ONNX_ELEMENTS[self.precision]
+        self.log_severity = log_severity
+        self.run_options = self.new_run_options(None)
         self.built = None  # the CPU engine's record when its graphs are run
         if use_engine and provider == "cpu" and quantized_compute == FAST_COMPUTE:
             self.built = fresh_cpu_engine(self.root, manifest)
+        # CUDA graphs replay fixed addresses: only an in-place cache keeps them (a concat cache grows every step)
+        capturing = self.cuda is not None and self.cuda.cuda_graph and self.layout.in_place
+        refused = self._open_sessions(provider, threads, quantized_compute, spin, capturing)
+        self.provider = PROVIDERS[provider]
+        reason = refused or ("the concat cache grows every step; export with --cache-mode static"
+                             if self.cuda is not None and self.cuda.cuda_graph and not self.layout.in_place else None)
+        self.graphs = GraphIds(capturing and not refused, reason)
+        self.bindings = Bindings(self)
+        self.chooser = None
+        self.choose_tokens_on_device(provider == "cuda")
+        self._spare = None  # a dropped state's caches, kept for the next state of the same shape (new_state)
+        # the CPU engine's weights, which ONNX Runtime maps from its files and its operators read in place: faulted
+        # in now rather than by the first steps that read each expert (mla_deploy.ort.mapped). Not the source
+        # graphs': ONNX Runtime copies or packs what it computes with, and their mapped files would only be read.
+        self.populated = populate(self.root / CPU_ENGINE_DIR) if self.built is not None else None
+        # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
+        self.huge_pages = huge_pages().describe()
+
+    def _open_sessions(self, provider: str, threads, quantized_compute: str, spin: bool, capturing: bool):
+        """One session per graph file of the manifest, checked against it (``self.sessions``, by role); returns
+        why ONNX Runtime refused to capture CUDA graphs (None: it did not)."""
+        manifest, refused = self.manifest, None
+        self.sessions = {}
         for role, graph in manifest.graphs.items():
             if graph.uses_plugin:
                 raise RuntimeMissingError(f"{graph.file} holds the TensorRT MlaDecode plugin node, which ONNX "
@@ -260,22 +358,27 @@ class OrtEngine(Engine):
             # one session per graph file: a graph serving prefill and decode holds its weights once
             session = next((v for r, v in self.sessions.items() if manifest.graph(r).file == graph.file), None)
             if session is None:
-                session = open_session(self._graph_path(graph.file), provider, threads, log_severity,
-                                       quantized_compute, manifest.quantization, optimized=self.built is not None,
-                                       spin=spin,
-                                       library=None if self.built is None else self.built.library_path(self.root))
+                # a CUDA graph is captured for decode only (a prefill's width changes with every prompt)
+                decode = any(g.file == graph.file for r, g in manifest.graphs.items() if r == "decode")
+                cuda = CudaSession(self.cuda, self.precision, capturing and decode) if self.cuda else None
+                library = None if self.built is None else self.built.library_path(self.root)
+                session, why = _open(self._graph_path(graph.file), provider, threads, self.log_severity,
+                                     quantized_compute, manifest.quantization, self.built is not None, spin, library,
+                                     cuda)
+                refused = refused or why
             names = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if names != (graph.input_names, graph.output_names):
                 raise ArtifactError(f"{graph.file} does not match manifest.json: graph inputs/outputs {names}, "
                                     f"manifest {(graph.input_names, graph.output_names)}")
             self.sessions[role] = session
-        self.provider = PROVIDERS[provider]
-        # the CPU engine's weights, which ONNX Runtime maps from its files and its operators read in place: faulted
-        # in now rather than by the first steps that read each expert (mla_deploy.ort.mapped). Not the source
-        # graphs': ONNX Runtime copies or packs what it computes with, and their mapped files would only be read.
-        self.populated = populate(self.root / CPU_ENGINE_DIR) if self.built is not None else None
-        # read once, with the weights loaded: /proc/self/smaps_rollup walks every mapping, not for each generation
-        self.huge_pages = huge_pages().describe()
+        return refused
+
+    def choose_tokens_on_device(self, on: bool = True) -> None:
+        """Choose greedy and sampled tokens with the token-choice graphs on this engine's provider
+        (:class:`~mla_deploy.ort.binding.TokenChooser`: only ``[B]`` ids come back to the host) or, ``on`` False,
+        on the host from a copy of the logits. On by default on the CUDA provider; on the CPU it runs the very
+        graphs the GPU runs (what the tests compare with the host's choice). In-place caches only."""
+        self.chooser = TokenChooser(self) if on and self.layout.in_place else None
 
     def _graph_path(self, file: str) -> Path:
         """What runs the artifact's graph ``file``: its CPU engine's graph, or the file itself."""
@@ -293,16 +396,82 @@ class OrtEngine(Engine):
         if self.built is not None:
             info["operators"] = self.built.operators.describe()
             info["scales_half"] = self.built.operators.scales_half
+        if self.cuda is not None:
+            info["cuda"] = self.cuda.describe()
+            info["cuda_graph"] = self.graphs.describe()
+        info["token_choice"] = "device" if self.chooser is not None else "host"
         return info
 
+    # buffers, bindings and token choice --------------------------------------------------------------------------
+    def new_run_options(self, graph_id: int | None):
+        """Run options of one session run; ``graph_id``: its CUDA graph (:data:`~.cuda.EAGER`: none) on a
+        session that may capture, None where no graph is involved."""
+        options = self.ort.RunOptions()
+        options.log_severity_level = self.log_severity
+        # a session that may capture captures a run without an id as graph 0: every run of one names its graph,
+        # or -1 (eager); sessions that never capture get no id
+        graphs = getattr(self, "graphs", None)
+        if graph_id is not None and graphs is not None and graphs.enabled:
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        return options
+
+    def open_helper_session(self, model: bytes):
+        """A session of a small graph built here (token choice) on this engine's provider and options, never
+        capturing CUDA graphs."""
+        options = session_options(1, self.log_severity)
+        if self.cuda is not None:
+            for key, value in self.cuda.session_entries().items():
+                options.add_session_config_entry(key, value)
+        try:
+            session = self.ort.InferenceSession(model, options, providers=providers(
+                self.provider, CudaSession(self.cuda) if self.cuda else None, False))
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RuntimeMissingError(f"the token-choice graph does not run on {self.provider}: {first[:200]}") from exc
+        return session
+
+    def new_state(self, batch: int, rows: int | None = None):
+        """:meth:`Engine.new_state`, reusing the caches of the last dropped state of the same shape (their device
+        addresses, and so their bindings and CUDA graphs, stay the same); with CUDA graphs ``rows`` is rounded up to
+        a multiple of :data:`GRAPH_CAPACITY_STEP`. A reused cache keeps what its last state wrote beyond each
+        sequence's rows: those slots are masked out until written."""
+        if rows is not None and self.graphs.enabled and self.capacity:
+            rows = min(self.capacity, -(-int(rows) // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP)
+        state = super().new_state(batch, rows)  # _allocate takes the spare caches where their shape is asked for
+        if self.layout.in_place:
+            import weakref
+
+            self._spare = None
+            weakref.finalize(state, self._keep_spare, state.caches)
+        return state
+
+    def _keep_spare(self, caches) -> None:
+        self._spare = list(caches)
+
     def _allocate(self, shape):
+        if self._spare and list(self._spare[0].shape()) == list(shape):
+            return self._spare.pop(0)
         array = np.zeros(shape, dtype=self.dtype)
         if not self.layout.in_place:
             return array
         return ortvalue(self.ort, array, self.device)
 
+    def argmax(self, logits) -> np.ndarray:
+        if self.chooser is not None and isinstance(logits, DeviceLogits) and len(logits.shape) == 2:
+            return self.chooser.argmax(logits)
+        if isinstance(logits, DeviceLogits) and self.device == "cpu":  # a view of the buffer, no copy
+            return host_array(self.ort, logits.value, copy=False).reshape(logits.shape).argmax(-1).astype(np.int64)
+        return super().argmax(logits)
+
+    def sample(self, logits, config, uniforms) -> np.ndarray:
+        if self.chooser is not None and isinstance(logits, DeviceLogits) and len(logits.shape) == 2:
+            return self.chooser.sample(logits, config, uniforms)
+        return super().sample(logits, config, uniforms)
+
     def to_host(self, array) -> np.ndarray:
         # a copy: the NumPy view of an OrtValue (or of a cache's buffer) dies with the state that holds it
+        if isinstance(array, DeviceLogits):
+            return array.host()
         return host_array(self.ort, array) if isinstance(array, self.ort.OrtValue) else np.array(array)
 
     def _sliceable(self, cache):
@@ -333,25 +502,27 @@ class OrtEngine(Engine):
             results = self._execute(role, lambda: session.run_with_ort_values(None, values, self.run_options))
             results = [host_array(self.ort, value) for value in results]
             return results[0], results[1:]
-        binding = session.io_binding()
-        # the logits go into an array this engine owns: an output ONNX Runtime allocates is freed with its
-        # OrtValue, and a NumPy view of it would then read freed memory
-        logits = np.empty((len(ids), logits_index.shape[1], self.config.vocab_size), dtype=self.dtype)
-        element = element_type(self.dtype)
-        binding.bind_output("logits", "cpu", 0, element, list(logits.shape), logits.ctypes.data)
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("position_ids", positions)
-        binding.bind_cpu_input("logits_index", logits_index)
-        binding.bind_cpu_input(self.layout.control, control)
-        for i, cache in enumerate(state.caches):
-            if isinstance(cache, _Rows):  # some rows of a larger state's buffer, bound by address
-                binding.bind_input(past_name(i), self.device, 0, element, cache.shape, cache.address)
-                binding.bind_output(present_name(i), self.device, 0, element, cache.shape, cache.address)
-                continue
-            binding.bind_ortvalue_input(past_name(i), cache)
-            binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place
-        self._execute(role, lambda: session.run_with_iobinding(binding, self.run_options))
-        return logits, state.caches
+        # decode only: a prefill's width changes with every prompt, so it would capture a graph per request
+        graph_id = self.graphs.id_for if role == "decode" else (lambda key: EAGER)
+        step = self.bindings.get(role, session, ids, positions, logits_index, self.layout.control, control,
+                                 state.caches, graph_id)
+        self._execute(role, lambda: self._run_step(step))
+        return DeviceLogits(self, step.logits, step.logits.shape()), state.caches
+
+    def _run_step(self, step) -> None:
+        """One run of a binding; a CUDA graph's capture that fails leaves that binding without a graph (and says
+        why in ``info()``), and the step runs again without one: its in-place writes are the same rows with the
+        same values, so running it twice is harmless."""
+        if step.graph_id == EAGER or step.captured:
+            return step.run()
+        try:
+            step.run()
+        except self._ort_errors as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self.graphs.capture_failed(step.key, first[:200])
+            step.graph_id, step.run_options = EAGER, self.new_run_options(EAGER)
+            return step.run()
+        step.captured = True
 
     def _execute(self, role: str, call):
         """``call()`` (one session run); ONNX Runtime's own failure becomes an :class:`ArtifactError` naming the

@@ -38,6 +38,7 @@ class ServeOptions:
             every decode step attends over all of them.
         threads: the engine's intra-op threads (None: ONNX Runtime's default). provider: ``cpu`` or ``cuda``.
         use_engine: open the artifact's pre-built CPU engine when it has one (``mla-deploy build --target cpu``).
+        cuda: ONNX Runtime's CUDA provider options (:class:`~mla_deploy.ort.cuda.CudaOptions`; None: its defaults).
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer KEY``.
         model_name: the model's id in the API (None: the artifact's name).
         max_queue: requests waiting for a row before new ones get 429.
@@ -56,6 +57,7 @@ class ServeOptions:
     threads: int | None = None
     provider: str = "cpu"
     use_engine: bool = True
+    cuda: object = None
     api_key: str | None = None
     model_name: str | None = None
     max_queue: int = 256
@@ -93,7 +95,7 @@ class Service:
         self.tokenizer = _tokenizer(artifact)  # before the engine: opening a full-size one takes seconds
         # no spinning: the engine's threads share the cores with the event loop that brings the requests
         self.engine = OrtEngine(artifact, options.provider, options.threads, use_engine=options.use_engine,
-                                spin=False)
+                                spin=False, cuda=options.cuda)
         self.model_name = options.model_name or self.engine.manifest.name
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (/health), one of many

@@ -127,6 +127,7 @@ class ValidateOptions:
         use_engine: ONNX Runtime on the CPU runs the artifact's pre-built CPU engine (``ARTIFACT/cpu``) where the
             fast compute is compared (float weights; quantized: as deployed), when it has one; the exact compute of
             quantized weights always runs the source graphs. False: the source graphs everywhere.
+        cuda: ONNX Runtime's CUDA provider options (:class:`~mla_deploy.ort.cuda.CudaOptions`; None: its defaults).
     """
 
     tolerance: Tolerance | dict[str, Tolerance] | None = None
@@ -136,6 +137,7 @@ class ValidateOptions:
     raise_on_failure: bool = False
     quiet: bool = True
     use_engine: bool = True
+    cuda: Any = None
 
 
 def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = None, steps: int | None = None, *,
@@ -278,13 +280,13 @@ def _run(root: Path, manifest: Manifest, settings: ValidateSettings, steps, runt
     engines = []
     if "onnxrt" in runtimes:  # quantized weights: exact float32 products, the graph's own error only
         engines.append(OrtRunner(root, provider=provider, threads=threads, use_engine=options.use_engine,
-                                 **cost.exact))
+                                 cuda=options.cuda, **cost.exact))
     if "tensorrt" in runtimes:
         engines.append(trt_runner(root))
     log("loading the PyTorch reference ...")
     # quantized weights add their cost: as deployed against the unquantized original
     runners = [TorchRunner.from_artifact(root, manifest), *engines, *cost.runners_for(root, manifest, provider, threads,
-                                                                                  options.use_engine)]
+                                                                                  options.use_engine, options.cuda)]
     loader = TrajectoryLoader(trajectory)
     log(f"running {', '.join(r.name for r in runners)} over a prefill and {decode_steps} decode steps ...")
     with compat.quiet(options.quiet):

@@ -180,7 +180,8 @@ class NoCost:
         """The trajectory's decode steps (see :func:`trajectory_steps`) and whether a static cache clamped them."""
         return requested, False
 
-    def runners_for(self, root, manifest, provider: str, threads: int | None, use_engine: bool = True) -> list:
+    def runners_for(self, root, manifest, provider: str, threads: int | None, use_engine: bool = True,
+                    cuda=None) -> list:
         """The runners (b) adds: ONNX Runtime as deployed (its CPU engine when ``use_engine`` and it has one), the
         unquantized PyTorch original."""
         return []
@@ -206,11 +207,11 @@ class QuantizationCost(NoCost):
             return requested, False
         return trajectory_steps(requested, settings.quantization_steps, longest_prompt, capacity)
 
-    def runners_for(self, root, manifest, provider, threads, use_engine=True):
+    def runners_for(self, root, manifest, provider, threads, use_engine=True, cuda=None):
         from .runners import OrtRunner, TorchRunner
 
         return [OrtRunner(root, provider=provider, threads=threads, name=DEPLOYED, quantized_compute=FAST_COMPUTE,
-                          use_engine=use_engine),
+                          use_engine=use_engine, cuda=cuda),
                 TorchRunner.from_artifact(root, manifest, ORIGINAL, quantized=False)]
 
     def record(self, trajectory, clamped):

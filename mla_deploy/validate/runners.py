@@ -187,14 +187,15 @@ class OrtRunner(EngineRunner):
         quantized_compute: quantized weights' arithmetic, ``int8`` or ``fp32`` (exact; see
             :func:`~mla_deploy.ort.engine.open_session`).
         use_engine: open the artifact's pre-built CPU engine where :class:`OrtEngine` would (CPU, ``int8``).
+        cuda: the CUDA provider's options (None: :class:`~mla_deploy.ort.cuda.CudaOptions`' defaults).
     """
 
     def __init__(self, artifact_dir: str | Path, provider: str = "cpu", threads: int | None = None,
-                 name: str = "onnxrt", quantized_compute: str = FAST_COMPUTE, use_engine: bool = True):
+                 name: str = "onnxrt", quantized_compute: str = FAST_COMPUTE, use_engine: bool = True, cuda=None):
         from ..ort.engine import OrtEngine
 
         engine = OrtEngine(artifact_dir, provider=provider, threads=threads, quantized_compute=quantized_compute,
-                           use_engine=use_engine)
+                           use_engine=use_engine, cuda=cuda)
         super().__init__(engine, name, engine.provider, prefix="onnxrt-runner")
 
 

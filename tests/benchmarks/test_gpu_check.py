@@ -44,7 +44,8 @@ def test_dry_run_of_the_tiny_preset(tmp_path):
     proc = gpu_check(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = statuses(out)
-    gpu = {"nvidia-smi", "kernel-tests", "plugin-tests", "kernel-bench", "ort-cuda-load"}
+    gpu = {"nvidia-smi", "kernel-tests", "plugin-tests", "kernel-bench", "ort-cuda-load", "gpu-engine-tests",
+           "gpu-kernel-bench-graphs"}
     assert {name for name, status in found.items() if status == "SKIPPED"} == gpu
     assert set(found.values()) == {"SKIPPED", "PASS"}
     doc = (out / "gpu-verification.md").read_text()
@@ -129,7 +130,7 @@ def test_the_plan_of_steps_by_mode():
     # the TensorRT modules skip whole on a machine without TensorRT, and a skip fails the step (the H200 run of
     # 2026-11-26 failed on exactly that): they are not collected
     assert [a for a in gpu["kernel-tests"].argv if a.startswith("tests/")] == ["tests/plugins/test_kernel.py"]
-    assert gpu["bench-whole"].skip and "--provider" in gpu["bench-whole"].skip  # the bench has no --provider yet
+    assert "bench-whole" not in gpu  # superseded by the gpu-decode group's `bench model --provider cuda`
 
 
 def _wheel(path: Path) -> Path:
@@ -201,3 +202,55 @@ def test_the_plan_keeps_every_call_under_64_mib_and_the_doc_holds_it():
     committed = (ROOT / "docs" / "gpu-verification.md").read_text()
     assert "**Status: not yet run on a GPU" in committed or "**Status: run on NVIDIA" in committed
     assert report.HOW_TO_RUN[0] in committed and call_plan.COMMAND in report.how_to_run()
+
+
+def test_the_gpu_decode_group_of_issue_48():
+    """On the GPU: the 4-layer V2-Lite int4 in bf16, exported in both expert forms; the branches form profiled with
+    its CPU nodes allowed; the fused form validated on CUDA and timed with and without CUDA graphs and fpA_intB,
+    then beside the torch.compile peer; the CUDA engine's tests in a step of their own (they need the carried
+    onnxruntime-gpu, so the kernel tests leave them out); the kernel bench under CUDA-graph timing. In a dry run:
+    the tiny preset in fp16, validated on the CPU, each bench as its --dry-run plan."""
+    work = Work(Path("/nonexistent"))
+    gpu = {s.name: s for s in steps.plan(steps.Options(work)) if s.group == "gpu-decode"}
+    assert list(gpu) == ["gpu-export-branches", "gpu-export-fused", "gpu-profile-branches", "gpu-validate-fused",
+                         "gpu-bench-fused", "gpu-peer", "gpu-engine-tests", "gpu-kernel-bench-graphs"]
+    export = " ".join(gpu["gpu-export-fused"].argv)
+    assert "--preset deepseek-v2-lite --layers 4 --weights int4 --max-cache-length 4352 --precision bf16" in export
+    assert "--experts auto" in export and "--experts branches" in " ".join(gpu["gpu-export-branches"].argv)
+    profile = " ".join(gpu["gpu-profile-branches"].argv)
+    assert "--provider cuda" in profile and "--allow-cpu-nodes" in profile and "--no-transformers" in profile
+    fused = " ".join(gpu["gpu-bench-fused"].argv)
+    assert "--variants graph,eager,graph-fpa --batch 1,8,32,64 --context 0,1024,4096" in fused
+    assert "--no-transformers" not in " ".join(gpu["gpu-peer"].argv) and gpu["gpu-peer"].gpu
+    assert "--provider cuda" in " ".join(gpu["gpu-validate-fused"].argv)
+    assert [a for a in gpu["gpu-engine-tests"].argv if a.startswith("tests/")] == [
+        "tests/ort/test_cuda_engine.py", "tests/serve/test_cuda_serve.py"]
+    assert gpu["gpu-engine-tests"].needs_ort and gpu["gpu-engine-tests"].fail_on_skip
+    kernel_tests = steps.plan(steps.Options(work))[2]
+    assert kernel_tests.name == "kernel-tests" and "gpu and not trt and not ort_cuda" in kernel_tests.argv
+    assert "--timing" in gpu["gpu-kernel-bench-graphs"].argv and "cudagraph" in gpu["gpu-kernel-bench-graphs"].argv
+    dry = {s.name: s for s in steps.plan(steps.Options(work, dry_run=True, models=("tiny",)))}
+    assert "--preset tiny --precision fp16" in " ".join(dry["gpu-export-fused"].argv)
+    assert dry["gpu-bench-fused"].argv[-1] == "--dry-run" and not dry["gpu-bench-fused"].gpu
+    assert "cpu" in dry["gpu-validate-fused"].argv
+    selected = set(steps.GPU_DECODE_SELECTION.split(","))
+    assert selected <= set(steps.GROUPS) | set(gpu) | {"ort-cuda-load"}
+    assert call_plan.DECODE_COMMAND in (ROOT / "docs" / "gpu-verification.md").read_text()
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_gpu_decode_group(tmp_path):
+    """The group's command lines hold on the CPU: both exports, validate on the CPU provider, and every `bench model
+    --provider cuda` as its plan; the report has the section and each bench's plan line."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    proc = gpu_check("run", "--dry-run", "--models", "tiny", "--precisions", "fp16", "--steps", "gpu-decode",
+                     "--work", str(work), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = {k: v for k, v in statuses(out).items() if k.startswith("gpu-")}
+    assert found == {**{name: "PASS" for name in ("gpu-export-branches", "gpu-export-fused", "gpu-profile-branches",
+                                                   "gpu-validate-fused", "gpu-bench-fused", "gpu-peer")},
+                     "gpu-engine-tests": "SKIPPED", "gpu-kernel-bench-graphs": "SKIPPED"}
+    doc = (out / "gpu-verification.md").read_text()
+    assert "## GPU decode (issue 48)" in doc
+    assert "`plan: tiny (2 layers, fp16, float weights) on ONNX Runtime's CUDA provider`" in doc
+    assert "`variant graph-fpa: provider options" in doc

@@ -11,7 +11,7 @@ from artifacts import tiny_artifact
 from mla_deploy.errors import CacheCapacityError, InputError, ShapeError
 from mla_deploy.generate import GenerationEngine
 from mla_deploy.generate.loop import Generation, decode_step, generate_tokens, prefill_step, stream_tokens
-from mla_deploy.generate.sampling import Sampler, SamplingConfig
+from mla_deploy.generate.sampling import Sampler, SamplingConfig, draw
 
 V = 32
 
@@ -63,6 +63,9 @@ class PlainEngine:
     def argmax(self, logits: np.ndarray) -> np.ndarray:
         return logits.argmax(-1).astype(np.int64)
 
+    def sample(self, logits: np.ndarray, config, uniforms: np.ndarray) -> np.ndarray:
+        return draw(logits, config, uniforms)
+
     def to_host(self, logits: np.ndarray) -> np.ndarray:
         return np.array(logits)
 
@@ -84,7 +87,7 @@ def continue_sum(prompt: list[int], steps: int) -> list[int]:
 
 def test_the_plain_engine_implements_only_the_protocol():
     public = {n for n in vars(GenerationEngine) if not n.startswith("_")} | set(GenerationEngine.__annotations__)
-    assert public == {"provider", "vocab_size", "check_request", "new_state", "prefill", "decode", "argmax",
+    assert public == {"provider", "vocab_size", "check_request", "new_state", "prefill", "decode", "argmax", "sample",
                       "to_host", "synchronize", "info"}
     assert all(hasattr(PlainEngine(), name) for name in public)
 
@@ -130,7 +133,7 @@ def test_decode_step_serves_rows_of_different_sequences_at_different_positions()
     assert state.lengths.tolist() == [7, 4]
 
 
-def test_sampling_goes_through_the_host_copy_and_a_seed_repeats():
+def test_sampling_is_the_engines_draw_and_a_seed_repeats():
     class Counting(PlainEngine):
         def _logits(self, state):
             rng = np.random.default_rng(int(state.lengths.sum()))
