@@ -20,6 +20,7 @@ from .errors import ConfigError
 ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MLP_LAYER_TYPES = ("dense", "sparse")
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -115,6 +116,11 @@ class MLAConfig:
         routed_scaling_factor: multiplier of the routed experts' weights.
         norm_topk_prob: V3 only: normalise the chosen weights to sum to one.
         tie_word_embeddings: lm_head shares the embedding matrix.
+        mlp_layer_types: per layer ``dense`` or ``sparse`` (MoE), when the schedule is not the first
+            ``first_k_dense_replace`` layers dense and the rest MoE (GLM-4.7-Flash's and A.X-K1's key; DeepSeek's
+            ``moe_layer_freq`` is read into it); None: ``first_k_dense_replace`` decides.
+        post_mlp_layernorm: an RMSNorm on the MoE block's output (experts plus shared experts), MoE layers only
+            (A.X-K1).
     """
 
     name: str
@@ -146,6 +152,8 @@ class MLAConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
     tie_word_embeddings: bool = False
+    mlp_layer_types: tuple[str, ...] | None = None
+    post_mlp_layernorm: bool = False
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -164,6 +172,14 @@ class MLAConfig:
             raise ConfigError(f"{self.name}: rms_norm_eps and rope_theta must be positive")
         if self.n_routed_experts is not None:
             self._check_moe()
+        if self.mlp_layer_types is not None:
+            self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        types = self._check_schedule_of(self.mlp_layer_types, self.num_hidden_layers, self.name)
+        object.__setattr__(self, "mlp_layer_types", types)  # a list from JSON/TOML; frozen: set once here
+        if "sparse" in types and self.n_routed_experts is None:
+            raise ConfigError(f"{self.name}: mlp_layer_types has MoE ('sparse') layers but no n_routed_experts")
 
     def _check_moe(self) -> None:
         n = self.n_routed_experts
@@ -196,6 +212,20 @@ class MLAConfig:
             raise ConfigError(f"{self.name}: the topk_group ({self.topk_group}) groups kept hold {self.topk_group * per_group} "
                               f"experts, fewer than num_experts_per_tok ({self.num_experts_per_tok})")
 
+    @staticmethod
+    def _check_schedule_of(types: Any, layers: int, label: str) -> tuple[str, ...]:
+        """``types`` as a valid ``mlp_layer_types`` of ``layers`` layers (a tuple). Raises ConfigError."""
+        if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
+            raise ConfigError(f"{label}: mlp_layer_types must be a list of {' or '.join(MLP_LAYER_TYPES)}, "
+                              f"got {str(types)[:80]}")
+        bad = sorted({t for t in types if t not in MLP_LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"{label}: mlp_layer_types holds {', '.join(map(repr, bad))}; each layer is "
+                              f"{' or '.join(map(repr, MLP_LAYER_TYPES))}")
+        if len(types) != layers:
+            raise ConfigError(f"{label}: mlp_layer_types names {len(types)} layers, num_hidden_layers is {layers}")
+        return tuple(types)
+
     # derived dimensions -------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
@@ -221,7 +251,10 @@ class MLAConfig:
         return self.n_routed_experts is not None
 
     def is_moe_layer(self, index: int) -> bool:
-        """True when layer ``index`` uses the MoE block rather than the dense MLP."""
+        """True when layer ``index`` uses the MoE block rather than the dense MLP (``mlp_layer_types`` if given,
+        else every layer from ``first_k_dense_replace`` on)."""
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[index] == "sparse"
         return self.is_moe and index >= self.first_k_dense_replace
 
     def replace(self, **changes: Any) -> "MLAConfig":
@@ -240,7 +273,9 @@ class MLAConfig:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.num_hidden_layers:
             raise ConfigError(f"layers must be an integer in 1..{self.num_hidden_layers} (the model's "
                               f"num_hidden_layers), got {layers!r}")
-        return self.replace(num_hidden_layers=layers, first_k_dense_replace=min(self.first_k_dense_replace, layers))
+        types = None if self.mlp_layer_types is None else self.mlp_layer_types[:layers]
+        return self.replace(num_hidden_layers=layers, first_k_dense_replace=min(self.first_k_dense_replace, layers),
+                            mlp_layer_types=types)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON/TOML friendly); ``rope_scaling`` becomes a nested dict or is dropped."""
@@ -255,6 +290,12 @@ class MLAConfig:
             del out["moe_intermediate_size"]
         if out["n_routed_experts"] is None:
             del out["n_routed_experts"]
+        if out["mlp_layer_types"] is None:
+            del out["mlp_layer_types"]
+        else:
+            out["mlp_layer_types"] = list(out["mlp_layer_types"])
+        if not out["post_mlp_layernorm"]:
+            del out["post_mlp_layernorm"]
         return out
 
     @classmethod
@@ -327,41 +368,157 @@ _HF_DIRECT = (
     "num_experts_per_tok", "first_k_dense_replace", "n_group", "topk_group", "topk_method",
     "scoring_func", "routed_scaling_factor", "norm_topk_prob", "tie_word_embeddings",
 )
+# The JSON type each read key must have (a number where a number is meant): a wrong one is a ConfigError.
+_HF_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    **{k: (int,) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                           "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "moe_intermediate_size",
+                           "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+                           "n_group", "topk_group", "moe_layer_freq", "num_nextn_predict_layers",
+                           "num_mtp_layers", "num_key_value_heads", "head_dim")},
+    **{k: (int, float) for k in ("rms_norm_eps", "routed_scaling_factor", "rope_theta")},
+    **{k: (str,) for k in ("topk_method", "scoring_func", "model_type")},
+    **{k: (bool,) for k in ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")},
+    **{k: (dict,) for k in ("rope_scaling", "rope_parameters", "quantization_config", "text_config")},
+    "mlp_layer_types": (list,),
+}
 # Keys whose value we check, because a value other than the expected one changes the math.
 _HF_EXPECTED = {
     "hidden_act": ("silu",),
     "attention_bias": (False, None),
     "mlp_bias": (False, None),
-    "rope_interleave": (True, None),
     "attention_dropout": (0, 0.0, None),
 }
 # Keys that carry no semantics for the forward pass (metadata, generation, training, parallelism).
 _HF_IGNORED = {
     "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
     "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "pretraining_tp", "ep_size",
-    "num_key_value_heads", "num_nextn_predict_layers", "num_mtp_layers", "moe_layer_freq", "aux_loss_alpha",
+    "num_key_value_heads", "num_nextn_predict_layers", "num_mtp_layers", "aux_loss_alpha",
     "seq_aux", "quantization_config", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
     "rope_parameters", "output_router_logits", "router_aux_loss_coef", "id2label", "label2id",
     "_name_or_path", "name_or_path", "return_dict", "output_hidden_states", "output_attentions",
     "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
     "tie_encoder_decoder", "problem_type", "tokenizer_class", "task_specific_params", "finetuning_task",
     "prefix", "sep_token_id", "decoder_start_token_id", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
-    "cross_attention_hidden_size", "mlp_layer_types", "layer_types", "max_window_layers",
+    "cross_attention_hidden_size", "layer_types", "max_window_layers",
     "sliding_window", "use_sliding_window", "bos_token", "eos_token", "rope_type", "index_topk",
+    "q_head_dim", "embedding_initializer_range", "rope_interleave", "moe_layer_freq", "mlp_layer_types",
+}
+# Other spellings of DeepSeek's keys, as the types' config classes map them (``attribute_map``).
+_HF_ALIASES = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+               "num_shared_experts": "n_shared_experts"}
+
+
+@dataclass(frozen=True)
+class HFModelType:
+    """How mla-deploy reads one transformers ``model_type`` whose attention is MLA.
+
+    Attributes:
+        family: ``deepseek_v2`` or ``deepseek_v3``: whose routing defaults and rope the type shares
+            (:attr:`MLAConfig.model_type`).
+        defaults: DeepSeek-named fields the type's config class defaults differently, used when config.json
+            leaves them out.
+        mtp_layers: multi-token-prediction layers its checkpoints carry after the decoder when config.json names
+            none (GLM-4.7-Flash writes one, its config class has no key for it).
+        post_mlp_layernorm: its MoE layers end in an RMSNorm (A.X-K1), stored at layer level on disk.
+        text_prefix: the prefix of the text model's tensors on disk, for a multimodal wrapper ("" otherwise).
+        skipped_prefixes: a wrapper's tensors that are not the text model (the vision tower, its projector).
+        renames: ``(old, new)`` name prefixes (after ``text_prefix``) of another spelling on disk.
+    """
+
+    family: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    mtp_layers: int = 0
+    post_mlp_layernorm: bool = False
+    text_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+#: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
+HF_MODEL_TYPES: dict[str, HFModelType] = {
+    "deepseek_v2": HFModelType("deepseek_v2"),
+    "deepseek_v3": HFModelType("deepseek_v3"),
+    "kimi_k2": HFModelType("deepseek_v3"),  # Kimi K2's text config: DeepSeek-V3 under another name
+    "sarvam_mla": HFModelType("deepseek_v3"),  # sarvam-105b: DeepseekV3ForCausalLM up to its config
+    "glm4_moe_lite": HFModelType("deepseek_v3", {"rms_norm_eps": 1e-5, "first_k_dense_replace": 1},
+                                 mtp_layers=1),  # GLM-4.7-Flash
+    "youtu": HFModelType("deepseek_v3", {"tie_word_embeddings": True}),  # Youtu-LLM: dense, tied
+    "axk1": HFModelType("deepseek_v3", {"first_k_dense_replace": 1}, post_mlp_layernorm=True),  # A.X-K1
+    "kimi_k25": HFModelType("deepseek_v3", {"tie_word_embeddings": True}, text_prefix="language_model.",
+                            skipped_prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.",
+                                              "model.mm_projector."),
+                            # transformers 5.24 saves the text layers as model.blocks (its vision rename reversed)
+                            renames=(("model.blocks.", "model.layers."),)),  # Kimi K2.5 / K2.6
+}
+#: MLA model types of transformers that mla-deploy refuses, with the mechanism it lacks
+HF_REFUSED_TYPES: dict[str, str] = {
+    "deepseek_v32": "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet",
+    "glm_moe_dsa": "DeepSeek Sparse Attention (GLM-5's lightning indexer and its key cache) is not supported yet",
+    "mistral4": "softmax routing with renormalised group top-k, the Llama-4 position-dependent query scale and "
+                "head_dim = qk_nope_head_dim + qk_rope_head_dim are not supported yet",
+    "minicpm3": "half-rotated rope with static longrope factors and the scale_emb / scale_depth / dim_model_base "
+                "scalars are not supported yet",
+    "longcat_flash": "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported",
+    "kimi_linear": "linear-attention layers (KDA) are not supported",
+    "bailing_hybrid": "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported",
+    "glm5_next": "linear-attention layers (KDA), hyper-connections and k-pooled sparse attention are not supported",
+    "mistral_large4": "DeepSeek Sparse Attention, cross-layer latent sharing (kv_source_layers), NoPE layers and "
+                      "the final logit softcap are not supported",
+    "hy_v4": "DeepSeek Sparse Attention with attention sinks, the attention output gate and hyper-connections "
+             "are not supported",
+    "hy_v4_vl": "DeepSeek Sparse Attention with attention sinks, the attention output gate, hyper-connections "
+                "and m-rope are not supported",
+    "axk2": "DeepSeek Sparse Attention, the query and output gates and gated RMSNorms are not supported",
+    "dots3_note": "per-layer-type MLA dimensions, sliding-window MLA layers and DeepSeek Sparse Attention are not "
+                  "supported",
+    "deepseek_v4": "its attention is not MLA with a latent cache (one 512-wide KV head, compressed and sliding "
+                   "attention)",
 }
 
 
-def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
-    """Read a Hugging Face DeepSeek-V2/V3 ``config.json`` (a path, a folder holding one, or a dict).
+@dataclass(frozen=True)
+class HFLayout:
+    """How a checkpoint's tensors on disk relate to the model's: what :func:`read_hf_config` tells the loader.
 
-    Both the older ``rope_theta`` + ``rope_scaling`` spelling and transformers 5's
-    ``rope_parameters`` are read. A setting that changes the math in a way this package does
-    not implement (``hidden_act`` other than silu, attention bias, non-interleaved rope) is an
-    error; metadata keys are ignored.
+    Attributes:
+        model_type: the checkpoint's own ``model_type`` (``glm4_moe_lite``, ``kimi_k25``, ...).
+        text_prefix: stripped from every tensor name (a wrapper's ``language_model.``); names without it are the
+            wrapper's own and must be in ``skipped_prefixes``.
+        skipped_prefixes: tensors of the wrapper that are not the text model.
+        renames: ``(old, new)`` name prefixes, after ``text_prefix``: another spelling of our names on disk.
+        mtp_layers: multi-token-prediction layers after the decoder (``model.layers.{L}..{L+n-1}``), skipped.
+        rope_interleave: False when the rope rows of the query and ``kv_a_proj_with_mqa`` are in the half-rotated
+            order (pairs ``(i, i + d/2)``), which the loader permutes into DeepSeek's interleaved pairs.
+        weight_block_size: the float8 block of ``quantization_config`` (DeepSeek-V3's 128 x 128).
+    """
+
+    model_type: str = "deepseek_v3"
+    text_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    mtp_layers: int = 0
+    rope_interleave: bool = True
+    weight_block_size: tuple[int, int] = (128, 128)
+
+
+def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
+    """Read a Hugging Face ``config.json`` of an MLA model (a path, a folder holding one, or a dict).
+
+    The types of :data:`HF_MODEL_TYPES` are read (DeepSeek-V2/V3 and the models that are DeepSeek-V3 up to their
+    config); those of :data:`HF_REFUSED_TYPES` are refused naming the mechanism mla-deploy lacks. Both the older
+    ``rope_theta`` + ``rope_scaling`` spelling and transformers 5's ``rope_parameters`` are read. A setting that
+    changes the math in a way this package does not implement (``hidden_act`` other than silu, attention bias) is
+    an error; metadata keys are ignored.
 
     Raises:
         ConfigError: unreadable file, missing field, unsupported setting, inconsistent value.
     """
+    return read_hf_config(source, name)[0]
+
+
+def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> tuple[MLAConfig, HFLayout]:
+    """:func:`from_hf_config`'s config, and the :class:`HFLayout` of the checkpoint's tensors."""
     if isinstance(source, Mapping):
         raw, label = dict(source), name or "config.json"
     else:
@@ -378,41 +535,152 @@ def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
             raise ConfigError(f"{path}: not a Hugging Face config (a JSON object), got {type(raw).__name__}")
         label = str(path)
         name = name or path.parent.name
+    model_type = _hf_model_type(raw, label)
+    kind = HF_MODEL_TYPES[model_type]
+    block = _hf_block_size(raw, label)
+    if kind.text_prefix:  # a multimodal wrapper: the text model's config is its text_config
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{label}: a {model_type} config holds its text model's config in text_config, "
+                              f"{'which is missing' if text is None else f'not a JSON object but {text!r}'}")
+        inner = _hf_model_type(text, f"{label} text_config")
+        if inner not in ("deepseek_v3", "kimi_k2"):
+            raise ConfigError(f"{label}: the text model of {model_type} is DeepSeek-V3 (deepseek_v3 or kimi_k2), "
+                              f"got text_config.model_type {inner!r}")
+        # transformers ties the wrapper's lm_head as the wrapper's own config says (default True)
+        text = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", kind.defaults["tie_word_embeddings"])}
+        _check_json_types(text, f"{label} text_config")
+        raw, label = text, f"{label} text_config"
+    config = _config_from_hf(raw, label, model_type, kind, name)
+    mtp = raw.get("num_nextn_predict_layers")
+    mtp = raw.get("num_mtp_layers") if mtp is None else mtp
+    layout = HFLayout(model_type=model_type, text_prefix=kind.text_prefix, skipped_prefixes=kind.skipped_prefixes,
+                      renames=kind.renames,
+                      mtp_layers=kind.mtp_layers if mtp is None else mtp,
+                      rope_interleave=raw.get("rope_interleave") is not False, weight_block_size=block)
+    return config, layout
+
+
+def _hf_model_type(raw: Mapping[str, Any], label: str) -> str:
+    """The accepted ``model_type`` of ``raw`` (deepseek_v3 if absent), after checking its keys' JSON types."""
+    _check_json_types(raw, label)
     model_type = raw.get("model_type", "deepseek_v3")
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(f"{label}: model_type {model_type!r} is not a DeepSeek-V2/V3 model")
+    if model_type in HF_REFUSED_TYPES:
+        raise ConfigError(f"{label}: {model_type}: {HF_REFUSED_TYPES[model_type]}")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"{label}: model_type {model_type!r} is not an MLA model mla-deploy reads (it reads "
+                          f"{', '.join(HF_MODEL_TYPES)})")
+    return model_type
+
+
+def _check_json_types(raw: Mapping[str, Any], label: str) -> None:
+    """Each key mla-deploy reads has its JSON type (``null`` allowed): one ConfigError naming the first that has not."""
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a JSON object",
+             list: "a list"}
+    for key, types in _HF_JSON_TYPES.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        wrong = isinstance(value, bool) and bool not in types or not isinstance(value, types)
+        if wrong:
+            raise ConfigError(f"{label}: {key} must be {names[types[-1]]}, got {json.dumps(value)[:80]}")
+
+
+def _hf_block_size(raw: Mapping[str, Any], label: str) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` (128 x 128 when absent)."""
+    qc = raw.get("quantization_config") or {}
+    block = qc.get("weight_block_size")
+    if block is None:
+        return (128, 128)
+    if not isinstance(block, list) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise ConfigError(f"{label}: quantization_config.weight_block_size must be two positive integers, "
+                          f"got {json.dumps(block)[:80]}")
+    return int(block[0]), int(block[1])
+
+
+def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFModelType, name: str | None) -> MLAConfig:
+    """The :class:`MLAConfig` of a text model's config ``raw`` of ``model_type``."""
+    raw = dict(raw)
+    for alias, key in _HF_ALIASES.items():
+        if alias in raw:
+            value = raw.pop(alias)
+            if raw.get(key) is not None and raw[key] != value:
+                raise ConfigError(f"{label}: {alias} ({value}) and {key} ({raw[key]}) disagree")
+            raw[key] = value
     for key, allowed in _HF_EXPECTED.items():
         if key in raw and raw[key] not in allowed:
             raise ConfigError(f"{label}: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
+    if raw.get("rope_interleave") is False and kind.family != "deepseek_v3":
+        raise ConfigError(f"{label}: rope_interleave=false is not supported for {model_type}")
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads")
     if kv_heads is not None and heads is not None and kv_heads != heads:
         raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
     head_dim = raw.get("head_dim")
-    if head_dim is not None and "qk_rope_head_dim" in raw and head_dim != raw["qk_rope_head_dim"]:
+    if (head_dim is not None and "qk_rope_head_dim" in raw and head_dim != raw["qk_rope_head_dim"]
+            and model_type != "sarvam_mla"):  # sarvam's own configs wrote kv_lora_rank + rope; transformers drops it
         # transformers writes head_dim = qk_rope_head_dim (the rope width); anything else is inconsistent
         raise ConfigError(f"{label}: head_dim ({head_dim}) differs from qk_rope_head_dim ({raw['qk_rope_head_dim']})")
     unknown = sorted(k for k in raw if k not in _HF_DIRECT and k not in _HF_EXPECTED and k not in _HF_IGNORED)
-    fields: dict[str, Any] = {k: raw[k] for k in _HF_DIRECT if k in raw and raw[k] is not None}
+    fields: dict[str, Any] = {k: v for k, v in kind.defaults.items() if raw.get(k) is None}
+    fields.update({k: raw[k] for k in _HF_DIRECT if k in raw and raw[k] is not None})
     if fields.get("q_lora_rank") == 0:  # DeepSeek's own configs write 0 for "no query compression"
         del fields["q_lora_rank"]
     rope_theta, rope_scaling = _hf_rope(raw, label)
-    fields.update(model_type=model_type, rope_theta=rope_theta, rope_scaling=rope_scaling,
-                  name=name or label)
-    if model_type == "deepseek_v3" and "n_routed_experts" in fields:
+    fields.update(model_type=kind.family, rope_theta=rope_theta, rope_scaling=rope_scaling, name=name or label)
+    if kind.family == "deepseek_v3" and "n_routed_experts" in fields:
         fields.setdefault("scoring_func", "sigmoid")
         fields.setdefault("topk_method", "noaux_tc")
     if fields.get("n_routed_experts") is None:
+        if "sparse" in (raw.get("mlp_layer_types") or ()):
+            raise ConfigError(f"{label}: mlp_layer_types has MoE ('sparse') layers but no n_routed_experts")
         for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
                   "n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor",
                   "norm_topk_prob"):
             fields.pop(k, None)
+    else:
+        fields.update(_hf_schedule(raw, fields, label))
+        fields["post_mlp_layernorm"] = kind.post_mlp_layernorm
     config = MLAConfig.from_dict(fields, source=label)
     if unknown:
         import warnings
 
-        warnings.warn(f"{label}: ignored unknown config.json key(s): {', '.join(unknown)}", stacklevel=2)
+        warnings.warn(f"{label}: ignored unknown config.json key(s): {', '.join(unknown)}", stacklevel=3)
     return config
+
+
+def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """Which layers are MoE: ``mlp_layer_types`` (GLM-4.7-Flash, A.X-K1) or DeepSeek's ``first_k_dense_replace``
+    and ``moe_layer_freq`` (layer ``i`` is MoE when ``i >= k`` and ``i % freq == 0``, as DeepSeek's own code builds
+    it), checked against each other when both are given. Returns the fields: ``first_k_dense_replace`` alone when
+    the schedule is the first k layers dense, else ``mlp_layer_types`` too."""
+    layers = fields.get("num_hidden_layers")
+    types = raw.get("mlp_layer_types")
+    first_k, freq = raw.get("first_k_dense_replace"), raw.get("moe_layer_freq")
+    if freq is not None and freq <= 0:
+        raise ConfigError(f"{label}: moe_layer_freq must be a positive integer, got {freq}")
+    if types is None and freq in (None, 1):
+        return {}  # the first first_k_dense_replace layers dense (the type's default when config.json has none)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
+        return {}  # MLAConfig says what is wrong with num_hidden_layers
+    derived = None
+    if first_k is not None or freq is not None:
+        k, f = fields.get("first_k_dense_replace", 0), freq or 1
+        derived = ["sparse" if i >= k and i % f == 0 else "dense" for i in range(layers)]
+    if types is None:
+        types = derived
+    else:
+        MLAConfig._check_schedule_of(types, layers, label)
+        differ = next((i for i, (a, b) in enumerate(zip(types, derived or types)) if a != b), None)
+        if differ is not None:
+            raise ConfigError(f"{label}: contradictory MoE schedules: mlp_layer_types makes layer {differ} "
+                              f"{types[differ]!r}, first_k_dense_replace {first_k if first_k is not None else 0} and "
+                              f"moe_layer_freq {freq if freq is not None else 1} make it {derived[differ]!r}")
+    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if list(types) == ["dense"] * dense + ["sparse"] * (len(types) - dense):
+        return {"first_k_dense_replace": dense, "mlp_layer_types": None}
+    return {"first_k_dense_replace": 0, "mlp_layer_types": list(types)}
 
 
 def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | None]:
@@ -429,6 +697,8 @@ def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | N
     theta = block.pop("rope_theta", None)
     if theta is None:
         theta = raw.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{label}: rope_theta must be a number, got {json.dumps(theta)[:80]}")
     yarn = _yarn_from_mapping(block, label) if block else None
     return float(theta), yarn
 

@@ -162,7 +162,8 @@ def routed_expert_parameters(module: nn.Module) -> set[str]:
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts (``moe_intermediate_size * n_shared_experts`` wide)."""
+    """Routed experts plus shared experts (``moe_intermediate_size * n_shared_experts`` wide), their sum
+    RMS-normed when ``config.post_mlp_layernorm`` (A.X-K1)."""
 
     def __init__(self, config: MLAConfig):
         super().__init__()
@@ -170,6 +171,8 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
+        self.post_mlp_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                                   if config.post_mlp_layernorm else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x ``[B, S, D]``. Returns: ``[B, S, D]``."""
@@ -178,4 +181,4 @@ class MoE(nn.Module):
         out = self.experts(flat, weights, idx).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out)

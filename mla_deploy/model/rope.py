@@ -89,3 +89,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     swap = torch.arange(x.shape[-1], device=x.device) ^ 1  # 1, 0, 3, 2, ...: each pair's other element
     wide = x.float()
     return (wide * cos + wide.index_select(-1, swap) * sin).to(x.dtype)
+
+
+def half_rotated_rows(rope_dim: int) -> torch.Tensor:
+    """The row order that makes a projection written for half-rotated rope (pairs ``(i, i + d/2)``, transformers'
+    ``rotate_half``) rotate DeepSeek's interleaved pairs ``(2i, 2i+1)`` instead: ``[0, d/2, 1, d/2 + 1, ...]``.
+    Pair ``i`` turns by ``inv_freq[i]`` in both, and the query's and key's rope rows are permuted alike, so every
+    score is unchanged (the cache's ``k_pe`` is then in the interleaved order)."""
+    half = rope_dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half) + half), dim=-1).flatten()
+
+
+def interleave_rope_rows(key: str, weight: torch.Tensor, config: MLAConfig) -> torch.Tensor:
+    """``weight`` (the original form's tensor ``key``) with its rope output rows in the interleaved order when they
+    are rope rows written for half-rotated rope (:func:`half_rotated_rows`): each head's ``q_pe`` rows of ``q_proj``
+    / ``q_b_proj``, the ``k_pe`` rows of ``kv_a_proj_with_mqa``; any other tensor unchanged."""
+    c = config
+    order = half_rotated_rows(c.qk_rope_head_dim)
+    if key.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        rows = torch.arange(weight.shape[0]).view(c.num_attention_heads, c.qk_head_dim)
+        rows = torch.cat((rows[:, :c.qk_nope_head_dim], rows[:, c.qk_nope_head_dim:][:, order]), dim=-1)
+        return weight[rows.flatten()]
+    if key.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+        return torch.cat((weight[:c.kv_lora_rank], weight[c.kv_lora_rank:][order]))
+    return weight
+
