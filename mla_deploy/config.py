@@ -84,6 +84,55 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE as MiniCPM3 uses it: static, every position below ``original_max_position_embeddings``.
+
+    The rope frequencies are ``1 / (short_factor[i] * theta^(2i/d))``; ``long_factor`` is what transformers switches
+    to past ``original_max_position_embeddings``, which an MLAConfig never reaches (``max_position_embeddings`` is
+    checked not to exceed it), so it is kept only to write the config back.
+
+    Attributes:
+        short_factor: one divisor per rope pair (``qk_rope_head_dim / 2`` of them).
+        long_factor: the divisors past the original context (unused, see above).
+        original_max_position_embeddings: the pre-training context.
+        factor: the context extension; None: ``max_position_embeddings / original_max_position_embeddings``.
+        attention_factor: cos/sin amplitude; None: derived from the factor as transformers does.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    factor: float | None = None
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+                raise ConfigError(f"rope_scaling.{name} must be a list of positive numbers, got {str(values)[:80]}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))  # a list from JSON; frozen: once here
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
+
+    def cos_sin_scale_for(self, max_position_embeddings: int) -> float:
+        """Amplitude of cos and sin: ``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original))`` (1 when the
+        factor is at most 1), as transformers derives it."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        factor = self.factor if self.factor is not None else \
+            max_position_embeddings / self.original_max_position_embeddings
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+
+    @property
+    def softmax_mscale(self) -> float:
+        """LongRoPE leaves the softmax scale alone."""
+        return 1.0
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     """Dimensions of a DeepSeek-style MLA decoder (field names as in DeepSeek's config.json).
 
@@ -101,7 +150,7 @@ class MLAConfig:
         qk_rope_head_dim: width of the decoupled rope key ``k_pe``, shared by all heads (64).
         v_head_dim: per-head value width (128).
         rope_theta: rope base.
-        rope_scaling: YaRN parameters, or None for plain rope.
+        rope_scaling: YaRN or (static) LongRoPE parameters, or None for plain rope.
         rms_norm_eps: epsilon of every RMSNorm.
         max_position_embeddings: the longest context the model was configured for.
         moe_intermediate_size: width of one routed (and shared) expert.
@@ -121,6 +170,11 @@ class MLAConfig:
             ``moe_layer_freq`` is read into it); None: ``first_k_dense_replace`` decides.
         post_mlp_layernorm: an RMSNorm on the MoE block's output (experts plus shared experts), MoE layers only
             (A.X-K1).
+        scale_emb: MiniCPM3's multiplier of the embeddings (None: 1).
+        scale_depth: MiniCPM3's residual scale: each layer adds its attention and MLP outputs times
+            ``scale_depth / sqrt(num_hidden_layers)`` (:attr:`residual_scale`; None: 1).
+        dim_model_base: MiniCPM3's logit divisor: the final norm's output is divided by
+            ``hidden_size / dim_model_base`` before lm_head (:attr:`logits_scaling`; None: 1).
     """
 
     name: str
@@ -136,7 +190,7 @@ class MLAConfig:
     q_lora_rank: int | None = None
     model_type: str = "deepseek_v3"
     rope_theta: float = 10000.0
-    rope_scaling: YarnScaling | None = None
+    rope_scaling: YarnScaling | LongRopeScaling | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     # mixture of experts (None: every layer is dense)
@@ -154,6 +208,9 @@ class MLAConfig:
     tie_word_embeddings: bool = False
     mlp_layer_types: tuple[str, ...] | None = None
     post_mlp_layernorm: bool = False
+    scale_emb: float | None = None
+    scale_depth: float | None = None
+    dim_model_base: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -174,6 +231,20 @@ class MLAConfig:
             self._check_moe()
         if self.mlp_layer_types is not None:
             self._check_schedule()
+        for f in ("scale_emb", "scale_depth", "dim_model_base"):
+            value = getattr(self, f)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"{self.name}: {f} must be a positive number or absent, got {value!r}")
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            long = self.rope_scaling
+            if len(long.short_factor) != self.qk_rope_head_dim // 2:
+                raise ConfigError(f"{self.name}: rope_scaling.short_factor has {len(long.short_factor)} values, the "
+                                  f"rope has {self.qk_rope_head_dim // 2} pairs (qk_rope_head_dim / 2)")
+            if self.max_position_embeddings > long.original_max_position_embeddings:
+                raise ConfigError(f"{self.name}: longrope past original_max_position_embeddings "
+                                  f"({long.original_max_position_embeddings} < max_position_embeddings "
+                                  f"{self.max_position_embeddings}) switches to long_factor with the sequence length; "
+                                  "only static longrope is supported")
 
     def _check_schedule(self) -> None:
         types = self._check_schedule_of(self.mlp_layer_types, self.num_hidden_layers, self.name)
@@ -246,6 +317,25 @@ class MLAConfig:
         return scale
 
     @property
+    def residual_scale(self) -> float:
+        """Multiplier of each residual branch: ``scale_depth / sqrt(num_hidden_layers)`` (1 without scale_depth)."""
+        return 1.0 if self.scale_depth is None else self.scale_depth / math.sqrt(self.num_hidden_layers)
+
+    @property
+    def logits_scaling(self) -> float:
+        """Divisor of the final norm's output before lm_head: ``hidden_size / dim_model_base`` (1 without it)."""
+        return 1.0 if self.dim_model_base is None else self.hidden_size / self.dim_model_base
+
+    @property
+    def rope_amplitude(self) -> float:
+        """Amplitude of the rope's cos and sin (1 for plain rope)."""
+        if self.rope_scaling is None:
+            return 1.0
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            return self.rope_scaling.cos_sin_scale_for(self.max_position_embeddings)
+        return self.rope_scaling.cos_sin_scale
+
+    @property
     def is_moe(self) -> bool:
         """True when some layers use routed experts."""
         return self.n_routed_experts is not None
@@ -274,8 +364,10 @@ class MLAConfig:
             raise ConfigError(f"layers must be an integer in 1..{self.num_hidden_layers} (the model's "
                               f"num_hidden_layers), got {layers!r}")
         types = None if self.mlp_layer_types is None else self.mlp_layer_types[:layers]
+        # the residual scale is the whole model's: scale_depth / sqrt(L) with L the full depth
+        depth = None if self.scale_depth is None else self.scale_depth * math.sqrt(layers / self.num_hidden_layers)
         return self.replace(num_hidden_layers=layers, first_k_dense_replace=min(self.first_k_dense_replace, layers),
-                            mlp_layer_types=types)
+                            mlp_layer_types=types, scale_depth=depth)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON/TOML friendly); ``rope_scaling`` becomes a nested dict or is dropped."""
@@ -283,7 +375,9 @@ class MLAConfig:
         if out["rope_scaling"] is None:
             del out["rope_scaling"]
         else:
-            out["rope_scaling"] = {"type": "yarn", **{k: v for k, v in out["rope_scaling"].items() if v is not None}}
+            kind = "longrope" if isinstance(self.rope_scaling, LongRopeScaling) else "yarn"
+            out["rope_scaling"] = {"type": kind, **{k: list(v) if isinstance(v, tuple) else v
+                                                    for k, v in out["rope_scaling"].items() if v is not None}}
         if out["q_lora_rank"] is None:
             del out["q_lora_rank"]
         if out["moe_intermediate_size"] is None:
@@ -296,6 +390,9 @@ class MLAConfig:
             out["mlp_layer_types"] = list(out["mlp_layer_types"])
         if not out["post_mlp_layernorm"]:
             del out["post_mlp_layernorm"]
+        for key in ("scale_emb", "scale_depth", "dim_model_base"):
+            if out[key] is None:
+                del out[key]
         return out
 
     @classmethod
@@ -325,8 +422,8 @@ class MLAConfig:
             raise ConfigError(f"{source}: {exc}") from None
 
 
-def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
-    if isinstance(raw, YarnScaling):
+def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | LongRopeScaling | None:
+    if isinstance(raw, (YarnScaling, LongRopeScaling)):
         return raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source}: rope_scaling must be a table, got {raw!r}")
@@ -340,8 +437,11 @@ def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
         if any(k in raw for k in ("factor", "original_max_position_embeddings")):
             raise ConfigError(f"{source}: rope_scaling has YaRN fields but no type = \"yarn\"")
         return None
+    if kind == "longrope":
+        return _longrope_from_mapping(raw, source)
     if kind not in ("yarn", "deepseek_yarn"):
-        raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported (only 'yarn' and none)")
+        raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported (only 'yarn', static 'longrope' "
+                          "and none)")
     allowed = {f.name for f in dataclasses.fields(YarnScaling)}
     if raw.pop("truncate", True) is not True:
         raise ConfigError(f"{source}: rope_scaling truncate=false is not supported")
@@ -357,6 +457,26 @@ def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
         raise ConfigError(f"{source}: rope_scaling values must be numbers, got "
                           f"{', '.join(f'{k}={v!r}' for k, v in raw.items())}") from None
     return YarnScaling(**values)
+
+
+def _longrope_from_mapping(raw: dict[str, Any], source: str) -> LongRopeScaling:
+    allowed = {f.name for f in dataclasses.fields(LongRopeScaling)}
+    if raw.get("partial_rotary_factor") == 1:  # the whole rope slice rotates, as in every MLA model
+        del raw["partial_rotary_factor"]
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{source}: unknown rope_scaling field(s) {', '.join(unknown)}")
+    for needed in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if needed not in raw:
+            raise ConfigError(f"{source}: rope_scaling of type longrope needs {needed}")
+    for key in ("original_max_position_embeddings", "factor", "attention_factor"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{source}: rope_scaling.{key} must be a number, got {json.dumps(value)[:80]}")
+    if raw.get("original_max_position_embeddings") != int(raw["original_max_position_embeddings"]):
+        raise ConfigError(f"{source}: rope_scaling.original_max_position_embeddings must be an integer")
+    raw["original_max_position_embeddings"] = int(raw["original_max_position_embeddings"])
+    return LongRopeScaling(**raw)
 
 
 # Hugging Face config.json --------------------------------------------------------------
@@ -376,7 +496,8 @@ _HF_JSON_TYPES: dict[str, tuple[type, ...]] = {
                            "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
                            "n_group", "topk_group", "moe_layer_freq", "num_nextn_predict_layers",
                            "num_mtp_layers", "num_key_value_heads", "head_dim")},
-    **{k: (int, float) for k in ("rms_norm_eps", "routed_scaling_factor", "rope_theta")},
+    **{k: (int, float) for k in ("rms_norm_eps", "routed_scaling_factor", "rope_theta", "scale_emb", "scale_depth")},
+    "dim_model_base": (int,),
     **{k: (str,) for k in ("topk_method", "scoring_func", "model_type")},
     **{k: (bool,) for k in ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")},
     **{k: (dict,) for k in ("rope_scaling", "rope_parameters", "quantization_config", "text_config")},
@@ -424,6 +545,9 @@ class HFModelType:
         text_prefix: the prefix of the text model's tensors on disk, for a multimodal wrapper ("" otherwise).
         skipped_prefixes: a wrapper's tensors that are not the text model (the vision tower, its projector).
         renames: ``(old, new)`` name prefixes (after ``text_prefix``) of another spelling on disk.
+        half_rotated_rope: its rope rotates the pairs ``(i, i + d/2)`` whatever the config says (MiniCPM3).
+        extra_keys: config keys of MLAConfig fields that only this type means (MiniCPM3's scalars); another type's
+            config.json holding them is warned about and they are ignored, as transformers ignores them.
     """
 
     family: str
@@ -433,6 +557,8 @@ class HFModelType:
     text_prefix: str = ""
     skipped_prefixes: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
+    half_rotated_rope: bool = False
+    extra_keys: tuple[str, ...] = ()
 
 
 #: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
@@ -450,6 +576,9 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
                                               "model.mm_projector."),
                             # transformers 5.24 saves the text layers as model.blocks (its vision rename reversed)
                             renames=(("model.blocks.", "model.layers."),)),  # Kimi K2.5 / K2.6
+    "minicpm3": HFModelType("deepseek_v2", {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "scale_emb": 12,
+                                            "scale_depth": 1.4, "dim_model_base": 256},
+                            half_rotated_rope=True, extra_keys=("scale_emb", "scale_depth", "dim_model_base")),
 }
 #: MLA model types of transformers that mla-deploy refuses, with the mechanism it lacks
 HF_REFUSED_TYPES: dict[str, str] = {
@@ -457,8 +586,6 @@ HF_REFUSED_TYPES: dict[str, str] = {
     "glm_moe_dsa": "DeepSeek Sparse Attention (GLM-5's lightning indexer and its key cache) is not supported yet",
     "mistral4": "softmax routing with renormalised group top-k, the Llama-4 position-dependent query scale and "
                 "head_dim = qk_nope_head_dim + qk_rope_head_dim are not supported yet",
-    "minicpm3": "half-rotated rope with static longrope factors and the scale_emb / scale_depth / dim_model_base "
-                "scalars are not supported yet",
     "longcat_flash": "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported",
     "kimi_linear": "linear-attention layers (KDA) are not supported",
     "bailing_hybrid": "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported",
@@ -557,7 +684,8 @@ def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
     layout = HFLayout(model_type=model_type, text_prefix=kind.text_prefix, skipped_prefixes=kind.skipped_prefixes,
                       renames=kind.renames,
                       mtp_layers=kind.mtp_layers if mtp is None else mtp,
-                      rope_interleave=raw.get("rope_interleave") is not False, weight_block_size=block)
+                      rope_interleave=raw.get("rope_interleave") is not False and not kind.half_rotated_rope,
+                      weight_block_size=block)
     return config, layout
 
 
@@ -622,9 +750,10 @@ def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFMo
             and model_type != "sarvam_mla"):  # sarvam's own configs wrote kv_lora_rank + rope; transformers drops it
         # transformers writes head_dim = qk_rope_head_dim (the rope width); anything else is inconsistent
         raise ConfigError(f"{label}: head_dim ({head_dim}) differs from qk_rope_head_dim ({raw['qk_rope_head_dim']})")
-    unknown = sorted(k for k in raw if k not in _HF_DIRECT and k not in _HF_EXPECTED and k not in _HF_IGNORED)
+    read = (*_HF_DIRECT, *kind.extra_keys)
+    unknown = sorted(k for k in raw if k not in read and k not in _HF_EXPECTED and k not in _HF_IGNORED)
     fields: dict[str, Any] = {k: v for k, v in kind.defaults.items() if raw.get(k) is None}
-    fields.update({k: raw[k] for k in _HF_DIRECT if k in raw and raw[k] is not None})
+    fields.update({k: raw[k] for k in read if k in raw and raw[k] is not None})
     if fields.get("q_lora_rank") == 0:  # DeepSeek's own configs write 0 for "no query compression"
         del fields["q_lora_rank"]
     rope_theta, rope_scaling = _hf_rope(raw, label)
@@ -715,8 +844,10 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
     ``num_key_value_heads`` = the head count, the fixed math (``hidden_act`` silu, no attention bias), the rope
     as transformers 5 writes it (one ``rope_parameters`` block: ``rope_type`` default or yarn, ``rope_theta``,
     YaRN's fields), ``model_type`` and ``architectures``; for V3 also ``rope_interleave`` and
-    ``num_nextn_predict_layers = 0`` (no multi-token-prediction layers). A dense model (no routed experts) has no
-    MoE keys and ``first_k_dense_replace = num_hidden_layers``, so transformers builds a dense MLP in every layer.
+    ``num_nextn_predict_layers = 0`` (no multi-token-prediction layers). A config using what only another type
+    has (``mlp_layer_types``, ``post_mlp_layernorm``, longrope, MiniCPM3's scales) is a ConfigError. A dense
+    model (no routed experts) has no MoE keys and ``first_k_dense_replace = num_hidden_layers``, so transformers
+    builds a dense MLP in every layer.
     ``from_hf_config(to_hf_config(c), name=c.name) == c``.
 
     Args:
@@ -726,6 +857,13 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
         a JSON-serialisable dict (``transformers.AutoConfig.for_model(**d)`` builds the transformers config).
     """
     c = config
+    beyond = [name for name, used in (("mlp_layer_types", c.mlp_layer_types is not None),
+                                      ("post_mlp_layernorm", c.post_mlp_layernorm),
+                                      ("longrope", isinstance(c.rope_scaling, LongRopeScaling)),
+                                      ("scale_emb/scale_depth/dim_model_base",
+                                       (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None))) if used]
+    if beyond:
+        raise ConfigError(f"{c.name}: a transformers DeepSeek-V2/V3 config cannot express {', '.join(beyond)}")
     out: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURES[c.model_type]], "model_type": c.model_type,
         **{k: getattr(c, k) for k in _HF_DIRECT if k not in _HF_MOE},

@@ -124,6 +124,14 @@ def _build(case: str):
     if case == "axk1":
         cfg = transformers.AXK1Config(**{**SMALL, "mlp_layer_types": ["dense", "dense", "sparse"]})
         return transformers.AXK1ForCausalLM, cfg, _axk1_legacy
+    if case == "minicpm3":
+        # its release's rope: static longrope (max_position_embeddings = original), one divisor per rope pair
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.4],
+                "long_factor": [1.5, 2.5, 4.0, 9.0], "original_max_position_embeddings": SMALL["max_position_embeddings"]}
+        cfg = transformers.MiniCPM3Config(**{k: v for k, v in SMALL.items() if k not in (*DENSE_KEYS, "tie_word_embeddings")},
+                                          rope_parameters=rope, scale_emb=12, scale_depth=1.4, dim_model_base=16,
+                                          tie_word_embeddings=True)
+        return transformers.MiniCPM3ForCausalLM, cfg, None
     if case == "kimi_k25":
         text = transformers.DeepseekV3Config(**{**SMALL, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0})
         vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
@@ -135,7 +143,7 @@ def _build(case: str):
 
 
 CASES = ("deepseek_v3-tied", "deepseek_v3-half-rope", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "youtu", "axk1",
-         "kimi_k25")
+         "kimi_k25", "minicpm3")
 
 
 @torch.no_grad()

@@ -46,11 +46,13 @@ def hf_model(version: int, seed: int = 0, std: float = 0.3, **kw):
 
 @torch.no_grad()
 def randomize_(model, seed: int = 0, std: float = 0.3):
-    """Redraw every weight of a transformers model (rope buffers excepted): matrices N(0, std), 1-D scales
-    ``1 + N(0, 0.1)``, 1-D biases N(0, 0.1); a tied weight is drawn once. Returns the model."""
+    """Redraw every weight of a transformers model, the buffers it saves included (the V3 routing bias; not the
+    rope frequencies nor a constant like MiniCPM3's embedding scale, which are not saved): matrices N(0, std),
+    1-D scales ``1 + N(0, 0.1)``, 1-D biases N(0, 0.1); a tied weight is drawn once. Returns the model."""
     gen = torch.Generator().manual_seed(seed)
+    saved = set(model.state_dict())
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if "inv_freq" in name or "original_inv_freq" in name:
+        if "inv_freq" in name or "original_inv_freq" in name or name not in saved:
             continue
         if p.dim() == 1:
             p.copy_((0.0 if "bias" in name else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))

@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from mla_deploy import MLAConfig, YarnScaling, from_hf_config, load_recipe
+from mla_deploy.config import LongRopeScaling
 from mla_deploy.errors import ConfigError
 
 # deepseek-ai/DeepSeek-V3 config.json as published (transformers 4.x spelling: rope_theta + rope_scaling.type)
@@ -164,6 +165,13 @@ def test_transformers_save_pretrained_config_loads(tmp_path, version, yarn):
     pytest.param({"mlp_layer_types": ["sparse"] * 3, "first_k_dense_replace": None},
                  "mlp_layer_types names 3 layers, num_hidden_layers is 61", id="schedule_length"),
     pytest.param({"moe_layer_freq": 0}, "moe_layer_freq must be a positive integer", id="moe_layer_freq_zero"),
+    pytest.param({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                                   "original_max_position_embeddings": 4096}},
+                 r"longrope past original_max_position_embeddings \(4096 < max_position_embeddings 163840\)",
+                 id="dynamic_longrope"),
+    pytest.param({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3,
+                                   "original_max_position_embeddings": 163840}},
+                 r"short_factor has 3 values, the rope has 32 pairs", id="longrope_factor_count"),
     pytest.param({"kv_lora_rank": None}, r"missing field\(s\) kv_lora_rank", id="missing_field"),
 ])
 def test_hf_config_errors(change, message):
@@ -278,3 +286,21 @@ def test_to_hf_config_builds_the_transformers_config(preset):
                "first_k_dense_replace")
         assert back.replace(**{k: getattr(config, k) for k in moe}) == config
         assert not any(back.is_moe_layer(i) for i in range(back.num_hidden_layers))
+
+
+def test_family_config_fields_round_trip():
+    """The fields the other MLA types add (a schedule, the MoE output norm, static longrope, MiniCPM3's scales)
+    survive to_dict / from_dict (a manifest's config), and first_layers keeps the whole model's residual scale."""
+    config = MLAConfig(name="x", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                       num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                       moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, topk_method="noaux_tc",
+                       scoring_func="sigmoid", n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse", "dense"],
+                       post_mlp_layernorm=True, scale_emb=12, scale_depth=1.4, dim_model_base=8,
+                       max_position_embeddings=256,
+                       rope_scaling=LongRopeScaling([1.0, 2.0], [3.0, 4.0], original_max_position_embeddings=256))
+    assert config.mlp_layer_types == ("dense", "sparse", "dense")
+    assert [config.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    assert MLAConfig.from_dict(config.to_dict()) == config
+    assert config.first_layers(2).residual_scale == pytest.approx(config.residual_scale)
+    assert config.first_layers(2).mlp_layer_types == ("dense", "sparse")
+

@@ -40,12 +40,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = make_attention(config, form)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
+        self.residual_scale = config.residual_scale
 
     def forward(self, x, cos, sin, mask, past, cache):
         """Args: x ``[B, S, D]`` and the attention's arguments. Returns: ``[B, S, D]`` and the present cache."""
         h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), present
+        x = x + self._scaled(h)
+        return x + self._scaled(self.mlp(self.post_attention_layernorm(x))), present
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A residual branch times the residual scale (MiniCPM3's; no node when it is 1)."""
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
 
 
 class AttentionSublayer(nn.Module):
@@ -178,11 +183,17 @@ class MLAForCausalLM(nn.Module):
             logits ``[B, K, vocab_size]`` and the list of present caches.
         """
         cache = ConcatCache() if cache is None else cache
+        c = self.config
         x = self.model.embed_tokens(input_ids)
+        if c.scale_emb is not None and c.scale_emb != 1:  # MiniCPM3's embedding scale
+            x = x * c.scale_emb
         x, presents = run_layers(self.model.layers, self.model.rotary_emb, x, position_ids, past, cache)
         if logits_index is not None:  # only the rows asked for go through the norm and lm_head
             x = torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(x)), presents
+        x = self.model.norm(x)
+        if c.logits_scaling != 1.0:  # MiniCPM3's logit divisor
+            x = x / c.logits_scaling
+        return self.lm_head(x), presents
 
     def assign_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Put ``state``'s tensors into this (meta-built) model without copying, rebuild the rope buffer and

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import MLAConfig, YarnScaling
+from ..config import LongRopeScaling, MLAConfig, YarnScaling
 
 
 def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling) -> torch.Tensor:
@@ -41,10 +41,14 @@ def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling) -> torch.Tensor:
 
 
 def inv_freq_for(config: MLAConfig) -> torch.Tensor:
-    """The inverse frequencies ``[qk_rope_head_dim / 2]`` for ``config`` (plain or YaRN)."""
+    """The inverse frequencies ``[qk_rope_head_dim / 2]`` for ``config`` (plain, YaRN or static LongRoPE: the plain
+    ones each divided by its ``short_factor``)."""
     dim = config.qk_rope_head_dim
     if config.rope_scaling is None:
         return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if isinstance(config.rope_scaling, LongRopeScaling):
+        factors = torch.tensor(config.rope_scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     return yarn_inv_freq(dim, config.rope_theta, config.rope_scaling)
 
 
@@ -59,14 +63,14 @@ class RotaryEmbedding(nn.Module):
     """Maps positions to the rotation tables ``(cos, sin)`` (:func:`rope_tables`), each ``[B, S, qk_rope_head_dim]``
     in float32.
 
-    Under YaRN, cos and sin carry the amplitude ``rope_scaling.cos_sin_scale`` (1.0 for the published
-    DeepSeek configs), as transformers applies it.
+    Under YaRN or LongRoPE, cos and sin carry the amplitude ``config.rope_amplitude`` (1.0 for the published
+    DeepSeek and MiniCPM3 configs), as transformers applies it.
     """
 
     def __init__(self, config: MLAConfig):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq_for(config), persistent=False)
-        self.amplitude = 1.0 if config.rope_scaling is None else config.rope_scaling.cos_sin_scale
+        self.amplitude = config.rope_amplitude
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: position_ids ``[B, S]`` int64. Returns: cos, sin ``[B, S, d]`` float32 (:func:`rope_tables`)."""
