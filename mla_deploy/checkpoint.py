@@ -211,6 +211,11 @@ class CheckpointTensors:
         """``get(key)[index]`` of a stacked ``mlp.experts.*`` tensor, reading only that expert's pieces (a new
         tensor ``[...]`` of :attr:`dtype`): a V3 layer's ``gate_up_proj`` is 15 GB in bf16, one expert 59 MB."""
         out = torch.empty(self.shapes[key][1:], dtype=self.dtype)
+        whole = [src for src, slot in self._pieces[key] if slot.expert is None]
+        if whole:  # stored stacked, as transformers writes Mistral 4's experts: read that expert's slice alone
+            out.copy_(self._reader.get(whole[0], index))
+            self.report.used += index == 0  # one on-disk tensor, read expert by expert
+            return out
         pieces = [(src, slot) for src, slot in self._pieces[key] if slot.expert == index]
         if not pieces:
             raise CheckpointError(f"{key} has no expert {index} in {self.folder}")
@@ -473,14 +478,15 @@ class _Reader:
     def __init__(self):
         self._open: dict[Path, tuple[Any, int]] = {}
 
-    def get(self, src: _Source) -> torch.Tensor:
+    def get(self, src: _Source, index: int | None = None) -> torch.Tensor:
+        """The tensor ``src`` (``index``: its ``[index]`` alone, read without the rest)."""
         from safetensors import safe_open
 
         handle, done = self._open.get(src.file, (None, 0))
         if handle is None or done > _REOPEN_BYTES:
             self._open[src.file] = (safe_open(str(src.file), framework="pt"), 0)
             handle, done = self._open[src.file]
-        tensor = handle.get_tensor(src.name)
+        tensor = handle.get_tensor(src.name) if index is None else handle.get_slice(src.name)[index]
         self._open[src.file] = (handle, done + tensor.nbytes)
         return tensor
 

@@ -160,10 +160,11 @@ class MLAConfig:
         first_k_dense_replace: the first k layers use the dense MLP.
         n_group: expert groups for group-limited routing.
         topk_group: groups kept per token.
-        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3).
-        scoring_func: ``softmax`` (V2) or ``sigmoid`` (V3).
+        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3: groups ranked by their best two
+            experts; with softmax scores and no correction bias, Mistral 4).
+        scoring_func: ``softmax`` (V2, Mistral 4) or ``sigmoid`` (V3, with ``e_score_correction_bias``).
         routed_scaling_factor: multiplier of the routed experts' weights.
-        norm_topk_prob: V3 only: normalise the chosen weights to sum to one.
+        norm_topk_prob: ``noaux_tc`` only: normalise the chosen weights to sum to one.
         tie_word_embeddings: lm_head shares the embedding matrix.
         mlp_layer_types: per layer ``dense`` or ``sparse`` (MoE), when the schedule is not the first
             ``first_k_dense_replace`` layers dense and the rest MoE (GLM-4.7-Flash's and A.X-K1's key; DeepSeek's
@@ -175,6 +176,8 @@ class MLAConfig:
             ``scale_depth / sqrt(num_hidden_layers)`` (:attr:`residual_scale`; None: 1).
         dim_model_base: MiniCPM3's logit divisor: the final norm's output is divided by
             ``hidden_size / dim_model_base`` before lm_head (:attr:`logits_scaling`; None: 1).
+        llama_4_scaling_beta: Mistral 4's position-dependent query scale ``1 + beta * ln(1 + floor(p / n))`` at
+            position ``p``, ``n`` the YaRN ``original_max_position_embeddings`` (1 below ``n``); None: none.
     """
 
     name: str
@@ -211,6 +214,7 @@ class MLAConfig:
     scale_emb: float | None = None
     scale_depth: float | None = None
     dim_model_base: int | None = None
+    llama_4_scaling_beta: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -231,10 +235,13 @@ class MLAConfig:
             self._check_moe()
         if self.mlp_layer_types is not None:
             self._check_schedule()
-        for f in ("scale_emb", "scale_depth", "dim_model_base"):
+        for f in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta"):
             value = getattr(self, f)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"{self.name}: {f} must be a positive number or absent, got {value!r}")
+        if self.llama_4_scaling_beta is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise ConfigError(f"{self.name}: llama_4_scaling_beta scales queries by their position over YaRN's "
+                              "original_max_position_embeddings, and the rope has no YaRN scaling")
         if isinstance(self.rope_scaling, LongRopeScaling):
             long = self.rope_scaling
             if len(long.short_factor) != self.qk_rope_head_dim // 2:
@@ -270,9 +277,9 @@ class MLAConfig:
             raise ConfigError(f"{self.name}: topk_method must be one of {ROUTING_METHODS}, got {self.topk_method!r}")
         if self.scoring_func not in SCORING_FUNCS:
             raise ConfigError(f"{self.name}: scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
-        if (self.topk_method == "noaux_tc") != (self.scoring_func == "sigmoid"):
-            raise ConfigError(f"{self.name}: topk_method 'noaux_tc' goes with scoring_func 'sigmoid' (V3), "
-                              f"the others with 'softmax' (V2); got {self.topk_method!r} with {self.scoring_func!r}")
+        if self.scoring_func == "sigmoid" and self.topk_method != "noaux_tc":
+            raise ConfigError(f"{self.name}: scoring_func 'sigmoid' goes with topk_method 'noaux_tc' (V3); "
+                              f"got {self.topk_method!r}")
         if self.n_shared_experts < 0:
             raise ConfigError(f"{self.name}: n_shared_experts must be >= 0")
         per_group = n // self.n_group
@@ -390,7 +397,7 @@ class MLAConfig:
             out["mlp_layer_types"] = list(out["mlp_layer_types"])
         if not out["post_mlp_layernorm"]:
             del out["post_mlp_layernorm"]
-        for key in ("scale_emb", "scale_depth", "dim_model_base"):
+        for key in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta"):
             if out[key] is None:
                 del out[key]
         return out
@@ -548,6 +555,10 @@ class HFModelType:
         half_rotated_rope: its rope rotates the pairs ``(i, i + d/2)`` whatever the config says (MiniCPM3).
         extra_keys: config keys of MLAConfig fields that only this type means (MiniCPM3's scalars); another type's
             config.json holding them is warned about and they are ignored, as transformers ignores them.
+        head_dim: what config.json's ``head_dim`` is: ``rope`` (qk_rope_head_dim, as transformers writes DeepSeek's),
+            ``qk`` (qk_nope_head_dim + qk_rope_head_dim: Mistral 4, whose rope then rotates the
+            ``partial_rotary_factor`` of it), or ``any`` (Sarvam's own configs wrote kv_lora_rank + rope).
+        query_scale: its rope block may hold ``llama_4_scaling_beta`` (Mistral 4's position-dependent query scale).
     """
 
     family: str
@@ -559,6 +570,8 @@ class HFModelType:
     renames: tuple[tuple[str, str], ...] = ()
     half_rotated_rope: bool = False
     extra_keys: tuple[str, ...] = ()
+    head_dim: str = "rope"
+    query_scale: bool = False
 
 
 #: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
@@ -566,7 +579,7 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
     "deepseek_v2": HFModelType("deepseek_v2"),
     "deepseek_v3": HFModelType("deepseek_v3"),
     "kimi_k2": HFModelType("deepseek_v3"),  # Kimi K2's text config: DeepSeek-V3 under another name
-    "sarvam_mla": HFModelType("deepseek_v3"),  # sarvam-105b: DeepseekV3ForCausalLM up to its config
+    "sarvam_mla": HFModelType("deepseek_v3", head_dim="any"),  # sarvam-105b: DeepseekV3ForCausalLM up to its config
     "glm4_moe_lite": HFModelType("deepseek_v3", {"rms_norm_eps": 1e-5, "first_k_dense_replace": 1},
                                  mtp_layers=1),  # GLM-4.7-Flash
     "youtu": HFModelType("deepseek_v3", {"tie_word_embeddings": True}),  # Youtu-LLM: dense, tied
@@ -579,13 +592,17 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
     "minicpm3": HFModelType("deepseek_v2", {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "scale_emb": 12,
                                             "scale_depth": 1.4, "dim_model_base": 256},
                             half_rotated_rope=True, extra_keys=("scale_emb", "scale_depth", "dim_model_base")),
+    # Mistral Small 4: softmax routing over groups ranked by their best two experts, renormalised, no correction
+    # bias; the Llama-4 query scale; head_dim = nope + rope; experts stored fused (our own layout)
+    "mistral4": HFModelType("deepseek_v3", {"scoring_func": "softmax", "topk_method": "noaux_tc",
+                                            "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
+                                            "topk_group": 1, "first_k_dense_replace": 0},
+                            head_dim="qk", query_scale=True),
 }
 #: MLA model types of transformers that mla-deploy refuses, with the mechanism it lacks
 HF_REFUSED_TYPES: dict[str, str] = {
     "deepseek_v32": "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet",
     "glm_moe_dsa": "DeepSeek Sparse Attention (GLM-5's lightning indexer and its key cache) is not supported yet",
-    "mistral4": "softmax routing with renormalised group top-k, the Llama-4 position-dependent query scale and "
-                "head_dim = qk_nope_head_dim + qk_rope_head_dim are not supported yet",
     "longcat_flash": "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported",
     "kimi_linear": "linear-attention layers (KDA) are not supported",
     "bailing_hybrid": "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported",
@@ -746,18 +763,22 @@ def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFMo
     if kv_heads is not None and heads is not None and kv_heads != heads:
         raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
     head_dim = raw.get("head_dim")
-    if (head_dim is not None and "qk_rope_head_dim" in raw and head_dim != raw["qk_rope_head_dim"]
-            and model_type != "sarvam_mla"):  # sarvam's own configs wrote kv_lora_rank + rope; transformers drops it
-        # transformers writes head_dim = qk_rope_head_dim (the rope width); anything else is inconsistent
-        raise ConfigError(f"{label}: head_dim ({head_dim}) differs from qk_rope_head_dim ({raw['qk_rope_head_dim']})")
+    rope_dim, nope_dim = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
+    if head_dim is not None and rope_dim is not None and kind.head_dim != "any":
+        # transformers writes head_dim = qk_rope_head_dim (the rope width), Mistral 4 nope + rope
+        want, what = ((rope_dim, "qk_rope_head_dim") if kind.head_dim == "rope" else
+                      ((nope_dim or 0) + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"))
+        if head_dim != want:
+            raise ConfigError(f"{label}: head_dim ({head_dim}) differs from {what} ({want})")
     read = (*_HF_DIRECT, *kind.extra_keys)
     unknown = sorted(k for k in raw if k not in read and k not in _HF_EXPECTED and k not in _HF_IGNORED)
     fields: dict[str, Any] = {k: v for k, v in kind.defaults.items() if raw.get(k) is None}
     fields.update({k: raw[k] for k in read if k in raw and raw[k] is not None})
     if fields.get("q_lora_rank") == 0:  # DeepSeek's own configs write 0 for "no query compression"
         del fields["q_lora_rank"]
-    rope_theta, rope_scaling = _hf_rope(raw, label)
-    fields.update(model_type=kind.family, rope_theta=rope_theta, rope_scaling=rope_scaling, name=name or label)
+    rope_theta, rope_scaling, beta = _hf_rope(raw, label, kind)
+    fields.update(model_type=kind.family, rope_theta=rope_theta, rope_scaling=rope_scaling, name=name or label,
+                  llama_4_scaling_beta=beta)
     if kind.family == "deepseek_v3" and "n_routed_experts" in fields:
         fields.setdefault("scoring_func", "sigmoid")
         fields.setdefault("topk_method", "noaux_tc")
@@ -812,7 +833,9 @@ def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) 
     return {"first_k_dense_replace": 0, "mlp_layer_types": list(types)}
 
 
-def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | None]:
+def _hf_rope(raw: Mapping[str, Any], label: str,
+             kind: HFModelType) -> tuple[float, YarnScaling | LongRopeScaling | None, float | None]:
+    """``(rope_theta, rope_scaling, llama_4_scaling_beta)`` of a config.json."""
     params = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     if params is not None and scaling is not None and params != scaling:
@@ -828,8 +851,18 @@ def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | N
         theta = raw.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise ConfigError(f"{label}: rope_theta must be a number, got {json.dumps(theta)[:80]}")
+    beta = block.pop("llama_4_scaling_beta", None) if kind.query_scale else None
+    if kind.head_dim == "qk":  # the rope rotates partial_rotary_factor of head_dim = nope + rope: the rope slice
+        factor = block.pop("partial_rotary_factor", None)
+        rope, nope = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
+        if factor is not None and isinstance(rope, int) and isinstance(nope, int) and \
+                abs(factor * (rope + nope) - rope) > 1e-6:
+            raise ConfigError(f"{label}: rope partial_rotary_factor {factor} of head_dim {rope + nope} is not "
+                              f"qk_rope_head_dim ({rope})")
+        if block.pop("max_position_embeddings", raw.get("max_position_embeddings")) != raw.get("max_position_embeddings"):
+            raise ConfigError(f"{label}: rope_parameters.max_position_embeddings differs from max_position_embeddings")
     yarn = _yarn_from_mapping(block, label) if block else None
-    return float(theta), yarn
+    return float(theta), yarn, beta
 
 
 _HF_ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -861,7 +894,10 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
                                       ("post_mlp_layernorm", c.post_mlp_layernorm),
                                       ("longrope", isinstance(c.rope_scaling, LongRopeScaling)),
                                       ("scale_emb/scale_depth/dim_model_base",
-                                       (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None))) if used]
+                                       (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None)),
+                                      ("llama_4_scaling_beta", c.llama_4_scaling_beta is not None),
+                                      ("softmax noaux_tc routing", c.is_moe and c.topk_method == "noaux_tc"
+                                       and c.scoring_func == "softmax")) if used]
     if beyond:
         raise ConfigError(f"{c.name}: a transformers DeepSeek-V2/V3 config cannot express {', '.join(beyond)}")
     out: dict[str, Any] = {

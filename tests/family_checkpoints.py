@@ -124,6 +124,14 @@ def _build(case: str):
     if case == "axk1":
         cfg = transformers.AXK1Config(**{**SMALL, "mlp_layer_types": ["dense", "dense", "sparse"]})
         return transformers.AXK1ForCausalLM, cfg, _axk1_legacy
+    if case == "mistral4":
+        # Mistral Small 4's rope (YaRN 128x and the Llama-4 query scale over original_max_position_embeddings), its
+        # context cut to 4 x 128 positions so that the query scale steps within a few tokens
+        rope = {**YARN, "factor": 128.0, "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1,
+                "max_position_embeddings": SMALL["max_position_embeddings"]}
+        cfg = transformers.Mistral4Config(**{**SMALL, "first_k_dense_replace": 1, "routed_scaling_factor": 2.0,
+                                             "rope_parameters": rope})
+        return transformers.Mistral4ForCausalLM, cfg, None
     if case == "minicpm3":
         # its release's rope: static longrope (max_position_embeddings = original), one divisor per rope pair
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.4],
@@ -143,7 +151,7 @@ def _build(case: str):
 
 
 CASES = ("deepseek_v3-tied", "deepseek_v3-half-rope", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "youtu", "axk1",
-         "kimi_k25", "minicpm3")
+         "kimi_k25", "minicpm3", "mistral4")
 
 
 @torch.no_grad()

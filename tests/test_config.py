@@ -195,7 +195,8 @@ def test_unreadable_hf_config(tmp_path):
 @pytest.mark.parametrize("change, message", [
     pytest.param({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even", id="odd_rope_dim"),
     pytest.param({"topk_group": 3}, r"topk_group must be in 1..n_group \(2\)", id="topk_group_gt_n_group"),
-    pytest.param({"topk_method": "noaux_tc"}, "noaux_tc' goes with scoring_func 'sigmoid'", id="method_vs_scoring"),
+    pytest.param({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid' goes with topk_method 'noaux_tc'",
+                 id="method_vs_scoring"),
     pytest.param({"model_type": "deepseek_v4"}, "model_type must be one of", id="model_type"),
     pytest.param({"q_lora_rank": 0}, "q_lora_rank must be a positive integer", id="q_lora_zero"),
 ])

@@ -48,14 +48,17 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Top-k expert choice of DeepSeek-V2 (softmax; greedy or group-limited) and V3 (sigmoid, noaux_tc)."""
+    """Top-k expert choice: DeepSeek-V2's (softmax; greedy or group-limited by each group's best expert), DeepSeek-V3's
+    (``noaux_tc``: sigmoid plus ``e_score_correction_bias`` for the choice, groups ranked by their best two experts)
+    and Mistral 4's (``noaux_tc`` over softmax scores, no correction bias). ``norm_topk_prob`` renormalises the
+    chosen weights of ``noaux_tc`` (V2 never renormalises)."""
 
     def __init__(self, config: MLAConfig):
         super().__init__()
         assert config.n_routed_experts is not None
         self.config = config
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
-        if config.topk_method == "noaux_tc":
+        if config.scoring_func == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +66,12 @@ class Router(nn.Module):
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         groups = (c.n_group, c.n_routed_experts // c.n_group)
-        if c.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
+        if c.topk_method == "noaux_tc":
+            if c.scoring_func == "sigmoid":
+                scores = logits.sigmoid()
+                choice = scores + self.e_score_correction_bias
+            else:
+                scores = choice = logits.softmax(-1)
             group_scores = choice.unflatten(-1, groups).topk(2, dim=-1).values.sum(-1)  # [T, G]
             choice = _keep_groups(choice, group_scores, c.topk_group, groups, float("-inf"))
             idx = choice.topk(c.num_experts_per_tok, dim=-1).indices

@@ -71,6 +71,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq_for(config), persistent=False)
         self.amplitude = config.rope_amplitude
+        self.query_beta = config.llama_4_scaling_beta
+        self.query_span = None if self.query_beta is None else config.rope_scaling.original_max_position_embeddings
+
+    def query_scale(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Mistral 4's query scale ``[B, S]`` float32, ``1 + beta * ln(1 + floor(p / n))`` (as transformers'
+        ``get_llama_4_attn_scale``), or None for a model without one."""
+        if self.query_beta is None:
+            return None
+        return 1 + self.query_beta * torch.log(1 + torch.floor(position_ids.to(torch.float32) / self.query_span))
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: position_ids ``[B, S]`` int64. Returns: cos, sin ``[B, S, d]`` float32 (:func:`rope_tables`)."""

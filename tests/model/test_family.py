@@ -65,7 +65,7 @@ def test_loader_reads_what_transformers_reads(exported):
 @pytest.mark.parametrize("model_type, mechanism", [
     ("kimi_linear", "linear-attention layers (KDA) are not supported"),
     ("deepseek_v32", "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet"),
-    ("mistral4", "softmax routing with renormalised group top-k"),
+    ("longcat_flash", "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported"),
 ])
 def test_refused_type_names_the_missing_mechanism(tmp_path, model_type, mechanism):
     """A config written by transformers' own config class of a type mla-deploy refuses: `export --hf` exits 1
