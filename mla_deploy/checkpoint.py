@@ -200,6 +200,8 @@ class CheckpointTensors:
     def get(self, key: str) -> torch.Tensor:
         """Read our tensor ``key`` (a new CPU tensor of :attr:`dtype`; the V3 routing bias in float32)."""
         dtype = torch.promote_types(self.dtype, torch.float32) if key.endswith(KEEP_FP32) else self.dtype
+        if key not in self._pieces:  # absent and zero (_check_coverage's zero_if_missing)
+            return torch.zeros(self.shapes[key], dtype=dtype)
         out = torch.empty(self.shapes[key], dtype=dtype)
         for src, slot in self._pieces[key]:
             self._copy(src, slot, out if slot.expert is None else out[slot.expert])
@@ -401,7 +403,8 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
     if unknown:
         raise CheckpointError(f"{len(unknown)} tensor(s) in the checkpoint that the model does not use: {name_list(unknown)}")
     _check_shapes(plan, scales, targets, layout.weight_block_size)
-    _check_coverage(plan, targets)
+    for zero in _check_coverage(plan, targets, layout.zero_if_missing):
+        skipped.setdefault("absent, zero as transformers makes it", []).append(zero)
     return plan, scales, skipped
 
 
@@ -445,8 +448,10 @@ def _check_shapes(plan, scales, targets, block) -> None:
             raise CheckpointError(f"{src.name}: dtype {src.dtype} is not a floating-point weight type")
 
 
-def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[int, ...]]) -> None:
-    """Each target filled exactly once: whole, or (fused experts) one slot per expert and row block."""
+def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[int, ...]],
+                    zero_if_missing: tuple[str, ...] = ()) -> list[str]:
+    """Each target filled exactly once: whole, or (fused experts) one slot per expert and row block. Returns the
+    targets absent from the checkpoint that end with one of ``zero_if_missing`` (read as zeros)."""
     by_target: dict[str, dict[_Slot, str]] = {}
     for src, slot in plan:
         got = by_target.setdefault(slot.target, {})
@@ -465,8 +470,11 @@ def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[
                         for e in range(shape[0]) if _Slot(target, e, block) not in got]
         else:
             missing.append(target)
+    zeros = [t for t in missing if zero_if_missing and t.endswith(zero_if_missing)]
+    missing = [t for t in missing if t not in zeros]
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {name_list(missing)}")
+    return zeros
 
 
 # reading ------------------------------------------------------------------------------------------------

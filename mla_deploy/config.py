@@ -559,6 +559,7 @@ class HFModelType:
             ``qk`` (qk_nope_head_dim + qk_rope_head_dim: Mistral 4, whose rope then rotates the
             ``partial_rotary_factor`` of it), or ``any`` (Sarvam's own configs wrote kv_lora_rank + rope).
         query_scale: its rope block may hold ``llama_4_scaling_beta`` (Mistral 4's position-dependent query scale).
+        zero_if_missing: name endings of tensors its releases may lack, which transformers then makes zero.
     """
 
     family: str
@@ -572,6 +573,7 @@ class HFModelType:
     extra_keys: tuple[str, ...] = ()
     head_dim: str = "rope"
     query_scale: bool = False
+    zero_if_missing: tuple[str, ...] = ()
 
 
 #: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
@@ -583,7 +585,9 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
     "glm4_moe_lite": HFModelType("deepseek_v3", {"rms_norm_eps": 1e-5, "first_k_dense_replace": 1},
                                  mtp_layers=1),  # GLM-4.7-Flash
     "youtu": HFModelType("deepseek_v3", {"tie_word_embeddings": True}),  # Youtu-LLM: dense, tied
-    "axk1": HFModelType("deepseek_v3", {"first_k_dense_replace": 1}, post_mlp_layernorm=True),  # A.X-K1
+    # A.X-K1; its releases route without a score correction bias, which transformers initialises to zero
+    "axk1": HFModelType("deepseek_v3", {"first_k_dense_replace": 1}, post_mlp_layernorm=True,
+                        zero_if_missing=("mlp.gate.e_score_correction_bias",)),
     "kimi_k25": HFModelType("deepseek_v3", {"tie_word_embeddings": True}, text_prefix="language_model.",
                             skipped_prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.",
                                               "model.mm_projector."),
@@ -635,6 +639,7 @@ class HFLayout:
         rope_interleave: False when the rope rows of the query and ``kv_a_proj_with_mqa`` are in the half-rotated
             order (pairs ``(i, i + d/2)``), which the loader permutes into DeepSeek's interleaved pairs.
         weight_block_size: the float8 block of ``quantization_config`` (DeepSeek-V3's 128 x 128).
+        zero_if_missing: name endings of tensors that may be absent, read as zeros (A.X-K1's routing bias).
     """
 
     model_type: str = "deepseek_v3"
@@ -644,6 +649,7 @@ class HFLayout:
     mtp_layers: int = 0
     rope_interleave: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
+    zero_if_missing: tuple[str, ...] = ()
 
 
 def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
@@ -702,7 +708,7 @@ def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
                       renames=kind.renames,
                       mtp_layers=kind.mtp_layers if mtp is None else mtp,
                       rope_interleave=raw.get("rope_interleave") is not False and not kind.half_rotated_rope,
-                      weight_block_size=block)
+                      weight_block_size=block, zero_if_missing=kind.zero_if_missing)
     return config, layout
 
 

@@ -57,16 +57,18 @@ def _sarvam_legacy(folder: Path) -> None:
 
 
 def _axk1_legacy(folder: Path) -> None:
-    """A.X-K1's released config: ``first_k_dense_replace`` and ``moe_layer_freq`` instead of ``mlp_layer_types``;
-    its norm written for the dense layer as well (which transformers ignores)."""
+    """A.X-K1's released layout: ``first_k_dense_replace`` and ``moe_layer_freq`` instead of ``mlp_layer_types``;
+    its norm written for a dense layer as well (which transformers ignores); no routing correction bias (which
+    transformers then makes zero)."""
     from safetensors.torch import load_file, save_file
 
     def change(d):
-        assert d.pop("mlp_layer_types") == ["dense", "dense", "sparse"]
+        assert d.pop("mlp_layer_types") == ["dense", "dense", "sparse", "dense"]
         d.update(first_k_dense_replace=1, moe_layer_freq=2)
     _edit_json(folder / "config.json", change)
     state = load_file(str(folder / "model.safetensors"))
     state["model.layers.0.post_mlp_layernorm.weight"] = torch.ones(SMALL["hidden_size"])
+    state = {k: v for k, v in state.items() if not k.endswith("e_score_correction_bias")}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -122,7 +124,9 @@ def _build(case: str):
         cfg = transformers.YoutuConfig(**{k: v for k, v in SMALL.items() if k not in DENSE_KEYS and k != "tie_word_embeddings"})
         return transformers.YoutuForCausalLM, cfg, None
     if case == "axk1":
-        cfg = transformers.AXK1Config(**{**SMALL, "mlp_layer_types": ["dense", "dense", "sparse"]})
+        # 4 layers: first_k_dense_replace 1 with moe_layer_freq 2 makes layer 3 dense after MoE layer 2
+        cfg = transformers.AXK1Config(**{**SMALL, "num_hidden_layers": 4,
+                                         "mlp_layer_types": ["dense", "dense", "sparse", "dense"]})
         return transformers.AXK1ForCausalLM, cfg, _axk1_legacy
     if case == "mistral4":
         # Mistral Small 4's rope (YaRN 128x and the Llama-4 query scale over original_max_position_embeddings), its
