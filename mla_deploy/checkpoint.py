@@ -354,27 +354,22 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
           layout: HFLayout) -> tuple[list[tuple[_Source, _Slot]], dict[str, _Source], dict[str, list[str]]]:
     """Decide where each on-disk tensor goes; check names, shapes and coverage. Reads no data."""
     layers = config.num_hidden_layers
-    mtp = layout.mtp_layers
     scales = {n[: -len(SCALE_SUFFIX)]: s for n, s in sources.items()
               if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in sources}
     plan: list[tuple[_Source, _Slot]] = []
     skipped: dict[str, list[str]] = {}
     unknown: list[str] = []
     for disk_name, src in sources.items():
-        if layout.text_prefix and not disk_name.startswith(layout.text_prefix):
-            if disk_name.startswith(layout.skipped_prefixes):
-                skipped.setdefault(f"{layout.model_type} tensors outside the text model", []).append(disk_name)
-            else:
-                unknown.append(disk_name)
+        name = _text_name(disk_name, layout)
+        if name is None:  # a wrapper's tensor outside its text model: its vision tower, or unknown
+            outside = disk_name.startswith(layout.skipped_prefixes)
+            (skipped.setdefault(f"{layout.model_type} tensors outside the text model", []) if outside else
+             unknown).append(disk_name)
             continue
-        name = disk_name.removeprefix(layout.text_prefix)
-        for old, new in layout.renames:
-            if name.startswith(old):
-                name = new + name[len(old):]
         base = disk_name[: -len(SCALE_SUFFIX)] if disk_name.endswith(SCALE_SUFFIX) else None
         layer = _LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= layers:
-            if int(layer.group(1)) < layers + mtp:
+            if int(layer.group(1)) < layers + layout.mtp_layers:
                 skipped.setdefault("MTP layer tensors (not part of the decoder)", []).append(disk_name)
             else:
                 unknown.append(disk_name)
@@ -406,6 +401,18 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
     for zero in _check_coverage(plan, targets, layout.zero_if_missing):
         skipped.setdefault("absent, zero as transformers makes it", []).append(zero)
     return plan, scales, skipped
+
+
+def _text_name(disk_name: str, layout: HFLayout) -> str | None:
+    """Our name of the on-disk tensor ``disk_name``: without a wrapper's text prefix, another spelling renamed;
+    None for a wrapper's tensor outside its text model."""
+    if not disk_name.startswith(layout.text_prefix):
+        return None
+    name = disk_name[len(layout.text_prefix):]
+    for old, new in layout.renames:
+        if name.startswith(old):
+            name = new + name[len(old):]
+    return name
 
 
 def _slot(name: str, targets: dict[str, tuple[int, ...]]) -> _Slot | None:

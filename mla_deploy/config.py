@@ -752,30 +752,8 @@ def _hf_block_size(raw: Mapping[str, Any], label: str) -> tuple[int, int]:
 
 def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFModelType, name: str | None) -> MLAConfig:
     """The :class:`MLAConfig` of a text model's config ``raw`` of ``model_type``."""
-    raw = dict(raw)
-    for alias, key in _HF_ALIASES.items():
-        if alias in raw:
-            value = raw.pop(alias)
-            if raw.get(key) is not None and raw[key] != value:
-                raise ConfigError(f"{label}: {alias} ({value}) and {key} ({raw[key]}) disagree")
-            raw[key] = value
-    for key, allowed in _HF_EXPECTED.items():
-        if key in raw and raw[key] not in allowed:
-            raise ConfigError(f"{label}: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
-    if raw.get("rope_interleave") is False and kind.family != "deepseek_v3":
-        raise ConfigError(f"{label}: rope_interleave=false is not supported for {model_type}")
-    heads = raw.get("num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads")
-    if kv_heads is not None and heads is not None and kv_heads != heads:
-        raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
-    head_dim = raw.get("head_dim")
-    rope_dim, nope_dim = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
-    if head_dim is not None and rope_dim is not None and kind.head_dim != "any":
-        # transformers writes head_dim = qk_rope_head_dim (the rope width), Mistral 4 nope + rope
-        want, what = ((rope_dim, "qk_rope_head_dim") if kind.head_dim == "rope" else
-                      ((nope_dim or 0) + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"))
-        if head_dim != want:
-            raise ConfigError(f"{label}: head_dim ({head_dim}) differs from {what} ({want})")
+    raw = _unaliased(raw, label)
+    _check_hf_math(raw, label, model_type, kind)
     read = (*_HF_DIRECT, *kind.extra_keys)
     unknown = sorted(k for k in raw if k not in read and k not in _HF_EXPECTED and k not in _HF_IGNORED)
     fields: dict[str, Any] = {k: v for k, v in kind.defaults.items() if raw.get(k) is None}
@@ -806,6 +784,40 @@ def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFMo
     return config
 
 
+def _unaliased(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """``raw`` with the other spellings of DeepSeek's keys (:data:`_HF_ALIASES`) renamed; two that disagree are an
+    error."""
+    raw = dict(raw)
+    for alias, key in _HF_ALIASES.items():
+        if alias in raw:
+            value = raw.pop(alias)
+            if raw.get(key) is not None and raw[key] != value:
+                raise ConfigError(f"{label}: {alias} ({value}) and {key} ({raw[key]}) disagree")
+            raw[key] = value
+    return raw
+
+
+def _check_hf_math(raw: Mapping[str, Any], label: str, model_type: str, kind: HFModelType) -> None:
+    """The settings that change the math the way mla-deploy does not implement, or contradict MLA, are refused."""
+    for key, allowed in _HF_EXPECTED.items():
+        if key in raw and raw[key] not in allowed:
+            raise ConfigError(f"{label}: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
+    if raw.get("rope_interleave") is False and kind.family != "deepseek_v3":
+        raise ConfigError(f"{label}: rope_interleave=false is not supported for {model_type}")
+    heads = raw.get("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads")
+    if kv_heads is not None and heads is not None and kv_heads != heads:
+        raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
+    head_dim = raw.get("head_dim")
+    rope_dim, nope_dim = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
+    if head_dim is not None and rope_dim is not None and kind.head_dim != "any":
+        # transformers writes head_dim = qk_rope_head_dim (the rope width), Mistral 4 nope + rope
+        want, what = ((rope_dim, "qk_rope_head_dim") if kind.head_dim == "rope" else
+                      ((nope_dim or 0) + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"))
+        if head_dim != want:
+            raise ConfigError(f"{label}: head_dim ({head_dim}) differs from {what} ({want})")
+
+
 def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) -> dict[str, Any]:
     """Which layers are MoE: ``mlp_layer_types`` (GLM-4.7-Flash, A.X-K1) or DeepSeek's ``first_k_dense_replace``
     and ``moe_layer_freq`` (layer ``i`` is MoE when ``i >= k`` and ``i % freq == 0``, as DeepSeek's own code builds
@@ -820,10 +832,9 @@ def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) 
         return {}  # the first first_k_dense_replace layers dense (the type's default when config.json has none)
     if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
         return {}  # MLAConfig says what is wrong with num_hidden_layers
-    derived = None
-    if first_k is not None or freq is not None:
-        k, f = fields.get("first_k_dense_replace", 0), freq or 1
-        derived = ["sparse" if i >= k and i % f == 0 else "dense" for i in range(layers)]
+    derived, k = None, fields.get("first_k_dense_replace", 0)  # k: config.json's, else the type's default
+    if first_k is not None or freq not in (None, 1):  # a moe_layer_freq of 1 alone says nothing
+        derived = ["sparse" if i >= k and i % (freq or 1) == 0 else "dense" for i in range(layers)]
     if types is None:
         types = derived
     else:
@@ -831,8 +842,8 @@ def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) 
         differ = next((i for i, (a, b) in enumerate(zip(types, derived or types)) if a != b), None)
         if differ is not None:
             raise ConfigError(f"{label}: contradictory MoE schedules: mlp_layer_types makes layer {differ} "
-                              f"{types[differ]!r}, first_k_dense_replace {first_k if first_k is not None else 0} and "
-                              f"moe_layer_freq {freq if freq is not None else 1} make it {derived[differ]!r}")
+                              f"{types[differ]!r}, first_k_dense_replace {k} and moe_layer_freq "
+                              f"{freq if freq is not None else 1} make it {derived[differ]!r}")
     dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
     if list(types) == ["dense"] * dense + ["sparse"] * (len(types) - dense):
         return {"first_k_dense_replace": dense, "mlp_layer_types": None}

@@ -305,3 +305,18 @@ def test_family_config_fields_round_trip():
     assert config.first_layers(2).residual_scale == pytest.approx(config.residual_scale)
     assert config.first_layers(2).mlp_layer_types == ("dense", "sparse")
 
+
+
+def test_moe_schedules_of_the_family():
+    """DeepSeek's moe_layer_freq (layer i is MoE when i >= first_k_dense_replace and i % freq == 0, as DeepSeek's
+    own code builds it), GLM-4.7-Flash's mlp_layer_types and its default (the first layer dense), all read into
+    one schedule; a schedule that is the first k layers dense stays first_k_dense_replace."""
+    v3 = from_hf_config({**V3_CONFIG_JSON, "num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert [v3.is_moe_layer(i) for i in range(6)] == [False, False, False, False, True, False]
+    assert v3.mlp_layer_types == ("dense",) * 4 + ("sparse", "dense")
+    glm = {**V3_CONFIG_JSON, "model_type": "glm4_moe_lite", "num_hidden_layers": 3, "first_k_dense_replace": None}
+    glm = {k: v for k, v in glm.items() if v is not None}
+    assert from_hf_config(glm).first_k_dense_replace == 1 and from_hf_config(glm).mlp_layer_types is None
+    listed = from_hf_config({**glm, "mlp_layer_types": ["dense", "sparse", "dense"]})
+    assert [listed.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    assert from_hf_config({**glm, "mlp_layer_types": ["dense", "dense", "sparse"]}).first_k_dense_replace == 2

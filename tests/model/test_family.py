@@ -31,11 +31,13 @@ def exported(request, tmp_path_factory):
     return case, hf, root / "ckpt", root / "onnx"
 
 
+@pytest.mark.slow
 def test_tokens_and_logits_match_transformers(exported):
     case, hf, _, out = exported
     assert_engine_matches_hf(OrtEngine(out, threads=1, capacity=32), hf, PROMPTS, NEW)
 
 
+@pytest.mark.slow
 def test_validate_and_inspect(exported, tmp_path):
     """`validate` (the reference rebuilt from the checkpoint) passes; `inspect --hf` shows the model's cache."""
     case, hf, ckpt, out = exported
@@ -44,6 +46,7 @@ def test_validate_and_inspect(exported, tmp_path):
     assert "latent" in shown.lower()
 
 
+@pytest.mark.slow
 def test_loader_reads_what_transformers_reads(exported):
     """What the load report says was skipped, per type: the MTP layer (GLM-4.7-Flash), A.X-K1's dense-layer norm
     and its absent routing bias, the Kimi K2.5 wrapper's vision tensors; and the schedule read (dense layers where
@@ -61,6 +64,23 @@ def test_loader_reads_what_transformers_reads(exported):
                 "kimi_k25": ["kimi_k25 tensors outside the text model"]}
     for reason in expected.get(case, []):
         assert reason in skipped
+
+
+@pytest.mark.parametrize("case", ["kimi_k25", "sarvam_mla", "axk1"])
+def test_checkpoint_as_transformers_saves_it(tmp_path, case):
+    """The same types as transformers 5.24 itself saves them, where that differs from the release (Kimi K2.5's text
+    layers as ``language_model.model.blocks.*``, Sarvam's and A.X-K1's configs in transformers' spelling): loaded,
+    they compute transformers' logits."""
+    import torch
+
+    from mla_deploy.checkpoint import load_checkpoint
+
+    hf = family_checkpoints.write(case, tmp_path / "ckpt", released=False)
+    model = load_checkpoint(tmp_path / "ckpt")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        logits, _ = model(ids, torch.arange(ids.shape[1])[None], model.empty_cache(1))
+        assert (logits - hf(ids).logits).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("model_type, mechanism", [
