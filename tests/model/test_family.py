@@ -83,6 +83,22 @@ def test_checkpoint_as_transformers_saves_it(tmp_path, case):
         assert (logits - hf(ids).logits).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("case", ["deepseek_v3-half-rope", "glm4_moe_lite", "minicpm3", "mistral4"])
+def test_in_memory_transformers_model(tmp_path, case):
+    """``from_hf_model`` on the transformers model itself (no checkpoint folder): the half-rotated rope rows permuted
+    into new tensors, the rest shared; the logits are transformers'."""
+    import torch
+
+    from mla_deploy.model.hf import from_hf_model
+
+    hf = family_checkpoints.write(case, tmp_path / "ckpt")
+    model = from_hf_model(hf).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        logits, _ = model(ids, torch.arange(ids.shape[1])[None], model.empty_cache(1))
+        assert (logits - hf(ids).logits).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("model_type, mechanism", [
     ("kimi_linear", "linear-attention layers (KDA) are not supported"),
     ("deepseek_v32", "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet"),
