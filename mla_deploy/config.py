@@ -700,6 +700,8 @@ def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
         # transformers ties the wrapper's lm_head as the wrapper's own config says (default True)
         text = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", kind.defaults["tie_word_embeddings"])}
         _check_json_types(text, f"{label} text_config")
+        if "quantization_config" not in raw:  # the float8 block may be the text model's own
+            block = _hf_block_size(text, f"{label} text_config")
         raw, label = text, f"{label} text_config"
     config = _config_from_hf(raw, label, model_type, kind, name)
     mtp = raw.get("num_nextn_predict_layers")
