@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import MLAConfig
+from .config import LongRopeScaling, MLAConfig
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -59,15 +59,25 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
         ("vocab_size", c.vocab_size), ("intermediate_size", c.intermediate_size),
         ("rope_theta", c.rope_theta), ("rms_norm_eps", c.rms_norm_eps),
     ]
-    if c.rope_scaling is not None:
+    if isinstance(c.rope_scaling, LongRopeScaling):
+        y = c.rope_scaling
+        dims.append(("rope_scaling", f"static longrope short_factor={'/'.join(f'{v:g}' for v in y.short_factor)} "
+                                     f"original_max_position_embeddings={y.original_max_position_embeddings}"))
+    elif c.rope_scaling is not None:
         y = c.rope_scaling
         dims.append(("rope_scaling", f"yarn factor={y.factor:g} original_max_position_embeddings="
                                      f"{y.original_max_position_embeddings} beta_fast={y.beta_fast:g} "
                                      f"beta_slow={y.beta_slow:g} mscale={y.mscale:g} mscale_all_dim={y.mscale_all_dim:g}"))
+    if (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None):
+        dims.append(("scales", f"embeddings x{c.scale_emb if c.scale_emb is not None else 1:g}, residual branches "
+                               f"x{c.residual_scale:.6g}, logits /{c.logits_scaling:g}"))
     if c.is_moe:
         dims.append(("moe", f"{c.n_routed_experts} routed + {c.n_shared_experts} shared experts of "
                             f"{c.moe_intermediate_size}, top-{c.num_experts_per_tok}, {c.topk_method}/{c.scoring_func}, "
-                            f"first {c.first_k_dense_replace} layer(s) dense"))
+                            + (f"first {c.first_k_dense_replace} layer(s) dense" if c.mlp_layer_types is None else
+                               "dense layer(s) " + ", ".join(str(i) for i, t in enumerate(c.mlp_layer_types)
+                                                             if t == "dense"))
+                            + (", post_mlp_layernorm" if c.post_mlp_layernorm else "")))
     dims += [("qk_head_dim", c.qk_head_dim), ("absorbed query / latent row width", c.latent_dim),
              ("softmax_scale", f"{c.softmax_scale:.8f}")]
     width = max(len(k) for k, _ in dims)

@@ -12,8 +12,14 @@ Every tensor of the checkpoint is accounted for. On-disk names equal our state-d
   are stacked into the fused ``experts.gate_up_proj [E, 2I, D]`` and ``experts.down_proj [E, D, I]``
   (table :data:`EXPERT_MAP`);
 * DeepSeek-V3's multi-token-prediction layers ``model.layers.{L}..{L+n-1}.*`` (``L`` = num_hidden_layers,
-  ``n`` = num_nextn_predict_layers) and the tensors of :data:`IGNORED` are skipped and listed in the
-  :class:`LoadReport`;
+  ``n`` = num_nextn_predict_layers, or the type's own count: GLM-4.7-Flash writes one without the key) and the
+  tensors of :data:`IGNORED` are skipped and listed in the :class:`LoadReport`;
+* a multimodal wrapper's text model (Kimi K2.5: ``language_model.model.layers.*``, ``language_model.lm_head``) is
+  read without its prefix, its vision tower and projector skipped;
+* A.X-K1's ``model.layers.{i}.post_mlp_layernorm`` is the MoE block's ``mlp.post_mlp_layernorm`` (skipped for a
+  dense layer, which does not use it);
+* with ``rope_interleave: false`` the rope rows of the query projection and ``kv_a_proj_with_mqa`` are permuted
+  into DeepSeek's interleaved pairs (:func:`~mla_deploy.model.rope.interleave_rope_rows`);
 * float8 weights with a ``<name>_scale_inv`` block scale (DeepSeek-V3's own release) are dequantised.
 
 A tensor the model does not use, a missing tensor or a wrong shape is a :class:`CheckpointError`.
@@ -33,9 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import MLAConfig, from_hf_config
+from .config import HFLayout, MLAConfig, read_hf_config
 from .errors import CheckpointError, ConfigError, name_list
 from .model.hf import from_hf_model  # noqa: F401  (re-exported: the in-memory counterpart of load_checkpoint)
+from .model.rope import interleave_rope_rows
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,7 @@ EXPERT_MAP: dict[str, tuple[str, int | None]] = {
 }
 _EXPERT_NAME = re.compile(r"(?P<prefix>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight")
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+_POST_MLP_NORM = re.compile(r"(model\.layers\.\d+)\.post_mlp_layernorm\.weight")
 # Tensors a checkpoint may carry that the model recomputes: pattern -> why they are skipped.
 IGNORED: dict[re.Pattern, str] = {re.compile(r".*rotary_emb\.(original_)?inv_freq"): "rope frequencies (recomputed)"}
 # Kept in float32 whatever the dtype, as transformers does (the V3 routing bias).
@@ -168,19 +176,18 @@ class CheckpointTensors:
         from .model import MLAForCausalLM
 
         self.folder, self.files = checkpoint_files(path)
-        self.config = from_hf_config(self.folder)
-        raw = json.loads((self.folder / "config.json").read_text())
+        self.config, self.layout = read_hf_config(self.folder)
         sources = _read_headers(self.files)
         with torch.device("meta"):
             model = MLAForCausalLM(self.config, "CC")
         self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if self.config.tie_word_embeddings:
             del self.shapes["lm_head.weight"]  # the same parameter as model.embed_tokens.weight
-        plan, self._scales, skipped = _plan(sources, self.shapes, self.config, raw)
+        plan, self._scales, skipped = _plan(sources, self.shapes, self.config, self.layout)
         self._pieces: dict[str, list[tuple[_Source, _Slot]]] = {}
         for src, slot in plan:
             self._pieces.setdefault(slot.target, []).append((src, slot))
-        self._block = _block_size(raw)
+        self._block = self.layout.weight_block_size
         self.dtype = _resolve_dtype(dtype, sources)
         self.report = LoadReport(str(self.folder), [f.name for f in self.files], self.dtype, skipped=skipped,
                                  bytes_on_disk=sum(f.stat().st_size for f in self.files))
@@ -193,15 +200,24 @@ class CheckpointTensors:
     def get(self, key: str) -> torch.Tensor:
         """Read our tensor ``key`` (a new CPU tensor of :attr:`dtype`; the V3 routing bias in float32)."""
         dtype = torch.promote_types(self.dtype, torch.float32) if key.endswith(KEEP_FP32) else self.dtype
+        if key not in self._pieces:  # absent and zero (_check_coverage's zero_if_missing)
+            return torch.zeros(self.shapes[key], dtype=dtype)
         out = torch.empty(self.shapes[key], dtype=dtype)
         for src, slot in self._pieces[key]:
             self._copy(src, slot, out if slot.expert is None else out[slot.expert])
+        if not self.layout.rope_interleave:
+            out = interleave_rope_rows(key, out, self.config)
         return out
 
     def expert(self, key: str, index: int) -> torch.Tensor:
         """``get(key)[index]`` of a stacked ``mlp.experts.*`` tensor, reading only that expert's pieces (a new
         tensor ``[...]`` of :attr:`dtype`): a V3 layer's ``gate_up_proj`` is 15 GB in bf16, one expert 59 MB."""
         out = torch.empty(self.shapes[key][1:], dtype=self.dtype)
+        whole = [src for src, slot in self._pieces[key] if slot.expert is None]
+        if whole:  # stored stacked, as transformers writes Mistral 4's experts: read that expert's slice alone
+            out.copy_(self._reader.get(whole[0], index))
+            self.report.used += index == 0  # one on-disk tensor, read expert by expert
+            return out
         pieces = [(src, slot) for src, slot in self._pieces[key] if slot.expert == index]
         if not pieces:
             raise CheckpointError(f"{key} has no expert {index} in {self.folder}")
@@ -279,6 +295,9 @@ def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a readable safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names, got "
+                                  f"{json.dumps(weight_map)[:80]}")
         files = [folder / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -332,43 +351,68 @@ def _read_headers(files: list[Path]) -> dict[str, _Source]:
 
 
 def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], config: MLAConfig,
-          raw: dict[str, Any]) -> tuple[list[tuple[_Source, _Slot]], dict[str, _Source], dict[str, list[str]]]:
+          layout: HFLayout) -> tuple[list[tuple[_Source, _Slot]], dict[str, _Source], dict[str, list[str]]]:
     """Decide where each on-disk tensor goes; check names, shapes and coverage. Reads no data."""
     layers = config.num_hidden_layers
-    mtp = int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0)
     scales = {n[: -len(SCALE_SUFFIX)]: s for n, s in sources.items()
               if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in sources}
     plan: list[tuple[_Source, _Slot]] = []
     skipped: dict[str, list[str]] = {}
     unknown: list[str] = []
-    for name, src in sources.items():
-        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+    for disk_name, src in sources.items():
+        name = _text_name(disk_name, layout)
+        if name is None:  # a wrapper's tensor outside its text model: its vision tower, or unknown
+            outside = disk_name.startswith(layout.skipped_prefixes)
+            (skipped.setdefault(f"{layout.model_type} tensors outside the text model", []) if outside else
+             unknown).append(disk_name)
+            continue
+        base = disk_name[: -len(SCALE_SUFFIX)] if disk_name.endswith(SCALE_SUFFIX) else None
         layer = _LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= layers:
-            if int(layer.group(1)) < layers + mtp:
-                skipped.setdefault("MTP layer tensors (not part of the decoder)", []).append(name)
+            if int(layer.group(1)) < layers + layout.mtp_layers:
+                skipped.setdefault("MTP layer tensors (not part of the decoder)", []).append(disk_name)
             else:
-                unknown.append(name)
+                unknown.append(disk_name)
             continue
         if base is not None and base in scales and sources[base].dtype in _FP8:
             continue  # consumed with its weight
+        if config.post_mlp_layernorm and (norm := _POST_MLP_NORM.fullmatch(name)):
+            moe_norm = f"{norm.group(1)}.mlp.post_mlp_layernorm.weight"
+            if moe_norm in targets:
+                plan.append((src, _Slot(moe_norm)))
+            else:
+                skipped.setdefault("post_mlp_layernorm of dense layers (unused)", []).append(disk_name)
+            continue
         reason = next((r for p, r in IGNORED.items() if p.fullmatch(name)), None)
         if reason:
-            skipped.setdefault(reason, []).append(name)
+            skipped.setdefault(reason, []).append(disk_name)
         elif (slot := _slot(name, targets)) is not None:
             plan.append((src, slot))
         elif config.tie_word_embeddings and name == "lm_head.weight":
-            if "model.embed_tokens.weight" in sources:
-                skipped.setdefault("tied lm_head (same as model.embed_tokens.weight)", []).append(name)
+            if layout.text_prefix + "model.embed_tokens.weight" in sources:
+                skipped.setdefault("tied lm_head (same as model.embed_tokens.weight)", []).append(disk_name)
             else:
                 plan.append((src, _Slot("model.embed_tokens.weight")))
         else:
-            unknown.append(name)
+            unknown.append(disk_name)
     if unknown:
         raise CheckpointError(f"{len(unknown)} tensor(s) in the checkpoint that the model does not use: {name_list(unknown)}")
-    _check_shapes(plan, scales, targets, _block_size(raw))
-    _check_coverage(plan, targets)
+    _check_shapes(plan, scales, targets, layout.weight_block_size)
+    for zero in _check_coverage(plan, targets, layout.zero_if_missing):
+        skipped.setdefault("absent, zero as transformers makes it", []).append(zero)
     return plan, scales, skipped
+
+
+def _text_name(disk_name: str, layout: HFLayout) -> str | None:
+    """Our name of the on-disk tensor ``disk_name``: without a wrapper's text prefix, another spelling renamed;
+    None for a wrapper's tensor outside its text model."""
+    if not disk_name.startswith(layout.text_prefix):
+        return None
+    name = disk_name[len(layout.text_prefix):]
+    for old, new in layout.renames:
+        if name.startswith(old):
+            name = new + name[len(old):]
+    return name
 
 
 def _slot(name: str, targets: dict[str, tuple[int, ...]]) -> _Slot | None:
@@ -411,8 +455,10 @@ def _check_shapes(plan, scales, targets, block) -> None:
             raise CheckpointError(f"{src.name}: dtype {src.dtype} is not a floating-point weight type")
 
 
-def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[int, ...]]) -> None:
-    """Each target filled exactly once: whole, or (fused experts) one slot per expert and row block."""
+def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[int, ...]],
+                    zero_if_missing: tuple[str, ...] = ()) -> list[str]:
+    """Each target filled exactly once: whole, or (fused experts) one slot per expert and row block. Returns the
+    targets absent from the checkpoint that end with one of ``zero_if_missing`` (read as zeros)."""
     by_target: dict[str, dict[_Slot, str]] = {}
     for src, slot in plan:
         got = by_target.setdefault(slot.target, {})
@@ -431,8 +477,11 @@ def _check_coverage(plan: list[tuple[_Source, _Slot]], targets: dict[str, tuple[
                         for e in range(shape[0]) if _Slot(target, e, block) not in got]
         else:
             missing.append(target)
+    zeros = [t for t in missing if zero_if_missing and t.endswith(zero_if_missing)]
+    missing = [t for t in missing if t not in zeros]
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {name_list(missing)}")
+    return zeros
 
 
 # reading ------------------------------------------------------------------------------------------------
@@ -444,27 +493,20 @@ class _Reader:
     def __init__(self):
         self._open: dict[Path, tuple[Any, int]] = {}
 
-    def get(self, src: _Source) -> torch.Tensor:
+    def get(self, src: _Source, index: int | None = None) -> torch.Tensor:
+        """The tensor ``src`` (``index``: its ``[index]`` alone, read without the rest)."""
         from safetensors import safe_open
 
         handle, done = self._open.get(src.file, (None, 0))
         if handle is None or done > _REOPEN_BYTES:
             self._open[src.file] = (safe_open(str(src.file), framework="pt"), 0)
             handle, done = self._open[src.file]
-        tensor = handle.get_tensor(src.name)
+        tensor = handle.get_tensor(src.name) if index is None else handle.get_slice(src.name)[index]
         self._open[src.file] = (handle, done + tensor.nbytes)
         return tensor
 
     def close(self) -> None:
         self._open.clear()
-
-
-def _block_size(raw: dict[str, Any]) -> tuple[int, int]:
-    qc = raw.get("quantization_config") or {}
-    block = qc.get("weight_block_size") or (128, 128)
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise CheckpointError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
-    return int(block[0]), int(block[1])
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, sources: dict[str, _Source]) -> torch.dtype:

@@ -20,6 +20,7 @@ from .errors import ConfigError
 ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MLP_LAYER_TYPES = ("dense", "sparse")
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -83,6 +84,55 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE as MiniCPM3 uses it: static, every position below ``original_max_position_embeddings``.
+
+    The rope frequencies are ``1 / (short_factor[i] * theta^(2i/d))``; ``long_factor`` is what transformers switches
+    to past ``original_max_position_embeddings``, which an MLAConfig never reaches (``max_position_embeddings`` is
+    checked not to exceed it), so it is kept only to write the config back.
+
+    Attributes:
+        short_factor: one divisor per rope pair (``qk_rope_head_dim / 2`` of them).
+        long_factor: the divisors past the original context (unused, see above).
+        original_max_position_embeddings: the pre-training context.
+        factor: the context extension; None: ``max_position_embeddings / original_max_position_embeddings``.
+        attention_factor: cos/sin amplitude; None: derived from the factor as transformers does.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    factor: float | None = None
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+                raise ConfigError(f"rope_scaling.{name} must be a list of positive numbers, got {str(values)[:80]}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))  # a list from JSON; frozen: once here
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
+
+    def cos_sin_scale_for(self, max_position_embeddings: int) -> float:
+        """Amplitude of cos and sin: ``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original))`` (1 when the
+        factor is at most 1), as transformers derives it."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        factor = self.factor if self.factor is not None else \
+            max_position_embeddings / self.original_max_position_embeddings
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+
+    @property
+    def softmax_mscale(self) -> float:
+        """LongRoPE leaves the softmax scale alone."""
+        return 1.0
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     """Dimensions of a DeepSeek-style MLA decoder (field names as in DeepSeek's config.json).
 
@@ -100,7 +150,7 @@ class MLAConfig:
         qk_rope_head_dim: width of the decoupled rope key ``k_pe``, shared by all heads (64).
         v_head_dim: per-head value width (128).
         rope_theta: rope base.
-        rope_scaling: YaRN parameters, or None for plain rope.
+        rope_scaling: YaRN or (static) LongRoPE parameters, or None for plain rope.
         rms_norm_eps: epsilon of every RMSNorm.
         max_position_embeddings: the longest context the model was configured for.
         moe_intermediate_size: width of one routed (and shared) expert.
@@ -110,11 +160,24 @@ class MLAConfig:
         first_k_dense_replace: the first k layers use the dense MLP.
         n_group: expert groups for group-limited routing.
         topk_group: groups kept per token.
-        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3).
-        scoring_func: ``softmax`` (V2) or ``sigmoid`` (V3).
+        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3: groups ranked by their best two
+            experts; with softmax scores and no correction bias, Mistral 4).
+        scoring_func: ``softmax`` (V2, Mistral 4) or ``sigmoid`` (V3, with ``e_score_correction_bias``).
         routed_scaling_factor: multiplier of the routed experts' weights.
-        norm_topk_prob: V3 only: normalise the chosen weights to sum to one.
+        norm_topk_prob: ``noaux_tc`` only: normalise the chosen weights to sum to one.
         tie_word_embeddings: lm_head shares the embedding matrix.
+        mlp_layer_types: per layer ``dense`` or ``sparse`` (MoE), when the schedule is not the first
+            ``first_k_dense_replace`` layers dense and the rest MoE (GLM-4.7-Flash's and A.X-K1's key; DeepSeek's
+            ``moe_layer_freq`` is read into it); None: ``first_k_dense_replace`` decides.
+        post_mlp_layernorm: an RMSNorm on the MoE block's output (experts plus shared experts), MoE layers only
+            (A.X-K1).
+        scale_emb: MiniCPM3's multiplier of the embeddings (None: 1).
+        scale_depth: MiniCPM3's residual scale: each layer adds its attention and MLP outputs times
+            ``scale_depth / sqrt(num_hidden_layers)`` (:attr:`residual_scale`; None: 1).
+        dim_model_base: MiniCPM3's logit divisor: the final norm's output is divided by
+            ``hidden_size / dim_model_base`` before lm_head (:attr:`logits_scaling`; None: 1).
+        llama_4_scaling_beta: Mistral 4's position-dependent query scale ``1 + beta * ln(1 + floor(p / n))`` at
+            position ``p``, ``n`` the YaRN ``original_max_position_embeddings`` (1 below ``n``); None: none.
     """
 
     name: str
@@ -130,7 +193,7 @@ class MLAConfig:
     q_lora_rank: int | None = None
     model_type: str = "deepseek_v3"
     rope_theta: float = 10000.0
-    rope_scaling: YarnScaling | None = None
+    rope_scaling: YarnScaling | LongRopeScaling | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     # mixture of experts (None: every layer is dense)
@@ -146,6 +209,12 @@ class MLAConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
     tie_word_embeddings: bool = False
+    mlp_layer_types: tuple[str, ...] | None = None
+    post_mlp_layernorm: bool = False
+    scale_emb: float | None = None
+    scale_depth: float | None = None
+    dim_model_base: int | None = None
+    llama_4_scaling_beta: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -164,6 +233,31 @@ class MLAConfig:
             raise ConfigError(f"{self.name}: rms_norm_eps and rope_theta must be positive")
         if self.n_routed_experts is not None:
             self._check_moe()
+        if self.mlp_layer_types is not None:
+            self._check_schedule()
+        for f in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta"):
+            value = getattr(self, f)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"{self.name}: {f} must be a positive number or absent, got {value!r}")
+        if self.llama_4_scaling_beta is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise ConfigError(f"{self.name}: llama_4_scaling_beta scales queries by their position over YaRN's "
+                              "original_max_position_embeddings, and the rope has no YaRN scaling")
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            long = self.rope_scaling
+            if len(long.short_factor) != self.qk_rope_head_dim // 2:
+                raise ConfigError(f"{self.name}: rope_scaling.short_factor has {len(long.short_factor)} values, the "
+                                  f"rope has {self.qk_rope_head_dim // 2} pairs (qk_rope_head_dim / 2)")
+            if self.max_position_embeddings > long.original_max_position_embeddings:
+                raise ConfigError(f"{self.name}: longrope past original_max_position_embeddings "
+                                  f"({long.original_max_position_embeddings} < max_position_embeddings "
+                                  f"{self.max_position_embeddings}) switches to long_factor with the sequence length; "
+                                  "only static longrope is supported")
+
+    def _check_schedule(self) -> None:
+        types = self._check_schedule_of(self.mlp_layer_types, self.num_hidden_layers, self.name)
+        object.__setattr__(self, "mlp_layer_types", types)  # a list from JSON/TOML; frozen: set once here
+        if "sparse" in types and self.n_routed_experts is None:
+            raise ConfigError(f"{self.name}: mlp_layer_types has MoE ('sparse') layers but no n_routed_experts")
 
     def _check_moe(self) -> None:
         n = self.n_routed_experts
@@ -183,9 +277,9 @@ class MLAConfig:
             raise ConfigError(f"{self.name}: topk_method must be one of {ROUTING_METHODS}, got {self.topk_method!r}")
         if self.scoring_func not in SCORING_FUNCS:
             raise ConfigError(f"{self.name}: scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
-        if (self.topk_method == "noaux_tc") != (self.scoring_func == "sigmoid"):
-            raise ConfigError(f"{self.name}: topk_method 'noaux_tc' goes with scoring_func 'sigmoid' (V3), "
-                              f"the others with 'softmax' (V2); got {self.topk_method!r} with {self.scoring_func!r}")
+        if self.scoring_func == "sigmoid" and self.topk_method != "noaux_tc":
+            raise ConfigError(f"{self.name}: scoring_func 'sigmoid' goes with topk_method 'noaux_tc' (V3); "
+                              f"got {self.topk_method!r}")
         if self.n_shared_experts < 0:
             raise ConfigError(f"{self.name}: n_shared_experts must be >= 0")
         per_group = n // self.n_group
@@ -195,6 +289,20 @@ class MLAConfig:
         if self.topk_method != "greedy" and self.topk_group * per_group < self.num_experts_per_tok:
             raise ConfigError(f"{self.name}: the topk_group ({self.topk_group}) groups kept hold {self.topk_group * per_group} "
                               f"experts, fewer than num_experts_per_tok ({self.num_experts_per_tok})")
+
+    @staticmethod
+    def _check_schedule_of(types: Any, layers: int, label: str) -> tuple[str, ...]:
+        """``types`` as a valid ``mlp_layer_types`` of ``layers`` layers (a tuple). Raises ConfigError."""
+        if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
+            raise ConfigError(f"{label}: mlp_layer_types must be a list of {' or '.join(MLP_LAYER_TYPES)}, "
+                              f"got {str(types)[:80]}")
+        bad = sorted({t for t in types if t not in MLP_LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"{label}: mlp_layer_types holds {', '.join(map(repr, bad))}; each layer is "
+                              f"{' or '.join(map(repr, MLP_LAYER_TYPES))}")
+        if len(types) != layers:
+            raise ConfigError(f"{label}: mlp_layer_types names {len(types)} layers, num_hidden_layers is {layers}")
+        return tuple(types)
 
     # derived dimensions -------------------------------------------------------------
     @property
@@ -216,12 +324,34 @@ class MLAConfig:
         return scale
 
     @property
+    def residual_scale(self) -> float:
+        """Multiplier of each residual branch: ``scale_depth / sqrt(num_hidden_layers)`` (1 without scale_depth)."""
+        return 1.0 if self.scale_depth is None else self.scale_depth / math.sqrt(self.num_hidden_layers)
+
+    @property
+    def logits_scaling(self) -> float:
+        """Divisor of the final norm's output before lm_head: ``hidden_size / dim_model_base`` (1 without it)."""
+        return 1.0 if self.dim_model_base is None else self.hidden_size / self.dim_model_base
+
+    @property
+    def rope_amplitude(self) -> float:
+        """Amplitude of the rope's cos and sin (1 for plain rope)."""
+        if self.rope_scaling is None:
+            return 1.0
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            return self.rope_scaling.cos_sin_scale_for(self.max_position_embeddings)
+        return self.rope_scaling.cos_sin_scale
+
+    @property
     def is_moe(self) -> bool:
         """True when some layers use routed experts."""
         return self.n_routed_experts is not None
 
     def is_moe_layer(self, index: int) -> bool:
-        """True when layer ``index`` uses the MoE block rather than the dense MLP."""
+        """True when layer ``index`` uses the MoE block rather than the dense MLP (``mlp_layer_types`` if given,
+        else every layer from ``first_k_dense_replace`` on)."""
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[index] == "sparse"
         return self.is_moe and index >= self.first_k_dense_replace
 
     def replace(self, **changes: Any) -> "MLAConfig":
@@ -240,7 +370,11 @@ class MLAConfig:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.num_hidden_layers:
             raise ConfigError(f"layers must be an integer in 1..{self.num_hidden_layers} (the model's "
                               f"num_hidden_layers), got {layers!r}")
-        return self.replace(num_hidden_layers=layers, first_k_dense_replace=min(self.first_k_dense_replace, layers))
+        types = None if self.mlp_layer_types is None else self.mlp_layer_types[:layers]
+        # the residual scale is the whole model's: scale_depth / sqrt(L) with L the full depth
+        depth = None if self.scale_depth is None else self.scale_depth * math.sqrt(layers / self.num_hidden_layers)
+        return self.replace(num_hidden_layers=layers, first_k_dense_replace=min(self.first_k_dense_replace, layers),
+                            mlp_layer_types=types, scale_depth=depth)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON/TOML friendly); ``rope_scaling`` becomes a nested dict or is dropped."""
@@ -248,13 +382,24 @@ class MLAConfig:
         if out["rope_scaling"] is None:
             del out["rope_scaling"]
         else:
-            out["rope_scaling"] = {"type": "yarn", **{k: v for k, v in out["rope_scaling"].items() if v is not None}}
+            kind = "longrope" if isinstance(self.rope_scaling, LongRopeScaling) else "yarn"
+            out["rope_scaling"] = {"type": kind, **{k: list(v) if isinstance(v, tuple) else v
+                                                    for k, v in out["rope_scaling"].items() if v is not None}}
         if out["q_lora_rank"] is None:
             del out["q_lora_rank"]
         if out["moe_intermediate_size"] is None:
             del out["moe_intermediate_size"]
         if out["n_routed_experts"] is None:
             del out["n_routed_experts"]
+        if out["mlp_layer_types"] is None:
+            del out["mlp_layer_types"]
+        else:
+            out["mlp_layer_types"] = list(out["mlp_layer_types"])
+        if not out["post_mlp_layernorm"]:
+            del out["post_mlp_layernorm"]
+        for key in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta"):
+            if out[key] is None:
+                del out[key]
         return out
 
     @classmethod
@@ -284,8 +429,8 @@ class MLAConfig:
             raise ConfigError(f"{source}: {exc}") from None
 
 
-def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
-    if isinstance(raw, YarnScaling):
+def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | LongRopeScaling | None:
+    if isinstance(raw, (YarnScaling, LongRopeScaling)):
         return raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source}: rope_scaling must be a table, got {raw!r}")
@@ -299,8 +444,11 @@ def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
         if any(k in raw for k in ("factor", "original_max_position_embeddings")):
             raise ConfigError(f"{source}: rope_scaling has YaRN fields but no type = \"yarn\"")
         return None
+    if kind == "longrope":
+        return _longrope_from_mapping(raw, source)
     if kind not in ("yarn", "deepseek_yarn"):
-        raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported (only 'yarn' and none)")
+        raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported (only 'yarn', static 'longrope' "
+                          "and none)")
     allowed = {f.name for f in dataclasses.fields(YarnScaling)}
     if raw.pop("truncate", True) is not True:
         raise ConfigError(f"{source}: rope_scaling truncate=false is not supported")
@@ -318,6 +466,26 @@ def _yarn_from_mapping(raw: Any, source: str) -> YarnScaling | None:
     return YarnScaling(**values)
 
 
+def _longrope_from_mapping(raw: dict[str, Any], source: str) -> LongRopeScaling:
+    allowed = {f.name for f in dataclasses.fields(LongRopeScaling)}
+    if raw.get("partial_rotary_factor") == 1:  # the whole rope slice rotates, as in every MLA model
+        del raw["partial_rotary_factor"]
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{source}: unknown rope_scaling field(s) {', '.join(unknown)}")
+    for needed in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if needed not in raw:
+            raise ConfigError(f"{source}: rope_scaling of type longrope needs {needed}")
+    for key in ("original_max_position_embeddings", "factor", "attention_factor"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{source}: rope_scaling.{key} must be a number, got {json.dumps(value)[:80]}")
+    if raw.get("original_max_position_embeddings") != int(raw["original_max_position_embeddings"]):
+        raise ConfigError(f"{source}: rope_scaling.original_max_position_embeddings must be an integer")
+    raw["original_max_position_embeddings"] = int(raw["original_max_position_embeddings"])
+    return LongRopeScaling(**raw)
+
+
 # Hugging Face config.json --------------------------------------------------------------
 # Keys that configure the model's semantics and are read into MLAConfig.
 _HF_DIRECT = (
@@ -327,41 +495,180 @@ _HF_DIRECT = (
     "num_experts_per_tok", "first_k_dense_replace", "n_group", "topk_group", "topk_method",
     "scoring_func", "routed_scaling_factor", "norm_topk_prob", "tie_word_embeddings",
 )
+# The JSON type each read key must have (a number where a number is meant): a wrong one is a ConfigError.
+_HF_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    **{k: (int,) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                           "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "moe_intermediate_size",
+                           "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+                           "n_group", "topk_group", "moe_layer_freq", "num_nextn_predict_layers",
+                           "num_mtp_layers", "num_key_value_heads", "head_dim")},
+    **{k: (int, float) for k in ("rms_norm_eps", "routed_scaling_factor", "rope_theta", "scale_emb", "scale_depth")},
+    "dim_model_base": (int,),
+    **{k: (str,) for k in ("topk_method", "scoring_func", "model_type")},
+    **{k: (bool,) for k in ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")},
+    **{k: (dict,) for k in ("rope_scaling", "rope_parameters", "quantization_config", "text_config")},
+    "mlp_layer_types": (list,),
+}
 # Keys whose value we check, because a value other than the expected one changes the math.
 _HF_EXPECTED = {
     "hidden_act": ("silu",),
     "attention_bias": (False, None),
     "mlp_bias": (False, None),
-    "rope_interleave": (True, None),
     "attention_dropout": (0, 0.0, None),
 }
 # Keys that carry no semantics for the forward pass (metadata, generation, training, parallelism).
 _HF_IGNORED = {
     "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
     "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "pretraining_tp", "ep_size",
-    "num_key_value_heads", "num_nextn_predict_layers", "num_mtp_layers", "moe_layer_freq", "aux_loss_alpha",
+    "num_key_value_heads", "num_nextn_predict_layers", "num_mtp_layers", "aux_loss_alpha",
     "seq_aux", "quantization_config", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
     "rope_parameters", "output_router_logits", "router_aux_loss_coef", "id2label", "label2id",
     "_name_or_path", "name_or_path", "return_dict", "output_hidden_states", "output_attentions",
     "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
     "tie_encoder_decoder", "problem_type", "tokenizer_class", "task_specific_params", "finetuning_task",
     "prefix", "sep_token_id", "decoder_start_token_id", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
-    "cross_attention_hidden_size", "mlp_layer_types", "layer_types", "max_window_layers",
+    "cross_attention_hidden_size", "layer_types", "max_window_layers",
     "sliding_window", "use_sliding_window", "bos_token", "eos_token", "rope_type", "index_topk",
+    "q_head_dim", "embedding_initializer_range", "rope_interleave", "moe_layer_freq", "mlp_layer_types",
+}
+# Other spellings of DeepSeek's keys, as the types' config classes map them (``attribute_map``).
+_HF_ALIASES = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+               "num_shared_experts": "n_shared_experts"}
+
+
+@dataclass(frozen=True)
+class HFModelType:
+    """How mla-deploy reads one transformers ``model_type`` whose attention is MLA.
+
+    Attributes:
+        family: ``deepseek_v2`` or ``deepseek_v3``: whose routing defaults and rope the type shares
+            (:attr:`MLAConfig.model_type`).
+        defaults: DeepSeek-named fields the type's config class defaults differently, used when config.json
+            leaves them out.
+        mtp_layers: multi-token-prediction layers its checkpoints carry after the decoder when config.json names
+            none (GLM-4.7-Flash writes one, its config class has no key for it).
+        post_mlp_layernorm: its MoE layers end in an RMSNorm (A.X-K1), stored at layer level on disk.
+        text_prefix: the prefix of the text model's tensors on disk, for a multimodal wrapper ("" otherwise).
+        skipped_prefixes: a wrapper's tensors that are not the text model (the vision tower, its projector).
+        renames: ``(old, new)`` name prefixes (after ``text_prefix``) of another spelling on disk.
+        half_rotated_rope: its rope rotates the pairs ``(i, i + d/2)`` whatever the config says (MiniCPM3).
+        extra_keys: config keys of MLAConfig fields that only this type means (MiniCPM3's scalars); another type's
+            config.json holding them is warned about and they are ignored, as transformers ignores them.
+        head_dim: what config.json's ``head_dim`` is: ``rope`` (qk_rope_head_dim, as transformers writes DeepSeek's),
+            ``qk`` (qk_nope_head_dim + qk_rope_head_dim: Mistral 4, whose rope then rotates the
+            ``partial_rotary_factor`` of it), or ``any`` (Sarvam's own configs wrote kv_lora_rank + rope).
+        query_scale: its rope block may hold ``llama_4_scaling_beta`` (Mistral 4's position-dependent query scale).
+        zero_if_missing: name endings of tensors its releases may lack, which transformers then makes zero.
+    """
+
+    family: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    mtp_layers: int = 0
+    post_mlp_layernorm: bool = False
+    text_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    half_rotated_rope: bool = False
+    extra_keys: tuple[str, ...] = ()
+    head_dim: str = "rope"
+    query_scale: bool = False
+    zero_if_missing: tuple[str, ...] = ()
+
+
+#: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
+HF_MODEL_TYPES: dict[str, HFModelType] = {
+    "deepseek_v2": HFModelType("deepseek_v2"),
+    "deepseek_v3": HFModelType("deepseek_v3"),
+    "kimi_k2": HFModelType("deepseek_v3"),  # Kimi K2's text config: DeepSeek-V3 under another name
+    "sarvam_mla": HFModelType("deepseek_v3", head_dim="any"),  # sarvam-105b: DeepseekV3ForCausalLM up to its config
+    "glm4_moe_lite": HFModelType("deepseek_v3", {"rms_norm_eps": 1e-5, "first_k_dense_replace": 1},
+                                 mtp_layers=1),  # GLM-4.7-Flash
+    "youtu": HFModelType("deepseek_v3", {"tie_word_embeddings": True}),  # Youtu-LLM: dense, tied
+    # A.X-K1; its releases route without a score correction bias, which transformers initialises to zero
+    "axk1": HFModelType("deepseek_v3", {"first_k_dense_replace": 1}, post_mlp_layernorm=True,
+                        zero_if_missing=("mlp.gate.e_score_correction_bias",)),
+    "kimi_k25": HFModelType("deepseek_v3", {"tie_word_embeddings": True}, text_prefix="language_model.",
+                            skipped_prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.",
+                                              "model.mm_projector."),
+                            # transformers 5.24 saves the text layers as model.blocks (its vision rename reversed)
+                            renames=(("model.blocks.", "model.layers."),)),  # Kimi K2.5 / K2.6
+    "minicpm3": HFModelType("deepseek_v2", {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "scale_emb": 12,
+                                            "scale_depth": 1.4, "dim_model_base": 256},
+                            half_rotated_rope=True, extra_keys=("scale_emb", "scale_depth", "dim_model_base")),
+    # Mistral Small 4: softmax routing over groups ranked by their best two experts, renormalised, no correction
+    # bias; the Llama-4 query scale; head_dim = nope + rope; experts stored fused (our own layout)
+    "mistral4": HFModelType("deepseek_v3", {"scoring_func": "softmax", "topk_method": "noaux_tc",
+                                            "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
+                                            "topk_group": 1, "first_k_dense_replace": 0},
+                            head_dim="qk", query_scale=True),
+}
+#: MLA model types of transformers that mla-deploy refuses, with the mechanism it lacks
+HF_REFUSED_TYPES: dict[str, str] = {
+    "deepseek_v32": "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet",
+    "glm_moe_dsa": "DeepSeek Sparse Attention (GLM-5's lightning indexer and its key cache) is not supported yet",
+    "longcat_flash": "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported",
+    "kimi_linear": "linear-attention layers (KDA) are not supported",
+    "bailing_hybrid": "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported",
+    "glm5_next": "linear-attention layers (KDA), hyper-connections and k-pooled sparse attention are not supported",
+    "mistral_large4": "DeepSeek Sparse Attention, cross-layer latent sharing (kv_source_layers), NoPE layers and "
+                      "the final logit softcap are not supported",
+    "hy_v4": "DeepSeek Sparse Attention with attention sinks, the attention output gate and hyper-connections "
+             "are not supported",
+    "hy_v4_vl": "DeepSeek Sparse Attention with attention sinks, the attention output gate, hyper-connections "
+                "and m-rope are not supported",
+    "axk2": "DeepSeek Sparse Attention, the query and output gates and gated RMSNorms are not supported",
+    "dots3_note": "per-layer-type MLA dimensions, sliding-window MLA layers and DeepSeek Sparse Attention are not "
+                  "supported",
+    "deepseek_v4": "its attention is not MLA with a latent cache (one 512-wide KV head, compressed and sliding "
+                   "attention)",
 }
 
 
-def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
-    """Read a Hugging Face DeepSeek-V2/V3 ``config.json`` (a path, a folder holding one, or a dict).
+@dataclass(frozen=True)
+class HFLayout:
+    """How a checkpoint's tensors on disk relate to the model's: what :func:`read_hf_config` tells the loader.
 
-    Both the older ``rope_theta`` + ``rope_scaling`` spelling and transformers 5's
-    ``rope_parameters`` are read. A setting that changes the math in a way this package does
-    not implement (``hidden_act`` other than silu, attention bias, non-interleaved rope) is an
-    error; metadata keys are ignored.
+    Attributes:
+        model_type: the checkpoint's own ``model_type`` (``glm4_moe_lite``, ``kimi_k25``, ...).
+        text_prefix: stripped from every tensor name (a wrapper's ``language_model.``); names without it are the
+            wrapper's own and must be in ``skipped_prefixes``.
+        skipped_prefixes: tensors of the wrapper that are not the text model.
+        renames: ``(old, new)`` name prefixes, after ``text_prefix``: another spelling of our names on disk.
+        mtp_layers: multi-token-prediction layers after the decoder (``model.layers.{L}..{L+n-1}``), skipped.
+        rope_interleave: False when the rope rows of the query and ``kv_a_proj_with_mqa`` are in the half-rotated
+            order (pairs ``(i, i + d/2)``), which the loader permutes into DeepSeek's interleaved pairs.
+        weight_block_size: the float8 block of ``quantization_config`` (DeepSeek-V3's 128 x 128).
+        zero_if_missing: name endings of tensors that may be absent, read as zeros (A.X-K1's routing bias).
+    """
+
+    model_type: str = "deepseek_v3"
+    text_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    mtp_layers: int = 0
+    rope_interleave: bool = True
+    weight_block_size: tuple[int, int] = (128, 128)
+    zero_if_missing: tuple[str, ...] = ()
+
+
+def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
+    """Read a Hugging Face ``config.json`` of an MLA model (a path, a folder holding one, or a dict).
+
+    The types of :data:`HF_MODEL_TYPES` are read (DeepSeek-V2/V3 and the models that are DeepSeek-V3 up to their
+    config); those of :data:`HF_REFUSED_TYPES` are refused naming the mechanism mla-deploy lacks. Both the older
+    ``rope_theta`` + ``rope_scaling`` spelling and transformers 5's ``rope_parameters`` are read. A setting that
+    changes the math in a way this package does not implement (``hidden_act`` other than silu, attention bias) is
+    an error; metadata keys are ignored.
 
     Raises:
         ConfigError: unreadable file, missing field, unsupported setting, inconsistent value.
     """
+    return read_hf_config(source, name)[0]
+
+
+def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> tuple[MLAConfig, HFLayout]:
+    """:func:`from_hf_config`'s config, and the :class:`HFLayout` of the checkpoint's tensors."""
     if isinstance(source, Mapping):
         raw, label = dict(source), name or "config.json"
     else:
@@ -378,44 +685,176 @@ def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
             raise ConfigError(f"{path}: not a Hugging Face config (a JSON object), got {type(raw).__name__}")
         label = str(path)
         name = name or path.parent.name
+    model_type = _hf_model_type(raw, label)
+    kind = HF_MODEL_TYPES[model_type]
+    block = _hf_block_size(raw, label)
+    if kind.text_prefix:  # a multimodal wrapper: the text model's config is its text_config
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{label}: a {model_type} config holds its text model's config in text_config, "
+                              f"{'which is missing' if text is None else f'not a JSON object but {text!r}'}")
+        inner = _hf_model_type(text, f"{label} text_config")
+        if inner not in ("deepseek_v3", "kimi_k2"):
+            raise ConfigError(f"{label}: the text model of {model_type} is DeepSeek-V3 (deepseek_v3 or kimi_k2), "
+                              f"got text_config.model_type {inner!r}")
+        # transformers ties the wrapper's lm_head as the wrapper's own config says (default True)
+        text = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", kind.defaults["tie_word_embeddings"])}
+        _check_json_types(text, f"{label} text_config")
+        if "quantization_config" not in raw:  # the float8 block may be the text model's own
+            block = _hf_block_size(text, f"{label} text_config")
+        raw, label = text, f"{label} text_config"
+    config = _config_from_hf(raw, label, model_type, kind, name)
+    mtp = raw.get("num_nextn_predict_layers")
+    mtp = raw.get("num_mtp_layers") if mtp is None else mtp
+    layout = HFLayout(model_type=model_type, text_prefix=kind.text_prefix, skipped_prefixes=kind.skipped_prefixes,
+                      renames=kind.renames,
+                      mtp_layers=kind.mtp_layers if mtp is None else mtp,
+                      rope_interleave=raw.get("rope_interleave") is not False and not kind.half_rotated_rope,
+                      weight_block_size=block, zero_if_missing=kind.zero_if_missing)
+    return config, layout
+
+
+def _hf_model_type(raw: Mapping[str, Any], label: str) -> str:
+    """The accepted ``model_type`` of ``raw`` (deepseek_v3 if absent), after checking its keys' JSON types."""
+    _check_json_types(raw, label)
     model_type = raw.get("model_type", "deepseek_v3")
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(f"{label}: model_type {model_type!r} is not a DeepSeek-V2/V3 model")
+    if model_type in HF_REFUSED_TYPES:
+        raise ConfigError(f"{label}: {model_type}: {HF_REFUSED_TYPES[model_type]}")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"{label}: model_type {model_type!r} is not an MLA model mla-deploy reads (it reads "
+                          f"{', '.join(HF_MODEL_TYPES)})")
+    return model_type
+
+
+def _check_json_types(raw: Mapping[str, Any], label: str) -> None:
+    """Each key mla-deploy reads has its JSON type (``null`` allowed): one ConfigError naming the first that has not."""
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a JSON object",
+             list: "a list"}
+    for key, types in _HF_JSON_TYPES.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        wrong = isinstance(value, bool) and bool not in types or not isinstance(value, types)
+        if wrong:
+            raise ConfigError(f"{label}: {key} must be {names[types[-1]]}, got {json.dumps(value)[:80]}")
+
+
+def _hf_block_size(raw: Mapping[str, Any], label: str) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` (128 x 128 when absent)."""
+    qc = raw.get("quantization_config") or {}
+    block = qc.get("weight_block_size")
+    if block is None:
+        return (128, 128)
+    if not isinstance(block, list) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise ConfigError(f"{label}: quantization_config.weight_block_size must be two positive integers, "
+                          f"got {json.dumps(block)[:80]}")
+    return int(block[0]), int(block[1])
+
+
+def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFModelType, name: str | None) -> MLAConfig:
+    """The :class:`MLAConfig` of a text model's config ``raw`` of ``model_type``."""
+    raw = _unaliased(raw, label)
+    _check_hf_math(raw, label, model_type, kind)
+    read = (*_HF_DIRECT, *kind.extra_keys)
+    unknown = sorted(k for k in raw if k not in read and k not in _HF_EXPECTED and k not in _HF_IGNORED)
+    fields: dict[str, Any] = {k: v for k, v in kind.defaults.items() if raw.get(k) is None}
+    fields.update({k: raw[k] for k in read if k in raw and raw[k] is not None})
+    if fields.get("q_lora_rank") == 0:  # DeepSeek's own configs write 0 for "no query compression"
+        del fields["q_lora_rank"]
+    rope_theta, rope_scaling, beta = _hf_rope(raw, label, kind)
+    fields.update(model_type=kind.family, rope_theta=rope_theta, rope_scaling=rope_scaling, name=name or label,
+                  llama_4_scaling_beta=beta)
+    if kind.family == "deepseek_v3" and "n_routed_experts" in fields:
+        fields.setdefault("scoring_func", "sigmoid")
+        fields.setdefault("topk_method", "noaux_tc")
+    if fields.get("n_routed_experts") is None:
+        if "sparse" in (raw.get("mlp_layer_types") or ()):
+            raise ConfigError(f"{label}: mlp_layer_types has MoE ('sparse') layers but no n_routed_experts")
+        for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+                  "n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor",
+                  "norm_topk_prob"):
+            fields.pop(k, None)
+    else:
+        fields.update(_hf_schedule(raw, fields, label))
+        fields["post_mlp_layernorm"] = kind.post_mlp_layernorm
+    config = MLAConfig.from_dict(fields, source=label)
+    if unknown:
+        import warnings
+
+        warnings.warn(f"{label}: ignored unknown config.json key(s): {', '.join(unknown)}", stacklevel=3)
+    return config
+
+
+def _unaliased(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """``raw`` with the other spellings of DeepSeek's keys (:data:`_HF_ALIASES`) renamed; two that disagree are an
+    error."""
+    raw = dict(raw)
+    for alias, key in _HF_ALIASES.items():
+        if alias in raw:
+            value = raw.pop(alias)
+            if raw.get(key) is not None and raw[key] != value:
+                raise ConfigError(f"{label}: {alias} ({value}) and {key} ({raw[key]}) disagree")
+            raw[key] = value
+    return raw
+
+
+def _check_hf_math(raw: Mapping[str, Any], label: str, model_type: str, kind: HFModelType) -> None:
+    """The settings that change the math the way mla-deploy does not implement, or contradict MLA, are refused."""
     for key, allowed in _HF_EXPECTED.items():
         if key in raw and raw[key] not in allowed:
             raise ConfigError(f"{label}: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
+    if raw.get("rope_interleave") is False and kind.family != "deepseek_v3":
+        raise ConfigError(f"{label}: rope_interleave=false is not supported for {model_type}")
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads")
     if kv_heads is not None and heads is not None and kv_heads != heads:
         raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
     head_dim = raw.get("head_dim")
-    if head_dim is not None and "qk_rope_head_dim" in raw and head_dim != raw["qk_rope_head_dim"]:
-        # transformers writes head_dim = qk_rope_head_dim (the rope width); anything else is inconsistent
-        raise ConfigError(f"{label}: head_dim ({head_dim}) differs from qk_rope_head_dim ({raw['qk_rope_head_dim']})")
-    unknown = sorted(k for k in raw if k not in _HF_DIRECT and k not in _HF_EXPECTED and k not in _HF_IGNORED)
-    fields: dict[str, Any] = {k: raw[k] for k in _HF_DIRECT if k in raw and raw[k] is not None}
-    if fields.get("q_lora_rank") == 0:  # DeepSeek's own configs write 0 for "no query compression"
-        del fields["q_lora_rank"]
-    rope_theta, rope_scaling = _hf_rope(raw, label)
-    fields.update(model_type=model_type, rope_theta=rope_theta, rope_scaling=rope_scaling,
-                  name=name or label)
-    if model_type == "deepseek_v3" and "n_routed_experts" in fields:
-        fields.setdefault("scoring_func", "sigmoid")
-        fields.setdefault("topk_method", "noaux_tc")
-    if fields.get("n_routed_experts") is None:
-        for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
-                  "n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor",
-                  "norm_topk_prob"):
-            fields.pop(k, None)
-    config = MLAConfig.from_dict(fields, source=label)
-    if unknown:
-        import warnings
-
-        warnings.warn(f"{label}: ignored unknown config.json key(s): {', '.join(unknown)}", stacklevel=2)
-    return config
+    rope_dim, nope_dim = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
+    if head_dim is not None and rope_dim is not None and kind.head_dim != "any":
+        # transformers writes head_dim = qk_rope_head_dim (the rope width), Mistral 4 nope + rope
+        want, what = ((rope_dim, "qk_rope_head_dim") if kind.head_dim == "rope" else
+                      ((nope_dim or 0) + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"))
+        if head_dim != want:
+            raise ConfigError(f"{label}: head_dim ({head_dim}) differs from {what} ({want})")
 
 
-def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | None]:
+def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """Which layers are MoE: ``mlp_layer_types`` (GLM-4.7-Flash, A.X-K1) or DeepSeek's ``first_k_dense_replace``
+    and ``moe_layer_freq`` (layer ``i`` is MoE when ``i >= k`` and ``i % freq == 0``, as DeepSeek's own code builds
+    it), checked against each other when both are given. Returns the fields: ``first_k_dense_replace`` alone when
+    the schedule is the first k layers dense, else ``mlp_layer_types`` too."""
+    layers = fields.get("num_hidden_layers")
+    types = raw.get("mlp_layer_types")
+    first_k, freq = raw.get("first_k_dense_replace"), raw.get("moe_layer_freq")
+    if freq is not None and freq <= 0:
+        raise ConfigError(f"{label}: moe_layer_freq must be a positive integer, got {freq}")
+    if types is None and freq in (None, 1):
+        return {}  # the first first_k_dense_replace layers dense (the type's default when config.json has none)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
+        return {}  # MLAConfig says what is wrong with num_hidden_layers
+    derived, k = None, fields.get("first_k_dense_replace", 0)  # k: config.json's, else the type's default
+    if first_k is not None or freq not in (None, 1):  # a moe_layer_freq of 1 alone says nothing
+        derived = ["sparse" if i >= k and i % (freq or 1) == 0 else "dense" for i in range(layers)]
+    if types is None:
+        types = derived
+    else:
+        MLAConfig._check_schedule_of(types, layers, label)
+        differ = next((i for i, (a, b) in enumerate(zip(types, derived or types)) if a != b), None)
+        if differ is not None:
+            raise ConfigError(f"{label}: contradictory MoE schedules: mlp_layer_types makes layer {differ} "
+                              f"{types[differ]!r}, first_k_dense_replace {k} and moe_layer_freq "
+                              f"{freq if freq is not None else 1} make it {derived[differ]!r}")
+    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if list(types) == ["dense"] * dense + ["sparse"] * (len(types) - dense):
+        return {"first_k_dense_replace": dense, "mlp_layer_types": None}
+    return {"first_k_dense_replace": 0, "mlp_layer_types": list(types)}
+
+
+def _hf_rope(raw: Mapping[str, Any], label: str,
+             kind: HFModelType) -> tuple[float, YarnScaling | LongRopeScaling | None, float | None]:
+    """``(rope_theta, rope_scaling, llama_4_scaling_beta)`` of a config.json."""
     params = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     if params is not None and scaling is not None and params != scaling:
@@ -429,8 +868,20 @@ def _hf_rope(raw: Mapping[str, Any], label: str) -> tuple[float, YarnScaling | N
     theta = block.pop("rope_theta", None)
     if theta is None:
         theta = raw.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{label}: rope_theta must be a number, got {json.dumps(theta)[:80]}")
+    beta = block.pop("llama_4_scaling_beta", None) if kind.query_scale else None
+    if kind.head_dim == "qk":  # the rope rotates partial_rotary_factor of head_dim = nope + rope: the rope slice
+        factor = block.pop("partial_rotary_factor", None)
+        rope, nope = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
+        if factor is not None and isinstance(rope, int) and isinstance(nope, int) and \
+                abs(factor * (rope + nope) - rope) > 1e-6:
+            raise ConfigError(f"{label}: rope partial_rotary_factor {factor} of head_dim {rope + nope} is not "
+                              f"qk_rope_head_dim ({rope})")
+        if block.pop("max_position_embeddings", raw.get("max_position_embeddings")) != raw.get("max_position_embeddings"):
+            raise ConfigError(f"{label}: rope_parameters.max_position_embeddings differs from max_position_embeddings")
     yarn = _yarn_from_mapping(block, label) if block else None
-    return float(theta), yarn
+    return float(theta), yarn, beta
 
 
 _HF_ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -445,8 +896,10 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
     ``num_key_value_heads`` = the head count, the fixed math (``hidden_act`` silu, no attention bias), the rope
     as transformers 5 writes it (one ``rope_parameters`` block: ``rope_type`` default or yarn, ``rope_theta``,
     YaRN's fields), ``model_type`` and ``architectures``; for V3 also ``rope_interleave`` and
-    ``num_nextn_predict_layers = 0`` (no multi-token-prediction layers). A dense model (no routed experts) has no
-    MoE keys and ``first_k_dense_replace = num_hidden_layers``, so transformers builds a dense MLP in every layer.
+    ``num_nextn_predict_layers = 0`` (no multi-token-prediction layers). A config using what only another type
+    has (``mlp_layer_types``, ``post_mlp_layernorm``, longrope, MiniCPM3's scales) is a ConfigError. A dense
+    model (no routed experts) has no MoE keys and ``first_k_dense_replace = num_hidden_layers``, so transformers
+    builds a dense MLP in every layer.
     ``from_hf_config(to_hf_config(c), name=c.name) == c``.
 
     Args:
@@ -456,6 +909,16 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
         a JSON-serialisable dict (``transformers.AutoConfig.for_model(**d)`` builds the transformers config).
     """
     c = config
+    beyond = [name for name, used in (("mlp_layer_types", c.mlp_layer_types is not None),
+                                      ("post_mlp_layernorm", c.post_mlp_layernorm),
+                                      ("longrope", isinstance(c.rope_scaling, LongRopeScaling)),
+                                      ("scale_emb/scale_depth/dim_model_base",
+                                       (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None)),
+                                      ("llama_4_scaling_beta", c.llama_4_scaling_beta is not None),
+                                      ("softmax noaux_tc routing", c.is_moe and c.topk_method == "noaux_tc"
+                                       and c.scoring_func == "softmax")) if used]
+    if beyond:
+        raise ConfigError(f"{c.name}: a transformers DeepSeek-V2/V3 config cannot express {', '.join(beyond)}")
     out: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURES[c.model_type]], "model_type": c.model_type,
         **{k: getattr(c, k) for k in _HF_DIRECT if k not in _HF_MOE},

@@ -41,16 +41,51 @@ def hf_model(version: int, seed: int = 0, std: float = 0.3, **kw):
     cfg = hf_config(version, **kw)
     cls = transformers.DeepseekV3ForCausalLM if version == 3 else transformers.DeepseekV2ForCausalLM
     torch.manual_seed(seed)
-    model = cls(cfg).eval()
+    return randomize_(cls(cfg).eval(), seed, std)
+
+
+@torch.no_grad()
+def randomize_(model, seed: int = 0, std: float = 0.3):
+    """Redraw every weight of a transformers model, the buffers it saves included (the V3 routing bias; not the
+    rope frequencies nor a constant like MiniCPM3's embedding scale, which are not saved): matrices N(0, std),
+    1-D scales ``1 + N(0, 0.1)``, 1-D biases N(0, 0.1); a tied weight is drawn once. Returns the model."""
     gen = torch.Generator().manual_seed(seed)
+    saved = set(model.state_dict())
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if "inv_freq" in name or "original_inv_freq" in name:
+        if "inv_freq" in name or "original_inv_freq" in name or name not in saved:
             continue
         if p.dim() == 1:
             p.copy_((0.0 if "bias" in name else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(std * torch.randn(p.shape, generator=gen))
     return model
+
+
+@torch.no_grad()
+def assert_engine_matches_hf(engine, hf, prompts, new: int, atol: float = 1e-4) -> None:
+    """An exported model run by ``engine`` (an :class:`~mla_deploy.engines.ort_engine.OrtEngine`) against the
+    transformers model ``hf`` it was exported from: greedy generation of ``new`` tokens from each of ``prompts``
+    equals ``hf.generate`` token for token, and the logits, teacher-forced on transformers' tokens for the first
+    prompt, are within ``atol`` of transformers' at the prefill and at every decode step (a uniform logit scale
+    changes no argmax: only the logits see it)."""
+    import numpy as np
+
+    def reference(prompt):
+        return hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+
+    result = engine.generate(prompts, new)
+    for b, prompt in enumerate(prompts):
+        assert result.tokens[b] == reference(prompt).sequences[0, len(prompt):].tolist(), f"prompt {b}"
+    prompt = prompts[0]
+    ref = reference(prompt)
+    state = engine.new_state(1)
+    got = [engine.forward("prefill", np.array([prompt]), np.arange(len(prompt))[None], state)["logits"][0, -1]]
+    for token in ref.sequences[0, len(prompt):-1].tolist():
+        got.append(engine.forward("decode", np.array([[token]]), state.lengths[:, None].copy(), state)["logits"][0, -1])
+    want = torch.cat(ref.logits).numpy()
+    assert np.abs(np.stack(got) - want).max() <= atol
 
 
 def ours_from_hf(hf, form: str = "CC"):

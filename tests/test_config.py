@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from mla_deploy import MLAConfig, YarnScaling, from_hf_config, load_recipe
+from mla_deploy.config import LongRopeScaling
 from mla_deploy.errors import ConfigError
 
 # deepseek-ai/DeepSeek-V3 config.json as published (transformers 4.x spelling: rope_theta + rope_scaling.type)
@@ -138,9 +139,39 @@ def test_transformers_save_pretrained_config_loads(tmp_path, version, yarn):
     pytest.param({"n_routed_experts": 16, "topk_group": 3}, r"the topk_group \(3\) groups kept hold 6 experts, "
                  r"fewer than num_experts_per_tok \(8\)", id="kept_groups_too_small"),
     pytest.param({"num_experts_per_tok": 300}, "num_experts_per_tok must be in 1..256", id="topk_gt_experts"),
-    pytest.param({"rope_interleave": False}, "rope_interleave=False is not supported", id="rope_interleave"),
+    pytest.param({"model_type": "deepseek_v2", "rope_interleave": False},
+                 "rope_interleave=false is not supported for deepseek_v2", id="rope_interleave_v2"),
     pytest.param({"attention_bias": True}, "attention_bias=True is not supported", id="attention_bias"),
-    pytest.param({"model_type": "llama"}, "not a DeepSeek-V2/V3 model", id="model_type"),
+    pytest.param({"model_type": "llama"}, "model_type 'llama' is not an MLA model mla-deploy reads", id="model_type"),
+    pytest.param({"model_type": "kimi_linear"}, r"kimi_linear: linear-attention layers \(KDA\) are not supported",
+                 id="refused_kimi_linear"),
+    pytest.param({"model_type": "deepseek_v32"}, r"deepseek_v32: DeepSeek Sparse Attention \(the lightning indexer",
+                 id="refused_deepseek_v32"),
+    pytest.param({"model_type": "kimi_k25"}, "holds its text model's config in text_config, which is missing",
+                 id="wrapper_without_text_config"),
+    pytest.param({"model_type": "kimi_k25", "text_config": {"model_type": "llama"}},
+                 "model_type 'llama' is not an MLA model", id="wrapper_of_other_model"),
+    pytest.param({"rope_scaling": 5}, "rope_scaling must be a JSON object, got 5", id="rope_scaling_number"),
+    pytest.param({"rope_theta": "big"}, 'rope_theta must be a number, got "big"', id="rope_theta_string"),
+    pytest.param({"quantization_config": "x"}, 'quantization_config must be a JSON object, got "x"',
+                 id="quantization_config_string"),
+    pytest.param({"quantization_config": {"weight_block_size": {}}},
+                 r"weight_block_size must be two positive integers, got \{\}", id="block_size_object"),
+    pytest.param({"n_group": "8"}, 'n_group must be an integer, got "8"', id="n_group_string"),
+    pytest.param({"norm_topk_prob": 1}, "norm_topk_prob must be true or false, got 1", id="bool_as_int"),
+    pytest.param({"mlp_layer_types": ["dense"] * 61}, "contradictory MoE schedules", id="schedules_contradict"),
+    pytest.param({"mlp_layer_types": ["dense", "moe"] + ["sparse"] * 59, "first_k_dense_replace": None},
+                 "mlp_layer_types holds 'moe'", id="schedule_bad_word"),
+    pytest.param({"mlp_layer_types": ["sparse"] * 3, "first_k_dense_replace": None},
+                 "mlp_layer_types names 3 layers, num_hidden_layers is 61", id="schedule_length"),
+    pytest.param({"moe_layer_freq": 0}, "moe_layer_freq must be a positive integer", id="moe_layer_freq_zero"),
+    pytest.param({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                                   "original_max_position_embeddings": 4096}},
+                 r"longrope past original_max_position_embeddings \(4096 < max_position_embeddings 163840\)",
+                 id="dynamic_longrope"),
+    pytest.param({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3,
+                                   "original_max_position_embeddings": 163840}},
+                 r"short_factor has 3 values, the rope has 32 pairs", id="longrope_factor_count"),
     pytest.param({"kv_lora_rank": None}, r"missing field\(s\) kv_lora_rank", id="missing_field"),
 ])
 def test_hf_config_errors(change, message):
@@ -164,7 +195,8 @@ def test_unreadable_hf_config(tmp_path):
 @pytest.mark.parametrize("change, message", [
     pytest.param({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even", id="odd_rope_dim"),
     pytest.param({"topk_group": 3}, r"topk_group must be in 1..n_group \(2\)", id="topk_group_gt_n_group"),
-    pytest.param({"topk_method": "noaux_tc"}, "noaux_tc' goes with scoring_func 'sigmoid'", id="method_vs_scoring"),
+    pytest.param({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid' goes with topk_method 'noaux_tc'",
+                 id="method_vs_scoring"),
     pytest.param({"model_type": "deepseek_v4"}, "model_type must be one of", id="model_type"),
     pytest.param({"q_lora_rank": 0}, "q_lora_rank must be a positive integer", id="q_lora_zero"),
 ])
@@ -255,3 +287,36 @@ def test_to_hf_config_builds_the_transformers_config(preset):
                "first_k_dense_replace")
         assert back.replace(**{k: getattr(config, k) for k in moe}) == config
         assert not any(back.is_moe_layer(i) for i in range(back.num_hidden_layers))
+
+
+def test_family_config_fields_round_trip():
+    """The fields the other MLA types add (a schedule, the MoE output norm, static longrope, MiniCPM3's scales)
+    survive to_dict / from_dict (a manifest's config), and first_layers keeps the whole model's residual scale."""
+    config = MLAConfig(name="x", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                       num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                       moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, topk_method="noaux_tc",
+                       scoring_func="sigmoid", n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse", "dense"],
+                       post_mlp_layernorm=True, scale_emb=12, scale_depth=1.4, dim_model_base=8,
+                       max_position_embeddings=256,
+                       rope_scaling=LongRopeScaling([1.0, 2.0], [3.0, 4.0], original_max_position_embeddings=256))
+    assert config.mlp_layer_types == ("dense", "sparse", "dense")
+    assert [config.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    assert MLAConfig.from_dict(config.to_dict()) == config
+    assert config.first_layers(2).residual_scale == pytest.approx(config.residual_scale)
+    assert config.first_layers(2).mlp_layer_types == ("dense", "sparse")
+
+
+
+def test_moe_schedules_of_the_family():
+    """DeepSeek's moe_layer_freq (layer i is MoE when i >= first_k_dense_replace and i % freq == 0, as DeepSeek's
+    own code builds it), GLM-4.7-Flash's mlp_layer_types and its default (the first layer dense), all read into
+    one schedule; a schedule that is the first k layers dense stays first_k_dense_replace."""
+    v3 = from_hf_config({**V3_CONFIG_JSON, "num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert [v3.is_moe_layer(i) for i in range(6)] == [False, False, False, False, True, False]
+    assert v3.mlp_layer_types == ("dense",) * 4 + ("sparse", "dense")
+    glm = {**V3_CONFIG_JSON, "model_type": "glm4_moe_lite", "num_hidden_layers": 3, "first_k_dense_replace": None}
+    glm = {k: v for k, v in glm.items() if v is not None}
+    assert from_hf_config(glm).first_k_dense_replace == 1 and from_hf_config(glm).mlp_layer_types is None
+    listed = from_hf_config({**glm, "mlp_layer_types": ["dense", "sparse", "dense"]})
+    assert [listed.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    assert from_hf_config({**glm, "mlp_layer_types": ["dense", "dense", "sparse"]}).first_k_dense_replace == 2

@@ -258,6 +258,10 @@ def trace_meta_graph(plan: GraphPlan) -> _Traced:
         model, placeholders = trace_graph(wrapper, plan.args, plan.inputs, plan.outputs, plan.dynamic_shapes,
                                           plan.opset, plan.file, plan.experts, plan.fused_layout)
     parameters = {name for name, _ in wrapper.named_parameters()} | {name for name, _ in wrapper.named_buffers()}
+    # A shared parameter (a tied lm_head is the embedding matrix) is listed once by named_parameters, under its
+    # first name; the graph may name it by another: each alias reads the tensor of the name the source serves.
+    canonical = {id(p): name for name, p in wrapper.named_parameters()}
+    aliases = {name: canonical[id(p)] for name, p in wrapper.named_parameters(remove_duplicate=False)}
     derived = fold_weight_views(model, placeholders)
     specs = {}
     for final in placeholders:
@@ -265,6 +269,7 @@ def trace_meta_graph(plan: GraphPlan) -> _Traced:
         while name in derived:  # a weight view folded into its own initializer: walk back to the parameter
             name, op = derived[name]
             ops.append(op)
+        name = aliases.get(name, name)
         if name not in parameters:
             raise ExportError(f"{plan.file}: initializer {name} is no parameter of the model")
         spec = WeightSpec.for_parameter(name.removeprefix("model."))

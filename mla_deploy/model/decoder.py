@@ -40,12 +40,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = make_attention(config, form)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
+        self.residual_scale = config.residual_scale
 
-    def forward(self, x, cos, sin, mask, past, cache):
+    def forward(self, x, cos, sin, mask, past, cache, q_scale=None):
         """Args: x ``[B, S, D]`` and the attention's arguments. Returns: ``[B, S, D]`` and the present cache."""
-        h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), present
+        h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache, q_scale)
+        x = x + self._scaled(h)
+        return x + self._scaled(self.mlp(self.post_attention_layernorm(x))), present
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A residual branch times the residual scale (MiniCPM3's; no node when it is 1)."""
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
 
 
 class AttentionSublayer(nn.Module):
@@ -58,9 +63,9 @@ class AttentionSublayer(nn.Module):
         super().__init__()
         self.self_attn = make_attention(config, form)
 
-    def forward(self, x, cos, sin, mask, past, cache):
+    def forward(self, x, cos, sin, mask, past, cache, q_scale=None):
         """Args: x ``[B, S, D]`` and the attention's arguments. Returns: ``[B, S, D]`` and the present cache."""
-        h, present = self.self_attn(x, cos, sin, mask, past, cache)
+        h, present = self.self_attn(x, cos, sin, mask, past, cache, q_scale)
         return x + h, present
 
 
@@ -69,7 +74,8 @@ def run_layers(layers: Sequence[nn.Module], rotary_emb: nn.Module, x: torch.Tens
     """The layer loop of one step: one rope table and one mask for the step, then every layer in turn.
 
     Args:
-        layers: modules called as ``layer(x, cos, sin, mask, past, cache) -> (x [B, S, D], present)``
+        layers: modules called as ``layer(x, cos, sin, mask, past, cache) -> (x [B, S, D], present)`` (and
+            ``q_scale [B, S]`` last, for a model whose queries are scaled by their position: Mistral 4)
             (:class:`DecoderLayer`, :class:`AttentionSublayer`).
         rotary_emb: the :class:`~mla_deploy.model.rope.RotaryEmbedding` giving ``cos, sin`` of the positions.
         x: ``[B, S, D]``, entering the first layer.
@@ -84,11 +90,13 @@ def run_layers(layers: Sequence[nn.Module], rotary_emb: nn.Module, x: torch.Tens
     if len(past) != len(layers):
         raise ValueError(f"expected {len(layers)} layer caches, got {len(past)}")
     cos, sin = rotary_emb(position_ids)
+    q_scale = rotary_emb.query_scale(position_ids)
+    extra = () if q_scale is None else (q_scale,)
     first = past[0][0] if isinstance(past[0], (tuple, list)) else past[0]
     mask = cache.mask(x.shape[1], first)
     presents = []
     for layer, layer_past in zip(layers, past):
-        x, present = layer(x, cos, sin, mask, layer_past, cache)
+        x, present = layer(x, cos, sin, mask, layer_past, cache, *extra)
         presents.append(present)
     return x, presents
 
@@ -178,11 +186,17 @@ class MLAForCausalLM(nn.Module):
             logits ``[B, K, vocab_size]`` and the list of present caches.
         """
         cache = ConcatCache() if cache is None else cache
+        c = self.config
         x = self.model.embed_tokens(input_ids)
+        if c.scale_emb is not None and c.scale_emb != 1:  # MiniCPM3's embedding scale
+            x = x * c.scale_emb
         x, presents = run_layers(self.model.layers, self.model.rotary_emb, x, position_ids, past, cache)
         if logits_index is not None:  # only the rows asked for go through the norm and lm_head
             x = torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(x)), presents
+        x = self.model.norm(x)
+        if c.logits_scaling != 1.0:  # MiniCPM3's logit divisor
+            x = x / c.logits_scaling
+        return self.lm_head(x), presents
 
     def assign_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Put ``state``'s tensors into this (meta-built) model without copying, rebuild the rope buffer and

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import from_hf_config
+from ..config import HF_MODEL_TYPES, read_hf_config
 from ..errors import CheckpointError, name_list
 from .decoder import MLAForCausalLM
+from .rope import interleave_rope_rows
 
 HF_DEEPSEEK_CLASSES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -23,7 +24,7 @@ def is_hf_deepseek(model: object) -> bool:
         return True
     bases = {cls.__name__ for cls in type(model).__mro__}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return "PreTrainedModel" in bases and hasattr(model, "lm_head") and model_type in ("deepseek_v2", "deepseek_v3")
+    return "PreTrainedModel" in bases and hasattr(model, "lm_head") and model_type in HF_MODEL_TYPES
 
 
 def from_hf_model(hf_model: nn.Module) -> MLAForCausalLM:
@@ -36,7 +37,10 @@ def from_hf_model(hf_model: nn.Module) -> MLAForCausalLM:
         CheckpointError: the HF model's tensors do not match its own config.
     """
     name = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
-    config = from_hf_config(hf_model.config.to_dict(), name=name)
+    config, layout = read_hf_config(hf_model.config.to_dict(), name=name)
+    if layout.text_prefix:
+        raise CheckpointError(f"{type(hf_model).__name__} is a multimodal wrapper: save it and load the folder "
+                              "(mla-deploy reads its text model from the checkpoint)")
     with torch.device("meta"):
         model = MLAForCausalLM(config, "CC")
     state = hf_model.state_dict()
@@ -48,5 +52,7 @@ def from_hf_model(hf_model: nn.Module) -> MLAForCausalLM:
     for key, value in model.state_dict().items():
         if tuple(state[key].shape) != tuple(value.shape):
             raise CheckpointError(f"{key}: shape {tuple(state[key].shape)} in the model, expected {tuple(value.shape)}")
+    if not layout.rope_interleave:  # half-rotated rope rows: new, permuted tensors instead of shared ones
+        state = {key: interleave_rope_rows(key, value, config) for key, value in state.items()}
     model.assign_weights(state)
     return model.train(hf_model.training)

@@ -48,14 +48,17 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Top-k expert choice of DeepSeek-V2 (softmax; greedy or group-limited) and V3 (sigmoid, noaux_tc)."""
+    """Top-k expert choice: DeepSeek-V2's (softmax; greedy or group-limited by each group's best expert), DeepSeek-V3's
+    (``noaux_tc``: sigmoid plus ``e_score_correction_bias`` for the choice, groups ranked by their best two experts)
+    and Mistral 4's (``noaux_tc`` over softmax scores, no correction bias). ``norm_topk_prob`` renormalises the
+    chosen weights of ``noaux_tc`` (V2 never renormalises)."""
 
     def __init__(self, config: MLAConfig):
         super().__init__()
         assert config.n_routed_experts is not None
         self.config = config
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
-        if config.topk_method == "noaux_tc":
+        if config.scoring_func == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +66,12 @@ class Router(nn.Module):
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         groups = (c.n_group, c.n_routed_experts // c.n_group)
-        if c.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
+        if c.topk_method == "noaux_tc":
+            if c.scoring_func == "sigmoid":
+                scores = logits.sigmoid()
+                choice = scores + self.e_score_correction_bias
+            else:
+                scores = choice = logits.softmax(-1)
             group_scores = choice.unflatten(-1, groups).topk(2, dim=-1).values.sum(-1)  # [T, G]
             choice = _keep_groups(choice, group_scores, c.topk_group, groups, float("-inf"))
             idx = choice.topk(c.num_experts_per_tok, dim=-1).indices
@@ -162,7 +168,8 @@ def routed_expert_parameters(module: nn.Module) -> set[str]:
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts (``moe_intermediate_size * n_shared_experts`` wide)."""
+    """Routed experts plus shared experts (``moe_intermediate_size * n_shared_experts`` wide), their sum
+    RMS-normed when ``config.post_mlp_layernorm`` (A.X-K1)."""
 
     def __init__(self, config: MLAConfig):
         super().__init__()
@@ -170,6 +177,8 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
+        self.post_mlp_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                                   if config.post_mlp_layernorm else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x ``[B, S, D]``. Returns: ``[B, S, D]``."""
@@ -178,4 +187,4 @@ class MoE(nn.Module):
         out = self.experts(flat, weights, idx).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out)

@@ -86,9 +86,11 @@ class MLABase(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`).
-        Returns: q_nope ``[B, H, S, dn]``, q_pe ``[B, H, S, dr]`` (rotated)."""
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`); q_scale
+        ``[B, S]`` float32, each query's scale (Mistral 4's, :meth:`~mla_deploy.model.rope.RotaryEmbedding.query_scale`)
+        or None. Returns: q_nope ``[B, H, S, dn]``, q_pe ``[B, H, S, dr]`` (rotated)."""
         c = self.config
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -96,7 +98,11 @@ class MLABase(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.unflatten(-1, (self.num_heads, c.qk_head_dim)).transpose(1, 2)  # [B, H, S, dn+dr]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        return q_nope, apply_rope(q_pe, cos.unsqueeze(1), sin.unsqueeze(1))
+        q_pe = apply_rope(q_pe, cos.unsqueeze(1), sin.unsqueeze(1))
+        if q_scale is not None:
+            scale = q_scale[:, None, :, None].to(q.dtype)  # [B, 1, S, 1]
+            q_nope, q_pe = q_nope * scale, q_pe * scale
+        return q_nope, q_pe
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The rows this step adds to the latent cache: ``[B, S, C]`` = ``[kv_a_layernorm(c_kv) | rope(k_pe)]``."""
@@ -128,15 +134,16 @@ class MLAttention(MLABase):
         k_nope, v = kv.transpose(1, 2).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         return k_nope, v
 
-    def forward(self, x, cos, sin, mask, past, cache):
+    def forward(self, x, cos, sin, mask, past, cache, q_scale=None):
         """Args:
             x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`);
             mask ``[B|1, 1, S, T]`` bool;
-            past: CD ``(k [B, H, P, dn+dr], v [B, H, P, dv])``, CC ``[B, P, C]`` (or the static layouts).
+            past: CD ``(k [B, H, P, dn+dr], v [B, H, P, dv])``, CC ``[B, P, C]`` (or the static layouts);
+            q_scale: as :meth:`MLABase.queries`.
         Returns: y ``[B, S, D]`` and the present cache in the past's layout.
         """
         c = self.config
-        q_nope, q_pe = self.queries(x, cos, sin)
+        q_nope, q_pe = self.queries(x, cos, sin, q_scale)
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, H, S, dn+dr]
         new = self.latent(x, cos, sin)  # [B, S, C]
         if self.form == "CD":
@@ -170,14 +177,15 @@ class AbsorbedMLAttention(MLABase):
         self.w_uk = nn.Parameter(torch.empty(c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(c.num_attention_heads, c.v_head_dim, c.kv_lora_rank))
 
-    def forward(self, x, cos, sin, mask, past, cache):
+    def forward(self, x, cos, sin, mask, past, cache, q_scale=None):
         """Args:
             x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`);
             mask ``[B|1, 1, S, T]`` bool;
-            past: the latent cache ``[B, P, C]`` (concat) or ``[B, 1, T_max, C]`` (static).
+            past: the latent cache ``[B, P, C]`` (concat) or ``[B, 1, T_max, C]`` (static);
+            q_scale: as :meth:`MLABase.queries`.
         Returns: y ``[B, S, D]`` and the present latent cache in the past's layout.
         """
-        q_nope, q_pe = self.queries(x, cos, sin)  # [B, H, S, dn], [B, H, S, dr]
+        q_nope, q_pe = self.queries(x, cos, sin, q_scale)  # [B, H, S, dn], [B, H, S, dr]
         o_lat, present = self.attend(self.absorb_query(q_nope), q_pe, self.latent(x, cos, sin), mask, past, cache)
         return self.output(o_lat), present
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from cli_run import cli, ok  # noqa: E402
-from hf_oracle import hf_model  # noqa: E402
+from hf_oracle import assert_engine_matches_hf, hf_model  # noqa: E402
 from mla_deploy.ort.engine import OrtEngine  # noqa: E402
 
 CASES = {  # version, q compression, yarn; all with MoE layers (first layer dense)
@@ -39,24 +38,7 @@ def _export(tmp_path, case, cache_mode):
                                              ("v3-moe-noq", "concat")])
 def test_exported_checkpoint_generates_what_transformers_generates(tmp_path, case, cache_mode):
     hf, out = _export(tmp_path, case, cache_mode)
-    engine = OrtEngine(out, threads=1, capacity=64)
-    result = engine.generate(PROMPTS, NEW)
-    for b, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert result.tokens[b] == ref.sequences[0, len(prompt):].tolist(), f"prompt {b}"
-    # logits, teacher-forced on transformers' tokens, for one prompt through prefill and every decode step
-    prompt = PROMPTS[0]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    state = engine.new_state(1)
-    got = [engine.forward("prefill", np.array([prompt]), np.arange(len(prompt))[None], state)["logits"][0, -1]]
-    for token in ref.sequences[0, len(prompt):-1].tolist():
-        got.append(engine.forward("decode", np.array([[token]]), state.lengths[:, None].copy(), state)["logits"][0, -1])
-    want = torch.cat(ref.logits).numpy()
-    assert np.abs(np.stack(got) - want).max() <= 1e-4
+    assert_engine_matches_hf(OrtEngine(out, threads=1, capacity=64), hf, PROMPTS, NEW)
     # `mla-deploy validate` on the checkpoint's artifact: the reference is rebuilt from the checkpoint itself
     from mla_deploy.validate import ValidateOptions, validate_artifact
 
