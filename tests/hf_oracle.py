@@ -63,7 +63,7 @@ def randomize_(model, seed: int = 0, std: float = 0.3):
 
 @torch.no_grad()
 def assert_engine_matches_hf(engine, hf, prompts, new: int, atol: float = 1e-4) -> None:
-    """An exported model run by ``engine`` (an :class:`~mla_deploy.engines.ort_engine.OrtEngine`) against the
+    """An exported model run by ``engine`` (an :class:`~mla_deploy.ort.engine.OrtEngine`) against the
     transformers model ``hf`` it was exported from: greedy generation of ``new`` tokens from each of ``prompts``
     equals ``hf.generate`` token for token, and the logits, teacher-forced on transformers' tokens for the first
     prompt, are within ``atol`` of transformers' at the prefill and at every decode step (a uniform logit scale

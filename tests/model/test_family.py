@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import family_checkpoints  # noqa: E402
 from cli_run import cli, ok  # noqa: E402
 from hf_oracle import assert_engine_matches_hf  # noqa: E402
-from mla_deploy.engines.ort_engine import OrtEngine  # noqa: E402
+from mla_deploy.ort.engine import OrtEngine  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [64, 2, 11]]
 NEW = 8
