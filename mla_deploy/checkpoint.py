@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .artifact.files import require_regular_file
 from .config import HFLayout, MLAConfig, read_hf_config
 from .errors import CheckpointError, ConfigError, name_list
 from .model.hf import from_hf_model  # noqa: F401  (re-exported: the in-memory counterpart of load_checkpoint)
@@ -290,6 +291,8 @@ def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
         raise CheckpointError(f"no checkpoint at {path}")
     folder = path if path.is_dir() else path.parent
     index = folder / INDEX_FILE
+    for entry in (index, *folder.glob("*.safetensors")):  # before any open: a FIFO or a device would never end
+        require_regular_file(entry, CheckpointError)
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -298,7 +301,7 @@ def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names, got "
                                   f"{json.dumps(weight_map)[:80]}")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        files = [require_regular_file(folder / name, CheckpointError) for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise CheckpointError(f"{index} names shard(s) that are not there: {name_list(absent)}")

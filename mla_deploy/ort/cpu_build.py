@@ -48,6 +48,7 @@ that validation compares with PyTorch always opens the source graph. What the en
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -63,6 +64,8 @@ from .engine import check_precision, require_onnxruntime, session_options
 from .record import (CPU_ENGINE_DIR, CPU_ENGINE_RECORD, SESSION, CpuEngineRecord, CpuOperators, EngineGraph, host_cpu,
                      write_cpu_engine_record)
 
+#: the name of a graph or data file a build writes (``<graph stem>.onnx``, ``.data``): what a record may name
+ENGINE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.(onnx|data)")
 #: the kernels whose saved pre-packed weights ONNX Runtime 1.31.1 reads back bit for bit (fp32 ``MatMul``/``Gemm``)
 PREPACKED_KEPT = ("MatMul", "Gemm")
 #: initializers below this many bytes stay inside the engine graph
@@ -124,8 +127,8 @@ def _engine_files(root: Path, manifest: Manifest) -> set[str]:
         record = read_cpu_engine_record(root)
     except (ArtifactError, OSError, ValueError):  # an unreadable record names nothing
         record = None
-    for graph in record.graphs if record is not None else ():
-        names |= {graph.engine} | ({graph.data} if graph.data else set())
+    for graph in record.graphs if record is not None else ():  # an edited record may name anything: only engine
+        names |= {n for n in (graph.engine, graph.data) if n and ENGINE_FILE.fullmatch(n)}  # files' own names count
     return names
 
 
@@ -138,7 +141,8 @@ def _check_replaceable(folder: Path, engine_files: set[str]) -> None:
         return
     if folder.is_symlink() or not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a CPU engine folder; move it away first")
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in engine_files or p.is_symlink())
+    foreign = sorted(p.name for p in folder.iterdir()
+                     if p.name not in engine_files or p.is_symlink() or not p.is_file())
     if foreign:
         raise ExportError(f"{folder / foreign[0]} is not a file of a CPU engine and the build would replace it; move it "
                           f"away first")
@@ -231,7 +235,7 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ExportError(f"ONNX Runtime could not optimise {source}: {first[:300]}") from exc
+        raise ExportError(f"ONNX Runtime could not optimise {source}: {write_failure(tmp) or first[:300]}") from exc
     del session  # the files are complete once the session is created; its packed weights are freed here
     side.unlink(missing_ok=True)
     rewritten.unlink(missing_ok=True)
@@ -245,6 +249,27 @@ def _build_graph(ort, root: Path, manifest: Manifest, source: str, tmp: Path, ro
     return EngineGraph(source, graph.sha256 or sha256_file(root / source), engine.name, sha256_file(engine),
                        data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0, roles,
                        sample)
+
+
+def write_failure(folder: Path) -> str | None:
+    """Why writing into ``folder`` failed, where the system says so (ONNX Runtime's own message names neither): a
+    file that reached this process's file size limit, or a device out of space; None when neither is the case."""
+    import resource
+    import shutil
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        full = next((p for p in folder.iterdir() if p.is_file() and p.stat().st_size >= limit), None)
+        if full is not None:
+            return f"writing {full.name} reached this process's file size limit ({limit} bytes, `ulimit -f`)"
+    free = shutil.disk_usage(folder).free
+    if free < WRITE_SLACK:
+        return f"no space left on the device of {folder} ({free} bytes free)"
+    return None
+
+
+#: less free space than this after a failed write: the device is what filled up
+WRITE_SLACK = 16 << 20
 
 
 def drop_cached_pages(path: Path) -> None:

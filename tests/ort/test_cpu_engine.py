@@ -231,6 +231,23 @@ def test_failed_build_leaves_the_previous_engine_or_none(built, tmp_path):
     assert sorted(p.name for p in art.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx"]
 
 
+def test_rebuild_keeps_a_users_file_that_an_edited_record_names(built, tmp_path):
+    """engine.json edited to name a user's file (any name but an engine file's) or a folder: the build trusts the
+    record only for names it could have written itself, refuses in one line and keeps both."""
+    art = copy(built["int4"], tmp_path)
+    record = json.loads((art / "cpu" / "engine.json").read_text())
+    record["graphs"][0]["data"], record["graphs"][-1]["engine"] = "notes.txt", "mine.onnx"
+    (art / "cpu" / "engine.json").write_text(json.dumps(record))
+    (art / "cpu" / "notes.txt").write_text("the user's own file\n")
+    (art / "cpu" / "mine.onnx").mkdir()
+    (art / "cpu" / "mine.onnx" / "inside").write_text("kept\n")
+    result = cli("build", art, "--target", "cpu")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "is not a file of a CPU engine" in result.stderr, result.stderr
+    assert (art / "cpu" / "notes.txt").read_text() == "the user's own file\n"
+    assert (art / "cpu" / "mine.onnx" / "inside").read_text() == "kept\n"
+
+
 @pytest.mark.parametrize("name", ["extra.onnx", "extra.data", "link.data"])
 def test_rebuild_keeps_a_users_file_named_like_an_engine_file(built, tmp_path, name):
     """A file in cpu/ that neither the build writes nor the engine's record names, whatever its suffix (a user's
@@ -273,5 +290,6 @@ def test_bad_inputs_are_one_line_errors(built, tmp_path):
                           capture_output=True, text=True,  # no .pyc: one larger than the limit would be truncated
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
     assert full.returncode == 1 and len(full.stderr.splitlines()) == 1, full.stderr
-    assert "ONNX Runtime could not optimise prefill.onnx" in full.stderr, full.stderr  # writing its data file failed
+    assert "ONNX Runtime could not optimise prefill.onnx: writing prefill.data reached this process's file size " \
+           "limit (65536 bytes, `ulimit -f`)" in full.stderr, full.stderr  # the cause, not ONNX Runtime's words
     assert sorted(p.name for p in art.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx"], full.stderr
