@@ -1,20 +1,11 @@
-"""The memory of this machine, and the check that sizes a user asked for fit in it before anything is allocated:
+"""The check that sizes a user asked for fit in this machine's memory (:func:`mla_deploy.host.total_memory`) before anything is allocated:
 a ``--max-batch`` or ``--max-cache-length`` that asks for terabytes is one line naming the option, not a
 ``MemoryError`` (or the OOM killer) halfway through the work."""
 
 from __future__ import annotations
 
-import os
-
 from .errors import InputError
-
-
-def physical_memory() -> int | None:
-    """Bytes of physical memory (None where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
+from .host import total_memory
 
 
 def size_text(nbytes: int) -> str:
@@ -30,6 +21,6 @@ def size_text(nbytes: int) -> str:
 def check_fits_memory(nbytes: int, what: str) -> None:
     """Refuse ``what`` (``"--max-batch 100000 rows of 256 tokens"``) when its ``nbytes`` exceed this machine's
     physical memory. Raises: InputError."""
-    total = physical_memory()
+    total = total_memory()
     if total is not None and nbytes > total:
         raise InputError(f"{what} needs {size_text(nbytes)} of memory, more than this machine's {size_text(total)}")

@@ -491,7 +491,7 @@ def test_functions_are_short_and_take_few_parameters():
 #: each part of the package and its layer: a module imports only from its own layer or a lower one. The root package
 #: and the deprecated import paths (kept for one release) sit on top: they name what lies below them.
 LAYERS = {
-    0: ("errors", "lazy", "host", "values", "io_spec", "config", "expert_forms"),
+    0: ("errors", "lazy", "host", "memory", "values", "io_spec", "config", "expert_forms"),
     1: ("model", "quant", "cache_table"),
     2: ("cache_layout", "recipe", "weight_bytes"),
     3: ("artifact",),
