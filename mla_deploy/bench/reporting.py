@@ -32,7 +32,7 @@ def versions(names: tuple[str, ...]) -> dict[str, str | None]:
 
 
 def machine_summary(described: dict, threads: int, probes: list[dict], when: str) -> dict:
-    """The report's ``machine``: ``described`` (:func:`~.machine.describe` at the start), the thread count, and
+    """The report's ``machine``: ``described`` (:func:`mla_deploy.host.describe` at the start), the thread count, and
     the read bandwidth, GEMM rate and load average over ``probes`` (:func:`~.machine.probe`'s, taken ``when``)."""
     info = dict(described)
     info["threads"] = threads

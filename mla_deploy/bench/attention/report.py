@@ -194,7 +194,7 @@ def _model(spec: BenchSpec) -> dict:
 
 def build_report(spec: BenchSpec, status: dict, runs: list[dict], outputs: Path, started: float,
                  command: str | None, described: dict | None = None) -> dict:
-    """The report dict (what bench.json holds); ``described``: :func:`~.machine.describe` taken at the start."""
+    """The report dict (what bench.json holds); ``described``: :func:`mla_deploy.host.describe` taken at the start."""
     machine = _machine(spec, runs, described)
     rows = _rows(spec, status, runs, machine)
     _compare_outputs(rows, outputs)

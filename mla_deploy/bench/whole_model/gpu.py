@@ -92,7 +92,8 @@ class GpuBenchSpec:
 def step_bound(manifest, batch: int, context: int) -> dict:
     """The bytes one decode step of ``batch`` sequences after ``context`` tokens must read (weights, the routed
     experts ``batch`` tokens are expected to reach uniformly, the held cache rows)."""
-    from .cost import expected_distinct_experts, manifest_weight_groups, step_cost
+    from ...weight_bytes import manifest_weight_groups
+    from .cost import expected_distinct_experts, step_cost
 
     groups = manifest_weight_groups(manifest)
     experts = [expected_distinct_experts(groups.n_experts, groups.top_k, batch)] * len(groups.moe_layers)
