@@ -37,8 +37,8 @@ class YarnScaling:
     Attributes:
         factor: context extension factor ``s`` (40 for DeepSeek-V2/V3).
         original_max_position_embeddings: the pre-extension context (4096).
-        beta_fast: high-frequency boundary of the ramp, in rotations (32).
-        beta_slow: low-frequency boundary of the ramp, in rotations (1).
+        beta_fast: high-frequency boundary of the ramp, in rotations (32; Kimi K2: 1).
+        beta_slow: low-frequency boundary of the ramp, in rotations (1); at most beta_fast.
         mscale: mscale used for the cos/sin amplitude (``attention_factor``).
         mscale_all_dim: mscale used for the softmax scale; 0 disables the scale correction.
         attention_factor: explicit cos/sin amplitude; None derives it as transformers does.
@@ -57,9 +57,11 @@ class YarnScaling:
             raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
         if self.original_max_position_embeddings <= 0:
             raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
-        if not self.beta_fast > self.beta_slow > 0:
+        # equal betas (Kimi K2's 1 and 1) make the ramp one dimension wide, as in transformers, which refuses only
+        # beta_fast < beta_slow
+        if not self.beta_fast >= self.beta_slow > 0:
             raise ConfigError(
-                f"rope_scaling needs beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}"
+                f"rope_scaling needs beta_fast >= beta_slow > 0, got {self.beta_fast} and {self.beta_slow}"
             )
 
     @property

@@ -333,7 +333,14 @@ class Recipe:
 
 
 def presets_dir() -> Path:
-    """The folder holding the built-in recipes (``export/`` of the source tree, packaged as ``mla_deploy._presets``)."""
+    """The folder holding the built-in recipes (``export/`` of the source tree, packaged as ``mla_deploy._presets``).
+
+    A source checkout's own ``export/`` comes first: an editable install maps ``mla_deploy._presets`` to the
+    checkout it was installed from, which is not this package's when it is imported from another worktree.
+    """
+    tree = Path(__file__).resolve().parent.parent
+    if (tree / "pyproject.toml").is_file() and any((tree / "export").glob("*.toml")):
+        return tree / "export"
     try:
         from importlib.resources import files
 

@@ -109,7 +109,9 @@ def _build(case: str):
     if case == "deepseek_v3-half-rope":
         return (*_v3(rope_interleave=False, rope_parameters=YARN, q_lora_rank=None), None)
     if case == "kimi_k2":
-        return (*_v3(rope_parameters=YARN), _kimi_k2)
+        # Kimi K2's rope: theta 50000, YaRN with beta_fast = beta_slow = 1 (a one-dimension ramp), mscale 1 and 1
+        rope = {**YARN, "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0}
+        return (*_v3(rope_parameters=rope), _kimi_k2)
     if case == "sarvam_mla":
         cfg = transformers.SarvamMLAConfig(**{**SMALL, "q_lora_rank": None, "first_k_dense_replace": 1,
                                               "rope_parameters": YARN})

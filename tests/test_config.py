@@ -226,6 +226,16 @@ def test_replace_rejects_unknown_fields():
         load_recipe("tiny").model.replace(kv_lora_rnak=8)
 
 
+def test_yarn_betas():
+    """beta_fast may equal beta_slow (Kimi K2's release: 1 and 1; transformers accepts it), never be below it."""
+    kimi = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0)
+    assert (kimi.beta_fast, kimi.beta_slow) == (1.0, 1.0)
+    with pytest.raises(ConfigError, match="beta_fast >= beta_slow > 0, got 1.0 and 2.0"):
+        YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=2.0)
+    with pytest.raises(ConfigError, match="beta_fast >= beta_slow > 0"):
+        YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=0.0)
+
+
 def test_yarn_scale_properties():
     """YaRN: softmax scale multiplier mscale(s, mscale_all_dim)**2; cos/sin amplitude mscale ratio (1 for V3)."""
     v3 = load_recipe("deepseek-v3").model.rope_scaling
