@@ -9,7 +9,12 @@ of ``BLOCK_N`` rows, and keeps an online softmax in float32:
   length; writes the split's normalised partial output ``[B, H*S, splits, r]`` and its log-sum-exp
   (base 2) ``[B, H*S, splits]``, both float32.
 * stage 2 (:func:`_reduce_kernel`), grid ``(B, H*S)``: combines the splits by their log-sum-exp and writes
-  ``[B, H*S, r]`` in the query's dtype.
+  ``[B, H*S, r]`` in the query's dtype. With one split it does not run: stage 1 (``FINAL``) normalises and
+  writes ``[B, H*S, r]`` itself, which saves a launch and the float32 round trip of the partials.
+
+Each sequence's length is clamped to ``[0, T]`` on the device before it bounds any read: the length tensor
+comes from the caller (a graph input, a serving loop), and an oversized or garbage value must not turn into a
+read past the cache's allocation.
 
 Each sequence's split length is computed on the device from its own ``lengths[b]``, so no host sync is
 needed and short sequences in a long static cache still spread over all splits.
@@ -32,14 +37,17 @@ MAX_SPLITS = 64
 @triton.jit
 def _split_kernel(q_ptr, cache_ptr, lengths_ptr, part_ptr, lse_ptr,
                   stride_qb, stride_qm, stride_cb, stride_ct, stride_pb, stride_pm, stride_ps,
-                  stride_lb, stride_lm, M, STEPS, NUM_SPLITS, scale_log2,
+                  stride_lb, stride_lm, M, T, STEPS, NUM_SPLITS, scale_log2,
                   R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  FINAL: tl.constexpr):
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # query rows h*S + s
     split = tl.program_id(2)
     row_ok = rows < M
-    length = tl.load(lengths_ptr + b).to(tl.int32)
+    # Clamped in the loaded dtype (an int64 garbage value must not wrap into range) to the capacity T: the
+    # cache rows read are always rows [0, T) of this sequence, whatever the caller passed.
+    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + b), 0), T).to(tl.int32)
     limit = length - STEPS + 1 + rows % STEPS  # [BLOCK_H]: slots < limit are visible
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -77,8 +85,9 @@ def _split_kernel(q_ptr, cache_ptr, lengths_ptr, part_ptr, lse_ptr,
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     part = part_ptr + b * stride_pb + rows[:, None] * stride_pm + split * stride_ps + offs_r[None, :]
-    tl.store(part, out, mask=row_ok[:, None] & (offs_r[None, :] < R))
-    tl.store(lse_ptr + b * stride_lb + rows * stride_lm + split, lse, mask=row_ok)
+    tl.store(part, out.to(part_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < R))
+    if not FINAL:
+        tl.store(lse_ptr + b * stride_lb + rows * stride_lm + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -124,19 +133,22 @@ def _programs(device: torch.device) -> int:
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor, softmax_scale: float,
                kv_lora_rank: int, out: torch.Tensor | None = None, num_splits: int | None = None,
-               block_h: int = 16, block_n: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+               block_h: int = 16, block_n: int = 16, num_warps: int = 4, num_stages: int = 2,
+               single_pass: bool = True) -> torch.Tensor:
     """MLA decode attention with the Triton kernels (see the module docstring); matches
     :func:`.reference.mla_decode_reference`.
 
     Args:
         q: ``[B, H, C]`` or ``[B, H, S, C]``, float32/float16/bfloat16; channels contiguous.
         cache: ``[B, T, C]`` or ``[B, 1, T, C]``, q's dtype; channels contiguous (any row/batch strides).
-        lengths: ``[B]`` int32 or int64, valid rows per sequence (this step's S rows included).
+        lengths: ``[B]`` int32 or int64, valid rows per sequence (this step's S rows included); the kernel
+            clamps each to ``[0, T]``, so a wrong length gives a wrong answer but never a read outside the cache.
         softmax_scale: score multiplier. kv_lora_rank: r (values are channels ``[0, r)``).
         out: optional ``[B, H, r]`` / ``[B, H, S, r]`` contiguous output buffer of q's dtype.
         num_splits: splits per sequence (default: :func:`choose_num_splits`).
         block_h, block_n: query rows and cache rows per tile (powers of two, >= 16).
         num_warps, num_stages: Triton launch options (ignored by the interpreter).
+        single_pass: with one split, let stage 1 write the output (``False`` keeps the reduce pass, for tests).
     Returns:
         ``out`` (or a new tensor): ``[B, H, r]`` or ``[B, H, S, r]`` in q's dtype.
     """
@@ -155,8 +167,6 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor, soft
     block_r, block_p = max(16, triton.next_power_of_2(rank)), max(16, triton.next_power_of_2(rope))
     splits = num_splits or choose_num_splits(batch, triton.cdiv(m, block_h), cache3.shape[1], block_n,
                                              _programs(q.device))
-    part = torch.empty((batch, m, splits, rank), dtype=torch.float32, device=q.device)
-    lse = torch.empty((batch, m, splits), dtype=torch.float32, device=q.device)
     shape = (*q4.shape[:-1], rank) if q.dim() == 4 else (batch, heads, rank)
     if out is None:
         out = torch.empty(shape, dtype=q.dtype, device=q.device)
@@ -164,16 +174,23 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor, soft
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {shape}")
     flat = out.view(batch, m, rank)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    final = splits == 1 and single_pass
+    if final:  # stage 1 normalises and writes the output itself: no partials, no second launch
+        part, lse, part_strides, lse_strides = flat, flat, (flat.stride(0), flat.stride(1), 0), (0, 0)
+    else:
+        part = torch.empty((batch, m, splits, rank), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, m, splits), dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = (part.stride(0), part.stride(1), part.stride(2)), (lse.stride(0), lse.stride(1))
     _split_kernel[(batch, triton.cdiv(m, block_h), splits)](
         rows, cache3, lengths, part, lse,
-        rows.stride(0), rows.stride(1), cache3.stride(0), cache3.stride(1),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        m, steps, splits, float(softmax_scale) * 1.4426950408889634,
+        rows.stride(0), rows.stride(1), cache3.stride(0), cache3.stride(1), *part_strides, *lse_strides,
+        m, cache3.shape[1], steps, splits, float(softmax_scale) * 1.4426950408889634,
         R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
-        DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
-    _reduce_kernel[(batch, m)](
-        part, lse, flat, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        flat.stride(0), flat.stride(1), splits, R=rank, BLOCK_R=block_r, num_warps=4)
+        DOT_PRECISION=precision, FINAL=final, num_warps=num_warps, num_stages=num_stages)
+    if not final:
+        _reduce_kernel[(batch, m)](
+            part, lse, flat, *part_strides, *lse_strides, flat.stride(0), flat.stride(1), splits,
+            R=rank, BLOCK_R=block_r, num_warps=4)
     return out
 
 
@@ -192,11 +209,11 @@ def compile_kernels(dtype: str = "bf16", arch: int = 90, kv_lora_rank: int = 512
     split_sig = {"q_ptr": f"*{elem}", "cache_ptr": f"*{elem}", "lengths_ptr": "*i64", "part_ptr": "*fp32",
                  "lse_ptr": "*fp32"}
     split_sig.update({n: "i32" for n in ("stride_qb", "stride_qm", "stride_cb", "stride_ct", "stride_pb",
-                                         "stride_pm", "stride_ps", "stride_lb", "stride_lm", "M", "STEPS",
+                                         "stride_pm", "stride_ps", "stride_lb", "stride_lm", "M", "T", "STEPS",
                                          "NUM_SPLITS")})
     split_sig["scale_log2"] = "fp32"
     split_const = {"R": kv_lora_rank, "P": rope_dim, "BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_R": block_r,
-                   "BLOCK_P": block_p, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+                   "BLOCK_P": block_p, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FINAL": False}
     split_sig.update({n: "constexpr" for n in split_const})
     reduce_sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{elem}"}
     reduce_sig.update({n: "i32" for n in ("stride_pb", "stride_pm", "stride_ps", "stride_lb", "stride_lm",

@@ -100,6 +100,51 @@ def test_kernel_empty_sequence_gives_zeros(kernel, device):
     assert torch.count_nonzero(out[0]) == 0 and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_kernel_clamps_lengths_to_the_capacity(kernel, reference, device, dtype):
+    """A length past the capacity T gives the answer for T, a negative one that for 0: the cache is a view whose
+    rows past T are NaN in the same allocation, so any read beyond T would poison the output."""
+    q, cache, _, scale = _case(3, 4, 2, 21, 16, 8, torch.float32, device)
+    padded = torch.full((3, 21 + 64, 24), float("nan"), device=device)
+    padded[:, :21] = cache[:, 0]
+    view = padded[:, :21]
+    huge = 2**40 if dtype == torch.int64 else 2**31 - 1  # a garbage int64 must not wrap into range either
+    bad = torch.tensor([21 + 50, huge, -7], dtype=dtype, device=device)
+    clamped = torch.tensor([21, 21, 0], dtype=dtype, device=device)
+    for splits in (1, 3):
+        out = kernel.mla_decode(q, view, bad, scale, 16, num_splits=splits)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, kernel.mla_decode(q, view, clamped, scale, 16, num_splits=splits))
+        assert rel_err(out, reference.mla_decode_reference(q, cache, clamped, scale, 16)) < 1e-5
+        assert torch.count_nonzero(out[2]) == 0
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernel_one_split_is_one_pass(kernel, reference, device, monkeypatch, steps, dtype):
+    """With one split stage 1 writes the output and the reduce never launches; the result is the two-stage
+    path's exactly (the reduce of one split multiplies by exp2(0) = 1 and divides by 1)."""
+    q, cache, lengths, scale = _case(3, 20, steps, 45, 32, 16, dtype, device)
+    lengths[1] = 0
+    two_stage = kernel.mla_decode(q, cache, lengths, scale, 32, num_splits=1, single_pass=False)
+    launches = []
+    real = kernel._reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kernel, "_reduce_kernel", Spy())
+    out = kernel.mla_decode(q, cache, lengths, scale, 32, num_splits=1)
+    assert launches == [] and out.dtype == dtype
+    assert torch.equal(out, two_stage)
+    assert rel_err(out, reference.mla_decode_reference(q, cache, lengths, scale, 32)) < (
+        1e-5 if dtype == torch.float32 else 2e-3)
+    kernel.mla_decode(q, cache, lengths, scale, 32, num_splits=2)
+    assert len(launches) == 1  # two splits still reduce
+
+
 def test_kernel_rejects_bad_arguments(kernel, device):
     q, cache, lengths, scale = _case(1, 4, 1, 8, 16, 8, torch.float32, device)
     with pytest.raises(ValueError, match="kv_lora_rank"):
