@@ -145,6 +145,29 @@ def test_kernel_one_split_is_one_pass(kernel, reference, device, monkeypatch, st
     assert len(launches) == 1  # two splits still reduce
 
 
+def test_launch_config(kernel):
+    """Head blocks up to 64 rows: 16 heads one block, 128 heads two; 8 warps (two warpgroups) at 64 rows."""
+    assert kernel.launch_config(16) == (16, 32, 4, 3)
+    assert kernel.launch_config(20) == (32, 32, 4, 3)
+    assert kernel.launch_config(128) == (64, 32, 8, 3)
+    assert kernel.launch_config(1) == (16, 32, 4, 3)  # tl.dot's minimum M
+
+
+@pytest.mark.parametrize("heads,steps", [(16, 1), (128, 1), (128, 2)], ids=["h16", "h128", "h128-s2"])
+@pytest.mark.parametrize("splits", [None, 1, 3], ids=["auto-splits", "1split", "3splits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernel_default_config_ragged_batch(kernel, reference, device, heads, steps, splits, dtype):
+    """The default launch (64-row head blocks at 128 heads, 32-row cache tiles, grid (head blocks, splits, B))
+    against the reference on a ragged batch: an empty-but-for-this-step sequence, a full one, lengths that
+    end inside a tile and on a tile boundary."""
+    q, cache, lengths, scale = _case(5, heads, steps, 77, 32, 16, dtype, device, seed=heads + steps)
+    lengths.copy_(torch.tensor([steps, 77, 33, 64, 50]))
+    out = kernel.mla_decode(q, cache, lengths, scale, 32, num_splits=splits)
+    ref = reference.mla_decode_reference(q, cache, lengths, scale, 32)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
 def test_kernel_rejects_bad_arguments(kernel, device):
     q, cache, lengths, scale = _case(1, 4, 1, 8, 16, 8, torch.float32, device)
     with pytest.raises(ValueError, match="kv_lora_rank"):
