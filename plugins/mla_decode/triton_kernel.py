@@ -19,6 +19,13 @@ read past the cache's allocation.
 Each sequence's split length is computed on the device from its own ``lengths[b]``, so no host sync is
 needed and short sequences in a long static cache still spread over all splits.
 
+Every head block reads its whole split of the cache, so the launch (:func:`launch_config`) makes the blocks
+as wide as one Hopper warpgroup MMA allows (64 query rows: 128 heads are two blocks, not eight) and puts the
+head block on the grid's fastest axis, so the blocks that read the same rows run side by side and the second
+finds them in L2. :func:`compile_kernels` builds the same kernels ahead of time with the divisibility hints
+Triton's JIT would infer (:data:`AOT_DIVISIBLE`): without them the cache rows cannot be proved 16-byte
+aligned and are not loaded 16 bytes at a time.
+
 Run on an NVIDIA GPU with CUDA tensors, or, for testing the kernel logic, under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported) with CPU tensors.
 """

@@ -3,8 +3,9 @@
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``: the kernel code executed by
 NumPy on the CPU, block by block): the logic is exercised, not the compiled code, so float32 and float16
 only (Triton 3.9's interpreter computes ``tl.dot`` of bfloat16 operands wrongly, checked on a standalone
-16x16 dot). The ahead-of-time compile test proves the kernels compile to PTX and a cubin for sm_90 with
-Triton's CUDA backend, without a GPU. Tests marked ``gpu`` need CUDA and run the compiled kernels.
+16x16 dot). The ahead-of-time compile tests prove the kernels compile to PTX and a cubin for sm_90 with
+Triton's CUDA backend, without a GPU, and read what the compiled code does (load widths, spills, wgmma);
+not how fast it runs. Tests marked ``gpu`` need CUDA and run the compiled kernels.
 """
 
 from __future__ import annotations
