@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rope", type=int, default=64, help="qk_rope_head_dim")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--block-n", type=int, default=16)
+    parser.add_argument("--block-n", type=int, default=None, help="cache rows per tile (default: launch_config's)")
     parser.add_argument("--num-splits", type=int, default=None)
     parser.add_argument("--max-gib", type=float, default=8.0, help="skip shapes whose cache exceeds this")
     parser.add_argument("--timing", choices=["events", "cudagraph"], default="events",
@@ -107,8 +107,9 @@ def main(argv=None) -> int:
                 if batch * heads * length <= 2**24:  # the float32 reference's scores must fit in memory
                     ref = reference.mla_decode_reference(q, cache, lengths, scale, args.rank).float()
                     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                block_h, block_n = kernel.launch_config(heads)[:2]
                 splits = args.num_splits or kernel.choose_num_splits(
-                    batch, (heads + 15) // 16, length, args.block_n,
+                    batch, -(-heads // block_h), length, args.block_n or block_n,
                     2 * torch.cuda.get_device_properties(0).multi_processor_count)
                 print(f"{batch:>5} {heads:>5} {length:>7} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e9:>8.0f} "
                       f"{bw / peak:>8.1%} {err:>11.2e}")
