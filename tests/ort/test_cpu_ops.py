@@ -1,6 +1,6 @@
 """mla-deploy's own CPU operators (``mla_deploy/ort/csrc/cpu_ops.c``, :mod:`mla_deploy.ort.operators`): compiled
 here, run in real ONNX Runtime sessions beside ONNX Runtime's own ``QMoE`` and ``MatMulNBits`` on the same weights
-(int4 and int8, one token and several), its portable C path beside its AVX-512 VNNI one, the
+(int4 and int8, one token and several), its portable C path beside its fast path for this CPU, the
 swap that puts it in a CPU engine (only where it computes exactly what QMoE does), and the engine that holds it:
 the same tokens as the source graphs, its library refused in one line when missing or modified, QMoE kept (and
 why said) without a C compiler."""
@@ -32,12 +32,12 @@ D, I, E, K = 640, 160, 8, 3
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory) -> dict[str, cpu_ops.Library]:
-    """The operator compiled for this CPU (``native``, when it has AVX-512 VNNI) and in portable C."""
+    """The operator compiled for this CPU (``native``: its best fast path, where it has one) and in portable C."""
     built = {}
-    for name, native in (("native", True), ("portable", False)):
+    for name, isa in (("native", None), ("portable", cpu_ops.PORTABLE)):
         folder = tmp_path_factory.mktemp(name)
-        built[name] = cpu_ops.compile_library(folder, native=native)
-    assert built["portable"].path is not None and not built["portable"].vnni, built["portable"].why_not
+        built[name] = cpu_ops.compile_library(folder, isa)
+    assert built["portable"].path is not None and built["portable"].isa == "portable", built["portable"].why_not
     return built
 
 
@@ -802,7 +802,7 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     # multiple of 32: they stay FloatMatMul
     assert record["attention"] == 0
     assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
-            f"x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
+            f"x{record['float_linear']} (cpu_ops.so, instruction set {libraries['native'].isa}, 2 with their layer's shared experts, {half} scale tensors as "
             f"float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
@@ -852,8 +852,12 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
 def test_doctor_says_whether_the_engine_gets_the_operators(libraries, tmp_path, monkeypatch):
     """`mla-deploy doctor` says yes exactly where the build compiles them (here: the native build's outcome), and no
     with the reason without a compiler."""
-    line = next(l for l in ok(cli("doctor", "--no-providers")).splitlines() if l.startswith("cpu ops"))
+    report = ok(cli("doctor", "--no-providers"))
+    line = next(l for l in report.splitlines() if l.startswith("cpu ops"))
     assert line.startswith("cpu ops      yes") == (libraries["native"].path is not None), line
+    if libraries["native"].path is not None:  # the instruction set the build compiles for, as the library says it
+        assert line.endswith(f"(C compiler; instruction set: {libraries['native'].isa})"), line
+        assert f"yes, with mla-deploy's operators ({libraries['native'].isa})" in report, report
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     line = next(l for l in ok(cli("doctor", "--no-providers")).splitlines() if l.startswith("cpu ops"))
     assert line == (f"cpu ops      no: the CPU engine keeps ONNX Runtime's kernels (no C compiler "
@@ -1118,7 +1122,7 @@ def test_attention_operator_equals_the_nodes_it_replaces(attention_engines, libr
     inputs reach both) and its present cache equal to float32 rounding (1e-5 of their scale; the per-head products
     are the same int8 compute in both, or float32 sums in another order). Later layers are compared loosely: there the inputs already differ in the
     last bits, which can move an activation's int8 rounding. The engine's graph run with the operators compiled in
-    portable C (what a CPU without AVX-512 VNNI would run) equals the unswapped nodes in the same way."""
+    portable C (the operators' code without vector instructions) equals the unswapped nodes in the same way."""
     import onnx
 
     fused_path = attention_engines[0]
@@ -1261,3 +1265,4 @@ def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path
         assert ops.count(own_ops.FLOAT_LINEAR_OP_TYPE) >= 4  # the projections, the MLPs, lm_head
         assert not [n.name for n in model.node if n.op_type == "MatMul" and n.input[1] in weights]
     assert _tokens(art) == _tokens(art, "--no-engine")
+
