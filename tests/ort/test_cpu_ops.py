@@ -1548,13 +1548,12 @@ def attention_engine(libraries, tmp_path_factory, request) -> tuple[Path, str]:
     return art, request.param
 
 
-def test_latent_attention_avx2_equals_vnni_to_float32_rounding(attention_engine, libraries, avx2):
+def test_latent_attention_avx2_equals_vnni_bit_for_bit(attention_engine, libraries, avx2):
     """LatentAttention through the AVX-512 VNNI and AVX2 builds: a prefill of two sequences (per-head products row by
-    row) and a decode step (per-head products in panels): layer 0's attention output and its cache equal to float32
-    rounding (1e-5 of their scale, as the attention's other tests). Not bit for bit: the per-head products are, but
-    the scores, softmax and weighted sum between them have AVX-512 code only (its own exp: 16 lanes, Cephes'
-    polynomial), and the AVX2 build runs their C loops (expf). The portable build is compared with the nodes the
-    operator replaces by test_attention_operator_equals_the_nodes_it_replaces."""
+    row) and a decode step (per-head products in panels): the logits, every layer's cache and layer 0's attention
+    output equal bit for bit (the scores, the softmax with its own exp and the weighted sum run the same 16 lanes on
+    both paths, as the products do). The portable build is compared with the nodes the operator replaces by
+    test_attention_operator_equals_the_nodes_it_replaces."""
     art, weights = attention_engine
     recipe = _concat_per_head_recipe(16, "concat", weights)
     layers, width = recipe.model.num_hidden_layers, recipe.model.kv_lora_rank + recipe.model.qk_rope_head_dim
@@ -1573,5 +1572,6 @@ def test_latent_attention_avx2_equals_vnni_to_float32_rounding(attention_engine,
     decode = {name: session.run(None, step) for name, session in sessions.items()}
     for runs in (prefill, decode):
         want, got = runs["avx512-vnni"], runs["avx2"]
-        for mine, ref in ((got[-1], want[-1]), (got[1], want[1])):  # the attention output, layer 0's cache
-            assert np.abs(ref).max() > 0 and np.abs(mine - ref).max() <= 1e-5 * np.abs(ref).max()
+        assert len(got) == len(want) == 2 + layers  # the logits, each layer's cache, layer 0's attention output
+        for mine, ref in zip(got, want):
+            assert np.abs(ref).max() > 0 and _bit_equal(mine, ref), np.abs(mine - ref).max() / np.abs(ref).max()

@@ -391,6 +391,13 @@ AI vf vf_pair(vf scale, int g) {
         _mm512_set1_epi32(2 * g), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
     return _mm512_permutexvar_ps(lanes, scale);
 }
+AI vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+AI vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+AI vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+AI vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+AI vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
+AI vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+AI vf vf_scale2(vf y, vf n) { return _mm512_scalef_ps(y, n); } /* y * 2^n for whole n, rounded once */
 AI __m256 vf_low(vf v) { return _mm512_castps512_ps256(v); }
 AI __m256 vf_high(vf v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 #elif WIDE
@@ -484,6 +491,25 @@ AI vf vf_pair(vf scale, int g) { /* lanes 0-7: scale[2g]; 8-15: scale[2g + 1] */
     return (vf){_mm256_permutevar8x32_ps(from, _mm256_set1_epi32(at)),
                 _mm256_permutevar8x32_ps(from, _mm256_set1_epi32(at + 1))};
 }
+AI vf vf_sub(vf a, vf b) { return (vf){_mm256_sub_ps(a.l, b.l), _mm256_sub_ps(a.h, b.h)}; }
+AI vf vf_div(vf a, vf b) { return (vf){_mm256_div_ps(a.l, b.l), _mm256_div_ps(a.h, b.h)}; }
+AI vf vf_max(vf a, vf b) { return (vf){_mm256_max_ps(a.l, b.l), _mm256_max_ps(a.h, b.h)}; }
+AI vf vf_min(vf a, vf b) { return (vf){_mm256_min_ps(a.l, b.l), _mm256_min_ps(a.h, b.h)}; }
+AI vf vf_fnmadd(vf a, vf b, vf c) { return (vf){_mm256_fnmadd_ps(a.l, b.l, c.l), _mm256_fnmadd_ps(a.h, b.h, c.h)}; }
+AI vf vf_round(vf a) {
+    return (vf){_mm256_round_ps(a.l, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_round_ps(a.h, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+/* y * 2^n for whole n in [-150, 128] (vf_exp's), rounded once as AVX-512's vscalefps rounds it: 2^n is not a float
+ * at both ends, so y is scaled by 2^(n/2 rounded down) first (exact: y is near 1) and by the rest after */
+AI __m256 scale2_8(__m256 y, __m256 n) {
+    const __m256i whole = _mm256_cvtps_epi32(n), first = _mm256_srai_epi32(whole, 1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(whole, first), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, a), b);
+}
+AI vf vf_scale2(vf y, vf n) { return (vf){scale2_8(y.l, n.l), scale2_8(y.h, n.h)}; }
 AI __m256 vf_low(vf v) { return v.l; }
 AI __m256 vf_high(vf v) { return v.h; }
 #endif
@@ -1625,23 +1651,22 @@ static void run_scores(void *data, size_t item) {
     float *p = w->p + ((size_t)b * w->panels + panel) * w->T * LANES;
     const float *rows = w->present + (size_t)b * w->T * C;
     int t = t0;
-#if defined(__AVX512F__)
+#if SIMD
     for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
         const float *row = rows + (size_t)t * C;
-        __m512 acc[SCORE_ROWS];
-        for (int i = 0; i < SCORE_ROWS; i++) acc[i] = _mm512_setzero_ps();
+        vf acc[SCORE_ROWS];
+        for (int i = 0; i < SCORE_ROWS; i++) acc[i] = vf_zero();
         for (int c = 0; c < C; c++) {
-            const __m512 q = _mm512_loadu_ps(qt + (size_t)c * LANES);
-            for (int i = 0; i < SCORE_ROWS; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(row[(size_t)i * C + c]), q, acc[i]);
+            const vf q = vf_load(qt + (size_t)c * LANES);
+            for (int i = 0; i < SCORE_ROWS; i++) acc[i] = vf_fmadd(vf_set1(row[(size_t)i * C + c]), q, acc[i]);
         }
-        for (int i = 0; i < SCORE_ROWS; i++) _mm512_storeu_ps(p + (size_t)(t + i) * LANES, acc[i]);
+        for (int i = 0; i < SCORE_ROWS; i++) vf_store(p + (size_t)(t + i) * LANES, acc[i]);
     }
     for (; t < t1; t++) {
         const float *row = rows + (size_t)t * C;
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(_mm512_set1_ps(row[c]), _mm512_loadu_ps(qt + c * LANES), acc);
-        _mm512_storeu_ps(p + (size_t)t * LANES, acc);
+        vf acc = vf_zero();
+        for (int c = 0; c < C; c++) acc = vf_fmadd(vf_set1(row[c]), vf_load(qt + c * LANES), acc);
+        vf_store(p + (size_t)t * LANES, acc);
     }
 #else
     for (; t < t1; t++) {
@@ -1654,24 +1679,23 @@ static void run_scores(void *data, size_t item) {
 #endif
 }
 
-#if defined(__AVX512F__)
+#if SIMD
 /* e^x for 16 floats (Cephes' expf: a degree-6 polynomial on [-ln2/2, ln2/2], then a scale by 2^n; ~1 ulp; 0 far
  * below -87, as expf) */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(y, n);
+AI vf vf_exp(vf x) {
+    x = vf_max(x, vf_set1(-104.f));
+    x = vf_min(x, vf_set1(88.7f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf y = vf_set1(1.9875691500E-4f);
+    y = vf_fmadd(y, r, vf_set1(1.3981999507E-3f));
+    y = vf_fmadd(y, r, vf_set1(8.3334519073E-3f));
+    y = vf_fmadd(y, r, vf_set1(4.1665795894E-2f));
+    y = vf_fmadd(y, r, vf_set1(1.6666665459E-1f));
+    y = vf_fmadd(y, r, vf_set1(5.0000001201E-1f));
+    y = vf_fmadd(y, vf_mul(r, r), vf_add(r, vf_set1(1.f)));
+    return vf_scale2(y, n);
 }
 #endif
 
@@ -1683,19 +1707,19 @@ static void run_softmax(void *data, size_t item) {
     const int rows = w->S * w->H;
     float top[LANES], sum[LANES];
     for (int l = 0; l < LANES; l++) top[l] = -INFINITY, sum[l] = 0.f;
-#if defined(__AVX512F__)
+#if SIMD
     const int first = panel * LANES / w->H, last = ((panel + 1) * LANES - 1) / w->H;
     if (first == last) { /* one token's heads: one mask row for every lane */
         const uint8_t *hidden = w->mask + ((size_t)(w->mask_batch == 1 ? 0 : b) * w->S + first) * w->T;
-        const __m512 scale = _mm512_set1_ps(w->scale), fill = _mm512_set1_ps(w->fill);
-        __m512 most = _mm512_set1_ps(-INFINITY);
+        const vf scale = vf_set1(w->scale), fill = vf_set1(w->fill);
+        vf most = vf_set1(-INFINITY);
         for (int t = 0; t < limit; t++) {
             float *v = p + (size_t)t * LANES;
-            const __m512 x = (hidden[t] != 0) == w->hidden_when ? fill : _mm512_mul_ps(_mm512_loadu_ps(v), scale);
-            _mm512_storeu_ps(v, x);
-            most = _mm512_max_ps(most, x);
+            const vf x = (hidden[t] != 0) == w->hidden_when ? fill : vf_mul(vf_load(v), scale);
+            vf_store(v, x);
+            most = vf_max(most, x);
         }
-        _mm512_storeu_ps(top, most);
+        vf_store(top, most);
     } else
 #endif
         for (int l = 0; l < LANES; l++) {
@@ -1707,17 +1731,16 @@ static void run_softmax(void *data, size_t item) {
                 top[l] = fmaxf(top[l], *v);
             }
         }
-#if defined(__AVX512F__)
-    const __m512 most = _mm512_loadu_ps(top);
-    __m512 total = _mm512_setzero_ps();
+#if SIMD
+    const vf most = vf_load(top);
+    vf total = vf_zero();
     for (int t = 0; t < limit; t++) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + (size_t)t * LANES), most));
-        _mm512_storeu_ps(p + (size_t)t * LANES, e);
-        total = _mm512_add_ps(total, e);
+        const vf e = vf_exp(vf_sub(vf_load(p + (size_t)t * LANES), most));
+        vf_store(p + (size_t)t * LANES, e);
+        total = vf_add(total, e);
     }
-    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.f), total);
-    for (int t = 0; t < limit; t++)
-        _mm512_storeu_ps(p + (size_t)t * LANES, _mm512_mul_ps(_mm512_loadu_ps(p + (size_t)t * LANES), inverse));
+    const vf inverse = vf_div(vf_set1(1.f), total);
+    for (int t = 0; t < limit; t++) vf_store(p + (size_t)t * LANES, vf_mul(vf_load(p + (size_t)t * LANES), inverse));
     (void)sum;
 #else
     for (int t = 0; t < limit; t++)
@@ -1741,20 +1764,20 @@ static void run_values(void *data, size_t item) {
     const float *p = w->p + ((size_t)b * w->panels + panel) * w->T * LANES;
     for (int half = 0; half < LANES; half += 8) {
         float acc[8][CHANNELS];
-#if defined(__AVX512F__)
-        __m512 lo[8], hi[8];
-        for (int l = 0; l < 8; l++) lo[l] = hi[l] = _mm512_setzero_ps();
+#if SIMD
+        vf lo[8], hi[8];
+        for (int l = 0; l < 8; l++) lo[l] = hi[l] = vf_zero();
         for (int t = 0; t < limit; t++) {
             const float *row = w->present + ((size_t)b * w->T + t) * w->C + c0;
-            const __m512 a = _mm512_loadu_ps(row), z = _mm512_loadu_ps(row + 16);
+            const vf a = vf_load(row), z = vf_load(row + 16);
             const float *pt = p + (size_t)t * LANES + half;
             for (int l = 0; l < 8; l++) {
-                const __m512 pl = _mm512_set1_ps(pt[l]);
-                lo[l] = _mm512_fmadd_ps(pl, a, lo[l]);
-                hi[l] = _mm512_fmadd_ps(pl, z, hi[l]);
+                const vf pl = vf_set1(pt[l]);
+                lo[l] = vf_fmadd(pl, a, lo[l]);
+                hi[l] = vf_fmadd(pl, z, hi[l]);
             }
         }
-        for (int l = 0; l < 8; l++) _mm512_storeu_ps(acc[l], lo[l]), _mm512_storeu_ps(acc[l] + 16, hi[l]);
+        for (int l = 0; l < 8; l++) vf_store(acc[l], lo[l]), vf_store(acc[l] + 16, hi[l]);
 #else
         memset(acc, 0, sizeof acc);
         for (int t = 0; t < limit; t++) {
