@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -142,31 +143,37 @@ def _missing() -> str | None:
     return None
 
 
-def library_isa(path: Path) -> str:
-    """The instruction set the compiled library at ``path`` says it uses (``mla_deploy_cpu_ops_isa()``)."""
-    function = ctypes.CDLL(str(path)).mla_deploy_cpu_ops_isa
-    function.restype = ctypes.c_char_p
-    return function().decode()
+_ISA_MARKER = re.compile(rb"mla_deploy_cpu_ops_isa=([a-z0-9-]+);")
+
+
+def library_isa(path: Path) -> str | None:
+    """The instruction set the compiled library at ``path`` says it uses (what its ``mla_deploy_cpu_ops_isa()``
+    returns, read from the marker beside it in the file: loading the library would give, for a path this process
+    loaded before, the library it loaded then); None where the file holds no marker."""
+    found = _ISA_MARKER.search(Path(path).read_bytes())
+    return found.group(1).decode() if found else None
 
 
 def compile_library(into: Path, isa: Isa | None = None, source: Path | None = None,
                     features: tuple[str, ...] | None = None) -> Library:
     """Compile :func:`source_path` (or ``source``, a copy of it) into ``into/cpu_ops.so`` for ``isa``, by default the
     best fast path (:func:`fast_path`) of a CPU with ``features`` (by default this one's), then check it against the
-    ONNX Runtime installed (:func:`check_library`); the check runs the library, so ``isa`` must run here.
+    ONNX Runtime installed (:func:`check_library`). A library for an ``isa`` that a CPU with ``features`` cannot run
+    is compiled (so that its code is known to build) but neither checked nor kept.
     Never raises for a missing compiler or source, a CPU without a fast path, or a library that fails its check: the
     :class:`Library` says why there is none."""
     missing = _missing()
     if missing:
         return Library(None, why_not=missing)
-    if isa is None:
-        if features is None:
-            from .record import host_cpu  # no heavy import: /proc/cpuinfo
+    if features is None:
+        from .record import host_cpu  # no heavy import: /proc/cpuinfo
 
-            features = host_cpu("").features
+        features = host_cpu("").features
+    if isa is None:
         isa = fast_path(features)
         if isa is None:
             return Library(None, why_not=NO_FAST_PATH)
+    lacks = [f for f in isa.needs if f not in features]
     source, cc, out = Path(source or source_path()), compiler(), Path(into) / LIBRARY
     # explicit flags, not -march=native: the library is for the instruction set chosen, whatever else the CPU has
     # (an AVX2 library built on an AVX-512 machine uses no AVX-512); -mtune only schedules
@@ -185,6 +192,9 @@ def compile_library(into: Path, isa: Isa | None = None, source: Path | None = No
     if built != isa.name:  # a compiler that ignored a flag: the source chose another path
         out.unlink()
         return Library(None, why_not=f"{cc} compiled {source.name} for {built}, not {isa.name}")
+    if lacks:  # running it would stop at its first instruction this CPU does not have
+        out.unlink()
+        return Library(None, why_not=f"compiled for {isa.name}, which this CPU cannot run (it lacks {', '.join(lacks)})")
     failed = check_library(out)
     if failed:
         out.unlink()

@@ -1318,9 +1318,14 @@ def _vector_paths_agree(outputs: dict[str, list[np.ndarray]]) -> None:
 
 
 def test_the_avx2_library_uses_no_avx512(avx2):
-    """The AVX2 build says it is one, and holds no AVX-512 instruction (no zmm or mask register, no EVEX-only form):
-    it runs on an AVX2-only CPU although compiled on an AVX-512 one."""
-    assert cpu_ops.library_isa(avx2.path) == "avx2" and not avx2.vnni
+    """The AVX2 build says it is one (its exported function and the marker the build reads), and holds no AVX-512
+    instruction (no zmm or mask register, no EVEX-only form): it runs on an AVX2-only CPU although compiled on an
+    AVX-512 one."""
+    import ctypes
+
+    exported = ctypes.CDLL(str(avx2.path)).mla_deploy_cpu_ops_isa
+    exported.restype = ctypes.c_char_p
+    assert exported() == b"avx2" and cpu_ops.library_isa(avx2.path) == "avx2" and not avx2.vnni
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump to read the library's instructions")
@@ -1462,6 +1467,23 @@ def test_the_best_fast_path_the_cpu_has_is_chosen():
     assert [cpu_ops.isa_named(i.name) for i in cpu_ops.FAST_PATHS] == list(cpu_ops.FAST_PATHS)
     with pytest.raises(ValueError, match="no operator instruction set 'sse2'"):
         cpu_ops.isa_named("sse2")
+
+
+def test_a_library_for_an_instruction_set_the_cpu_lacks_is_compiled_but_not_kept(tmp_path):
+    """AVX-VNNI's code is compiled here whatever the CPU (its flags and intrinsics build), and kept only where the CPU
+    has AVX-VNNI; likewise an AVX2 library for a CPU said to have no AVX2."""
+    from mla_deploy.ort.record import host_cpu
+
+    isa = cpu_ops.isa_named("avx-vnni")
+    library = cpu_ops.compile_library(tmp_path, isa)
+    if all(f in host_cpu("").features for f in isa.needs):
+        assert library.path is not None and library.isa == "avx-vnni", library.why_not
+    else:  # compiled (not "could not compile"), then refused before anything runs it
+        assert library.path is None and not (tmp_path / cpu_ops.LIBRARY).exists()
+        assert library.why_not.startswith("compiled for avx-vnni, which this CPU cannot run (it lacks avxvnni"), \
+            library.why_not
+    library = cpu_ops.compile_library(tmp_path, cpu_ops.isa_named("avx2"), features=("avx", "fma", "f16c"))
+    assert library.path is None and library.why_not == "compiled for avx2, which this CPU cannot run (it lacks avx2)"
 
 
 def test_a_record_without_the_instruction_set_is_read_as_avx512_vnni():

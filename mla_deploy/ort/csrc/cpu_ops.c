@@ -2514,7 +2514,11 @@ static OrtCustomOp float_matmul = OP_TABLE_FREED(float_linear_name, float_linear
 /* which code path this build computes with: 1 AVX-512 VNNI, 0 another (mla_deploy_cpu_ops_isa says which) */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
 
-/* the instruction set of this build's integer products: "avx512-vnni", "avx-vnni", "avx2" or "portable" */
+/* the instruction set of this build's integer products: "avx512-vnni", "avx-vnni", "avx2" or "portable"; also a
+ * marker in the library's bytes, which mla_deploy/ort/operators.py reads without loading the library (a process
+ * that loaded a library from a path keeps that one for the path, whatever file is there later) */
+#define ISA_MARKER "mla_deploy_cpu_ops_isa="
+static const char isa_marker[] __attribute__((used)) = ISA_MARKER ISA ";";
 const char *mla_deploy_cpu_ops_isa(void) { return ISA; }
 
 /* the OrtApi version whose table positions this file uses (mla_deploy/ort/operators.py refuses an older ONNX Runtime) */
