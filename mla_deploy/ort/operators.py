@@ -166,9 +166,9 @@ def compile_library(into: Path, isa: Isa | None = None, source: Path | None = No
     if missing:
         return Library(None, why_not=missing)
     if features is None:
-        from .record import host_cpu  # no heavy import: /proc/cpuinfo
+        from ..host import cpu_flags
 
-        features = host_cpu("").features
+        features = tuple(sorted(cpu_flags()))
     if isa is None:
         isa = fast_path(features)
         if isa is None:
