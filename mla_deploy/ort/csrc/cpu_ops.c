@@ -9,8 +9,9 @@
  *
  * Why: QMoE streams a decode step's chosen experts at 20-25 GB/s on the development machine where a kernel
  * written for the product reaches 39-42 GB/s (tools/gemv_probe); the routed experts are most of a quantized
- * DeepSeek decode step. mla-deploy's CPU engine build (mla_deploy/engines/cpu_ops.py) compiles this file for the
- * CPU it runs on and swaps each eligible QMoE node for this operator, same inputs, same semantics.
+ * DeepSeek decode step. mla-deploy's CPU engine build (mla_deploy/ort/operators.py) compiles this file for the
+ * best instruction set of the CPU it runs on and swaps each eligible QMoE node for this operator, same inputs, same
+ * semantics.
  *
  * Inputs (T tokens, D hidden, E experts, I intermediate, B = 32, bits 4 or 8):
  *   0 input           float [T, D]
@@ -198,7 +199,7 @@ static OrtStatus *fail(const char *message) { return CALL(CreateStatus)(ORT_INVA
 /* The interleaved layout of a quantized row (the weights of a RoutedExperts or BlockwiseMatMul node whose
  * `interleaved` attribute is 1, and the activations they meet): each group of 16 whole blocks keeps its bytes where they are, but byte m of block
  * j of the group (m < 16 for int4 weights, 32 for int8) lies at 64 * (m / 4) + 4 * j + m % 4 of the group, so that
- * 32-bit lane j of every 64-byte load holds block j: VNNI's sums then stay per block across the group's loads, and
+ * 32-bit lane j of every 64-byte load holds block j: the sums then stay per block across the group's loads, and
  * the scales apply once per group. Blocks after the last whole group keep their order. An int4 activation row's
  * even half and odd half (quantize_block) are each laid out as int4 weights. */
 static inline size_t lane_byte(int b, int m, int block_bytes, int blocks) {
@@ -220,7 +221,8 @@ static inline void spread16(int8_t *dst, __m128i v) {
 static void quantize_block(const float *v, int K, int b, int bits, int lane, int8_t *q, float *d, float *corr) {
     const int blocks = K / BLOCK, spread = lane && b < blocks / 16 * 16; /* the block's bytes in 4-byte pieces */
 #if VNNI
-    { /* the same arithmetic on two vectors: cvtps rounds half to even as lrintf does (the default rounding mode) */
+    { /* the same arithmetic on two vectors: cvtps rounds half to even as lrintf does (the default rounding mode); the
+       * AVX-VNNI and AVX2 builds take the loop below, the same integers and scales */
         const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
@@ -381,14 +383,14 @@ AI vf scales2(const void *s, int half, int b) { /* b, b + 1, then 0 */
 }
 /* lane i: scale[4g + i / 4] (int4: a group's block 4g + i / 4 in lane i) */
 AI vf vf_four(vf scale, int g) {
-    const __m512i lanes = _mm512_add_epi32(
-        _mm512_set1_epi32(4 * g), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * g), _mm512_srli_epi32(lane, 2));
     return _mm512_permutexvar_ps(lanes, scale);
 }
 /* lane i: scale[2g + i / 8] (int8) */
 AI vf vf_pair(vf scale, int g) {
-    const __m512i lanes = _mm512_add_epi32(
-        _mm512_set1_epi32(2 * g), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(2 * g), _mm512_srli_epi32(lane, 3));
     return _mm512_permutexvar_ps(lanes, scale);
 }
 AI vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -470,8 +472,8 @@ AI vf scales16(const void *s, int half, int b) {
                 : vf_load((const float *)s + b);
 }
 AI vf scales4(const void *s, int half, int b) {
-    return half ? (vf){_mm256_zextps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + b)))),
-                       _mm256_setzero_ps()}
+    const __m128i four = half ? _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + b)) : _mm_setzero_si128();
+    return half ? (vf){_mm256_zextps128_ps256(_mm_cvtph_ps(four)), _mm256_setzero_ps()}
                 : vf_load4((const float *)s + b);
 }
 AI vf scales2(const void *s, int half, int b) {
@@ -483,7 +485,8 @@ AI vf scales2(const void *s, int half, int b) {
 AI vf vf_four(vf scale, int g) { /* lanes 0-7: scale[4g], scale[4g + 1]; 8-15: scale[4g + 2], scale[4g + 3] */
     const __m256 from = g < 2 ? scale.l : scale.h;
     const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(4 * (g & 1)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    return (vf){_mm256_permutevar8x32_ps(from, at), _mm256_permutevar8x32_ps(from, _mm256_add_epi32(at, _mm256_set1_epi32(2)))};
+    const __m256i next = _mm256_add_epi32(at, _mm256_set1_epi32(2));
+    return (vf){_mm256_permutevar8x32_ps(from, at), _mm256_permutevar8x32_ps(from, next)};
 }
 AI vf vf_pair(vf scale, int g) { /* lanes 0-7: scale[2g]; 8-15: scale[2g + 1] */
     const __m256 from = g < 4 ? scale.l : scale.h;
