@@ -42,6 +42,7 @@ def collect(providers: bool = True) -> dict[str, Any]:
         "onnxruntime": probe_providers() if providers else listed_providers(),
         "huge_pages": _huge_pages(),
         "cpu_operators": _cpu_operators(),
+        "cpu_operators_isa": _cpu_operators_isa(),
     }
     info["commands"] = commands(info)
     return info
@@ -66,6 +67,16 @@ def _cpu_operators() -> str | None:
     return cpu_ops.why_not_here(host_cpu("").features)
 
 
+def _cpu_operators_isa() -> str | None:
+    """The instruction set a CPU engine built here compiles mla-deploy's operators for (the best of
+    :data:`mla_deploy.ort.operators.FAST_PATHS` this CPU has), or None."""
+    from .ort.record import host_cpu
+    from .ort import operators as cpu_ops
+
+    isa = cpu_ops.fast_path(host_cpu("").features)
+    return isa.name if isa else None
+
+
 def commands(info: dict[str, Any]) -> dict[str, str]:
     """Which commands work with what ``info`` found: ``{command: "yes..." | "no: <what is missing>"}``, every
     command of ``mla-deploy`` (``build`` twice: its TensorRT and its CPU target)."""
@@ -80,7 +91,8 @@ def commands(info: dict[str, Any]) -> dict[str, str]:
     no_ort = "no: onnxruntime is not installed"
     run = ("yes (cpu" + cuda) if ort.get("version") else no_ort
     operators = info.get("cpu_operators", "not checked")
-    cpu_build = (no_ort if not ort.get("version") else "yes, with mla-deploy's operators (AVX-512 VNNI)"
+    cpu_build = (no_ort if not ort.get("version") else
+                 f"yes, with mla-deploy's operators ({info.get('cpu_operators_isa')})"
                  if operators is None else f"yes, with ONNX Runtime's kernels ({operators})")
     serve = run if info.get("serve") else "no: needs the serve extra (pip install 'mla-deploy[serve]')"
     return {
@@ -124,7 +136,7 @@ def format_report(info: dict[str, Any]) -> str:
     if "cpu_operators" in info:
         why = info["cpu_operators"]
         lines.append("cpu ops      " + ("yes: `build --target cpu` compiles mla-deploy's own operators (C compiler; "
-                                        "instruction set: AVX-512 VNNI)" if why is None else
+                                        f"instruction set: {info.get('cpu_operators_isa')})" if why is None else
                                         f"no: the CPU engine keeps ONNX Runtime's kernels ({why})"))
     lines += [
         f"tensorrt     {info['tensorrt'] or 'not installed'}",

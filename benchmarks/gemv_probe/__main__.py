@@ -11,8 +11,8 @@ one product at a time (which the CPU engine's swap of ``MatMulNBits`` by size re
 the float product of the same weights (error relative to the row's absolute sum; the int8 vector's rounding is
 the only difference). Each measurement runs in its own process, with the engine's session options, under
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` or ``=0`` (how mla-deploy's command line loads weights, or not).
-Needs what the CPU engine's operators need (a C compiler, AVX-512 VNNI, the source checkout); the library is
-compiled into a temporary folder.
+Needs what the CPU engine's operators need (a C compiler, one of their fast paths, the source checkout); the library
+is compiled into a temporary folder, for the best fast path this CPU has.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ compute, streamed faster; their weights are not packed (they are read where ONNX
 absorbed attention core (the cache write, the rope, ``kv_a_layernorm``, ``W_UK``, the
 scores, the softmax, the weighted sum and ``W_UV``: about 40 nodes) then becomes one ``mla_deploy.LatentAttention``
 (:func:`~mla_deploy.ort.swaps.swap_attention`), its per-head products quantized or float32. Without a C
-compiler, the source, or AVX-512 VNNI, the engine keeps ONNX Runtime's operators and says why.
+compiler, the source, or any of the operators' fast paths (AVX-512 VNNI, AVX-VNNI, AVX2: the best the CPU has is
+compiled, and the record names it), the engine keeps ONNX Runtime's operators and says why.
 
 The engine is opened with ``ORT_DISABLE_ALL`` (nothing left to optimise; ONNX Runtime's kernels where it kept them,
 so the same numbers there, our operators' float sums in another order elsewhere: checked token for token in the
@@ -75,9 +76,12 @@ EXTERNAL_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
 
 
-def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = None) -> CpuEngineRecord:
+def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = None,
+                     isa: operators.Isa | None = None, features: tuple[str, ...] | None = None) -> CpuEngineRecord:
     """Build ``artifact``'s CPU engine into ``artifact/cpu/`` (atomically: a failed or interrupted build leaves the
-    previous engine, or none) and return its record.
+    previous engine, or none) and return its record. Its own operators are compiled for ``isa``, by default the best
+    fast path of a CPU with ``features``, by default this one's (:func:`~mla_deploy.ort.operators.compile_library`:
+    ``isa`` must run here; ``features`` is how a test builds as a CPU without a fast path would).
 
     Raises:
         ArtifactError: not an artifact, or an inconsistent one. RuntimeMissingError: no onnxruntime; a bf16 artifact
@@ -101,7 +105,7 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     for role, graph in manifest.graphs.items():
         sources.setdefault(graph.file, []).append(role)
     with atomic_dir(root / CPU_ENGINE_DIR) as tmp:
-        graphs, own = [], _Operators(tmp)
+        graphs, own = [], _Operators(tmp, isa, features)
         for source, roles in sources.items():
             if log:
                 log(f"optimising {source} ({' + '.join(roles)}) ...")
@@ -152,8 +156,9 @@ class _Operators:
     """The build's own operators: compiled into ``tmp`` the first time a graph holds a node they can compute, then
     swapped into every graph that does (:func:`~mla_deploy.ort.swaps.swap_experts`, ``swap_linear``)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, isa: operators.Isa | None = None, features: tuple[str, ...] | None = None):
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
+        self.isa, self.features = isa, features
         self.attention = self.float_experts = self.half_scales = self.float_linear = self.shared = 0
 
     def swap(self, model: str | bytes, folder: Path, side: Path, rewritten: Path):
@@ -171,7 +176,7 @@ class _Operators:
         if not swaps.swappable(proto):
             return model, None
         if self.library is None:
-            self.library = operators.compile_library(self.tmp)
+            self.library = operators.compile_library(self.tmp, self.isa, features=self.features)
         if self.library.path is None:
             return model, None
         experts, linear, heads = swaps.swap_experts(proto), swaps.swap_linear(proto), swaps.swap_headwise(proto)
@@ -199,7 +204,7 @@ class _Operators:
             return CpuOperators(self.experts, self.linear, path.name, sha256_file(path),
                                 sha256_file(operators.source_path()), heads=self.heads, attention=self.attention,
                                 float_experts=self.float_experts, half_scales=self.half_scales,
-                                float_linear=self.float_linear, shared=self.shared)
+                                float_linear=self.float_linear, shared=self.shared, isa=self.library.isa)
         if self.library is not None and self.library.path is not None:
             self.library.path.unlink()  # compiled, but no node qualified
             return CpuOperators(why_not="no QMoE, MoE, MatMulNBits, per-head product or float MatMul they compute "

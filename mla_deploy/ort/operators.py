@@ -27,19 +27,22 @@ to 8) computed by the operator, each output a dot product over one of its rows, 
 it; more rows (a prefill) handed to ONNX Runtime's own ``FusedMatMul`` kernel (``transB``) through the C API's
 ``CreateOp``/``InvokeOp``.
 
-The CPU engine build (:mod:`~mla_deploy.ort.cpu_build`) compiles the source for the CPU it runs on
-(:func:`compile_library`: ``cc -O3 -march=native``, into the engine folder), swaps every eligible node
+The CPU engine build (:mod:`~mla_deploy.ort.cpu_build`) compiles the source for the best instruction set the CPU
+it runs on has (:func:`compile_library`, :data:`FAST_PATHS`: AVX-512 VNNI, else AVX-VNNI, else AVX2 with FMA and F16C;
+``cc -O3`` with that set's explicit flags, into the engine folder), swaps every eligible node
 (:func:`mla_deploy.ort.swaps.swap_experts`, :func:`~mla_deploy.ort.swaps.swap_linear`: which nodes they
-compute exactly is the quantization's to say) and records the library in the engine's record; a session opening the
-engine registers it (:func:`register`). Where there is no C compiler, no source (an installed wheel: the plugin
-sources ship with the source checkout), or the build finds no AVX-512 VNNI (the operators' fast path: without it
-ONNX Runtime's are faster), the engine keeps ONNX Runtime's operators and its record says why.
+compute exactly is the quantization's to say) and records the library and its instruction set in the engine's
+record; a session opening the engine registers it (:func:`register`). Where there is no C compiler, no source (an
+installed wheel: the plugin sources ship with the source checkout), or the CPU has none of the fast paths (the
+portable C path is slower than ONNX Runtime's kernels), the engine keeps ONNX Runtime's operators and its record says
+why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -57,18 +60,72 @@ def source_path() -> Path:
 
 
 @dataclass(frozen=True)
+class Isa:
+    """An instruction set the operators' integer products are compiled for.
+
+    Attributes:
+        name: as the compiled library names it (``mla_deploy_cpu_ops_isa()`` in ``csrc/cpu_ops.c``).
+        needs: the CPU features (as :func:`mla_deploy.ort.record.host_cpu` names them) it runs on.
+        flags: the compiler flags that select it.
+    """
+
+    name: str
+    needs: tuple[str, ...]
+    flags: tuple[str, ...]
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+#: the operators' fast paths, best first: a build takes the first one the CPU has. All three compute the same lanes
+#: in the same order (bit-equal outputs); AVX-VNNI and AVX2 take two 256-bit registers where AVX-512 takes one.
+FAST_PATHS = (
+    Isa("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni") + _AVX2,
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")),
+    Isa("avx-vnni", ("avxvnni",) + _AVX2, ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
+    Isa("avx2", _AVX2, ("-mavx2", "-mfma", "-mf16c")),
+)
+#: the operators in plain C, on any CPU: slower than ONNX Runtime's kernels, so a build never takes it for an engine;
+#: the tests compile it to check the vector paths against it
+PORTABLE = Isa("portable", (), ())
+NO_FAST_PATH = ("this CPU has none of the operators' fast paths (AVX-512 VNNI, AVX-VNNI, AVX2 with FMA and F16C); "
+                "ONNX Runtime's kernels are faster than their portable C")
+
+
+def fast_path(features: tuple[str, ...]) -> Isa | None:
+    """The best of :data:`FAST_PATHS` a CPU with ``features`` (:func:`~mla_deploy.ort.record.host_cpu`'s) runs, or
+    None."""
+    return next((isa for isa in FAST_PATHS if all(f in features for f in isa.needs)), None)
+
+
+def isa_named(name: str) -> Isa:
+    """The :data:`FAST_PATHS` entry or :data:`PORTABLE` called ``name``.
+
+    Raises: ValueError: no such instruction set."""
+    for isa in (*FAST_PATHS, PORTABLE):
+        if isa.name == name:
+            return isa
+    raise ValueError(f"no operator instruction set {name!r} (one of "
+                     f"{', '.join(i.name for i in (*FAST_PATHS, PORTABLE))})")
+
+
+@dataclass(frozen=True)
 class Library:
     """A compiled operator library, or why there is none.
 
     Attributes:
         path: the shared library (None: not built, see ``why_not``).
-        vnni: it computes with AVX-512 VNNI (its fast path).
+        isa: the instruction set its integer products use (:attr:`Isa.name`, as the library says it;
+            None when not built).
         why_not: why the engine keeps ``QMoE`` (None when ``path`` is usable).
     """
 
     path: Path | None
-    vnni: bool = False
+    isa: str | None = None
     why_not: str | None = None
+
+    @property
+    def vnni(self) -> bool:
+        """It computes with AVX-512 VNNI."""
+        return self.isa == "avx512-vnni"
 
 
 def compiler() -> str | None:
@@ -86,16 +143,41 @@ def _missing() -> str | None:
     return None
 
 
-def compile_library(into: Path, native: bool = True, source: Path | None = None) -> Library:
-    """Compile :func:`source_path` (or ``source``, a copy of it) into ``into/cpu_ops.so`` for this CPU (``native``:
-    ``-march=native``; False: portable C, for the tests of its fallback path), then check it against the ONNX Runtime
-    installed (:func:`check_library`). Never raises for a missing compiler or source, or a library that fails its
-    check: the :class:`Library` says why there is none."""
+_ISA_MARKER = re.compile(rb"mla_deploy_cpu_ops_isa=([a-z0-9-]+);")
+
+
+def library_isa(path: Path) -> str | None:
+    """The instruction set the compiled library at ``path`` says it uses (what its ``mla_deploy_cpu_ops_isa()``
+    returns, read from the marker beside it in the file: loading the library would give, for a path this process
+    loaded before, the library it loaded then); None where the file holds no marker."""
+    found = _ISA_MARKER.search(Path(path).read_bytes())
+    return found.group(1).decode() if found else None
+
+
+def compile_library(into: Path, isa: Isa | None = None, source: Path | None = None,
+                    features: tuple[str, ...] | None = None) -> Library:
+    """Compile :func:`source_path` (or ``source``, a copy of it) into ``into/cpu_ops.so`` for ``isa``, by default the
+    best fast path (:func:`fast_path`) of a CPU with ``features`` (by default this one's), then check it against the
+    ONNX Runtime installed (:func:`check_library`). A library for an ``isa`` that a CPU with ``features`` cannot run
+    is compiled (so that its code is known to build) but neither checked nor kept.
+    Never raises for a missing compiler or source, a CPU without a fast path, or a library that fails its check: the
+    :class:`Library` says why there is none."""
     missing = _missing()
     if missing:
         return Library(None, why_not=missing)
+    if features is None:
+        from ..host import cpu_flags
+
+        features = tuple(sorted(cpu_flags()))
+    if isa is None:
+        isa = fast_path(features)
+        if isa is None:
+            return Library(None, why_not=NO_FAST_PATH)
+    lacks = [f for f in isa.needs if f not in features]
     source, cc, out = Path(source or source_path()), compiler(), Path(into) / LIBRARY
-    flags = ["-O3", "-fPIC", "-shared", "-std=gnu11"] + (["-march=native"] if native else [])
+    # explicit flags, not -march=native: the library is for the instruction set chosen, whatever else the CPU has
+    # (an AVX2 library built on an AVX-512 machine uses no AVX-512); -mtune only schedules
+    flags = ["-O3", "-fPIC", "-shared", "-std=gnu11", *isa.flags] + (["-mtune=native"] if isa.flags else [])
     try:
         # the compiler's own temporaries (assembly, object) go into `into` too: a build that is interrupted
         # removes them with it, where /tmp would keep them
@@ -106,15 +188,18 @@ def compile_library(into: Path, native: bool = True, source: Path | None = None)
     if done.returncode != 0 or not out.is_file():
         first = (done.stderr.strip().splitlines() or ["no message"])[0]
         return Library(None, why_not=f"{cc} could not compile {source.name}: {first[:200]}")
-    vnni = bool(ctypes.CDLL(str(out)).mla_deploy_cpu_ops_vnni())
-    if native and not vnni:
+    built = library_isa(out)
+    if built != isa.name:  # a compiler that ignored a flag: the source chose another path
         out.unlink()
-        return Library(None, why_not=NO_FAST_PATH)
+        return Library(None, why_not=f"{cc} compiled {source.name} for {built}, not {isa.name}")
+    if lacks:  # running it would stop at its first instruction this CPU does not have
+        out.unlink()
+        return Library(None, why_not=f"compiled for {isa.name}, which this CPU cannot run (it lacks {', '.join(lacks)})")
     failed = check_library(out)
     if failed:
         out.unlink()
         return Library(None, why_not=failed)
-    return Library(out, vnni)
+    return Library(out, built)
 
 
 #: how long the check of a compiled library may take (an import of onnxruntime and four small sessions: about 1 s)
@@ -152,16 +237,12 @@ def api_version(onnxruntime_version: str) -> int:
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
-#: the CPU features the operators' fast path needs (as :func:`mla_deploy.ort.record.host_cpu` names them)
-FAST_PATH = ("avx512f", "avx512bw", "avx512_vnni")
-NO_FAST_PATH = "this CPU has no AVX-512 VNNI (the operators' fast path; ONNX Runtime's are faster without it)"
-
-
 def why_not_here(features: tuple[str, ...]) -> str | None:
     """Why ``build --target cpu`` would keep ONNX Runtime's kernels on a machine whose CPU has ``features`` (its
-    :func:`~mla_deploy.ort.record.host_cpu` features: no source, no C compiler, no AVX-512 VNNI), or None
-    when it compiles the operators; without compiling (``mla-deploy doctor``)."""
-    return _missing() or (None if all(f in features for f in FAST_PATH) else NO_FAST_PATH)
+    :func:`~mla_deploy.ort.record.host_cpu` features: no source, no C compiler, none of :data:`FAST_PATHS`), or None
+    when it compiles the operators (for :func:`fast_path`'s instruction set); without compiling (``mla-deploy
+    doctor``)."""
+    return _missing() or (None if fast_path(features) else NO_FAST_PATH)
 
 
 def register(options, library: Path) -> None:

@@ -112,7 +112,7 @@ class CpuOperators:
         linear: how many ``MatMulNBits`` nodes it swapped for ``mla_deploy.BlockwiseMatMul``.
         library, library_sha256: the operator library in ``cpu/`` and its sha256 (None when nothing was swapped).
         source_sha256: the sha256 of the operator source it was compiled from.
-        why_not: why the build swapped nothing (no compiler, no source, no AVX-512 VNNI), or None.
+        why_not: why the build swapped nothing (no compiler, no source, none of the operators' fast paths), or None.
         heads: how many per-head products (``DequantizeLinear -> Transpose -> MatMul``) it swapped for
             ``mla_deploy.HeadwiseMatMul`` (a record without the field: none).
         attention: how many layers' attention cores it swapped for ``mla_deploy.LatentAttention`` (their per-head
@@ -126,6 +126,9 @@ class CpuOperators:
         shared: how many of the ``RoutedExperts`` nodes compute their layer's shared experts too
             (:func:`~mla_deploy.ort.swaps.fold_shared_experts`: three products each, not counted in ``linear``;
             a record without the field: none).
+        isa: the instruction set of the library's integer products (:data:`mla_deploy.ort.operators.FAST_PATHS`:
+            ``avx512-vnni``, ``avx-vnni``, ``avx2``; None when nothing was swapped; a record without the field and
+            with a library: ``avx512-vnni``, the only one mla-deploy compiled before it recorded this).
     """
 
     experts: int = 0
@@ -140,6 +143,7 @@ class CpuOperators:
     half_scales: int = 0
     float_linear: int = 0
     shared: int = 0
+    isa: str | None = None
 
     @property
     def scales_half(self) -> bool:
@@ -155,14 +159,16 @@ class CpuOperators:
         return {"experts": self.experts, "linear": self.linear, "heads": self.heads, "attention": self.attention,
                 "float_experts": self.float_experts, "half_scales": self.half_scales,
                 "float_linear": self.float_linear, "shared": self.shared, "library": self.library,
-                "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not}
+                "library_sha256": self.library_sha256, "source_sha256": self.source_sha256, "why_not": self.why_not,
+                "isa": self.isa}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CpuOperators":
         return cls(int(data["experts"]), int(data["linear"]), data.get("library"), data.get("library_sha256"),
                    data.get("source_sha256"), data.get("why_not"), int(data.get("heads", 0)),
                    int(data.get("attention", 0)), int(data.get("float_experts", 0)), int(data.get("half_scales", 0)),
-                   int(data.get("float_linear", 0)), int(data.get("shared", 0)))
+                   int(data.get("float_linear", 0)), int(data.get("shared", 0)),
+                   data.get("isa", "avx512-vnni" if data.get("library") else None))
 
     def describe(self) -> str:
         """One phrase: which of our operators the engine holds, how many of each, and their library."""
@@ -173,7 +179,8 @@ class CpuOperators:
                   ("FloatMatMul", self.float_linear))
         half = f", {self.half_scales} scale tensors as float16" if self.half_scales else ""
         shared = f", {self.shared} with their layer's shared experts" if self.shared else ""
-        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library}{shared}{half})"
+        isa = f", instruction set {self.isa}" if self.isa else ""
+        return ", ".join(f"mla_deploy.{name} x{n}" for name, n in counts if n) + f" ({self.library}{isa}{shared}{half})"
 
 
 @dataclass(frozen=True)

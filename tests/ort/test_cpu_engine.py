@@ -55,8 +55,9 @@ def tokens(*args) -> tuple[list[int], str]:
 @pytest.mark.parametrize("kind", ["int4", "fp32"])
 def test_engine_gives_the_source_graphs_tokens_and_logits(built, kind):
     """run with the engine and with --no-engine: the same 12 tokens. The engine's products are mla-deploy's own
-    operators where a C compiler and AVX-512 VNNI are there (int4: the quantized products; fp32: the float weights'
-    MatMul nodes, FloatMatMul; the same arithmetic, float sums in another order), so its prefill and decode logits
+    operators where a C compiler and one of their fast paths (AVX-512 VNNI, AVX-VNNI, AVX2) are there (int4: the
+    quantized products; fp32: the float weights' MatMul nodes, FloatMatMul; the same arithmetic, float sums in
+    another order), so its prefill and decode logits
     equal the source graphs' to float32 rounding, and bit for bit where it kept ONNX Runtime's kernels (the engine
     is then the graph ONNX Runtime would have optimised itself)."""
     art = built[kind]

@@ -1,6 +1,7 @@
 """mla-deploy's own CPU operators (``mla_deploy/ort/csrc/cpu_ops.c``, :mod:`mla_deploy.ort.operators`): compiled
 here, run in real ONNX Runtime sessions beside ONNX Runtime's own ``QMoE`` and ``MatMulNBits`` on the same weights
-(int4 and int8, one token and several), its portable C path beside its AVX-512 VNNI one, the
+(int4 and int8, one token and several), its portable C path beside its fast path for this CPU, its AVX2 build
+(compiled and run here, whatever else the CPU has) bit for bit beside its AVX-512 VNNI one, the
 swap that puts it in a CPU engine (only where it computes exactly what QMoE does), and the engine that holds it:
 the same tokens as the source graphs, its library refused in one line when missing or modified, QMoE kept (and
 why said) without a C compiler."""
@@ -32,12 +33,12 @@ D, I, E, K = 640, 160, 8, 3
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory) -> dict[str, cpu_ops.Library]:
-    """The operator compiled for this CPU (``native``, when it has AVX-512 VNNI) and in portable C."""
+    """The operator compiled for this CPU (``native``: its best fast path, where it has one) and in portable C."""
     built = {}
-    for name, native in (("native", True), ("portable", False)):
+    for name, isa in (("native", None), ("portable", cpu_ops.PORTABLE)):
         folder = tmp_path_factory.mktemp(name)
-        built[name] = cpu_ops.compile_library(folder, native=native)
-    assert built["portable"].path is not None and not built["portable"].vnni, built["portable"].why_not
+        built[name] = cpu_ops.compile_library(folder, isa)
+    assert built["portable"].path is not None and built["portable"].isa == "portable", built["portable"].why_not
     return built
 
 
@@ -802,7 +803,8 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
     # multiple of 32: they stay FloatMatMul
     assert record["attention"] == 0
     assert (f"operators: mla_deploy.RoutedExperts x2, mla_deploy.BlockwiseMatMul x{linear}, mla_deploy.FloatMatMul "
-            f"x{record['float_linear']} (cpu_ops.so, 2 with their layer's shared experts, {half} scale tensors as "
+            f"x{record['float_linear']} (cpu_ops.so, instruction set {libraries['native'].isa}, 2 with their layer's "
+            f"shared experts, {half} scale tensors as "
             f"float16)") in out, out
     assert record["experts"] == 2 and linear >= 2 * 10 and record["library"] == cpu_ops.LIBRARY  # prefill, decode
     assert record["half_scales"] == half
@@ -852,8 +854,12 @@ def test_engine_holds_the_operator_and_gives_the_source_graphs_tokens(moe_artifa
 def test_doctor_says_whether_the_engine_gets_the_operators(libraries, tmp_path, monkeypatch):
     """`mla-deploy doctor` says yes exactly where the build compiles them (here: the native build's outcome), and no
     with the reason without a compiler."""
-    line = next(l for l in ok(cli("doctor", "--no-providers")).splitlines() if l.startswith("cpu ops"))
+    report = ok(cli("doctor", "--no-providers"))
+    line = next(l for l in report.splitlines() if l.startswith("cpu ops"))
     assert line.startswith("cpu ops      yes") == (libraries["native"].path is not None), line
+    if libraries["native"].path is not None:  # the instruction set the build compiles for, as the library says it
+        assert line.endswith(f"(C compiler; instruction set: {libraries['native'].isa})"), line
+        assert f"yes, with mla-deploy's operators ({libraries['native'].isa})" in report, report
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     line = next(l for l in ok(cli("doctor", "--no-providers")).splitlines() if l.startswith("cpu ops"))
     assert line == (f"cpu ops      no: the CPU engine keeps ONNX Runtime's kernels (no C compiler "
@@ -1118,7 +1124,7 @@ def test_attention_operator_equals_the_nodes_it_replaces(attention_engines, libr
     inputs reach both) and its present cache equal to float32 rounding (1e-5 of their scale; the per-head products
     are the same int8 compute in both, or float32 sums in another order). Later layers are compared loosely: there the inputs already differ in the
     last bits, which can move an activation's int8 rounding. The engine's graph run with the operators compiled in
-    portable C (what a CPU without AVX-512 VNNI would run) equals the unswapped nodes in the same way."""
+    portable C (the operators' code without vector instructions) equals the unswapped nodes in the same way."""
     import onnx
 
     fused_path = attention_engines[0]
@@ -1261,3 +1267,337 @@ def test_float_engine_computes_the_experts_with_the_operator(libraries, tmp_path
         assert ops.count(own_ops.FLOAT_LINEAR_OP_TYPE) >= 4  # the projections, the MLPs, lm_head
         assert not [n.name for n in model.node if n.op_type == "MatMul" and n.input[1] in weights]
     assert _tokens(art) == _tokens(art, "--no-engine")
+
+
+# ---- the instruction sets: the AVX2 path beside the AVX-512 VNNI one and portable C ----------------------------
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory) -> cpu_ops.Library:
+    """The operators compiled for AVX2 (its explicit flags, no AVX-512: what an AVX2-only CPU gets), run here."""
+    from mla_deploy.ort.record import host_cpu
+
+    isa = cpu_ops.isa_named("avx2")
+    if not all(f in host_cpu("").features for f in isa.needs):
+        pytest.skip("this CPU has no AVX2 with FMA and F16C")
+    library = cpu_ops.compile_library(tmp_path_factory.mktemp("avx2"), isa)
+    assert library.path is not None and library.isa == "avx2", library.why_not
+    return library
+
+
+def _vnni(libraries) -> cpu_ops.Library:
+    if libraries["native"].isa != "avx512-vnni":
+        pytest.skip(f"no AVX-512 VNNI build here ({libraries['native'].why_not or libraries['native'].isa})")
+    return libraries["native"]
+
+
+def _each_build(model, feeds, libraries, avx2) -> dict[str, list[np.ndarray]]:
+    """``model``'s outputs for ``feeds`` with the operators of the AVX-512 VNNI, AVX2 and portable builds."""
+    builds = {"avx512-vnni": _vnni(libraries), "avx2": avx2, "portable": libraries["portable"]}
+    out = {}
+    for name, library in builds.items():
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        cpu_ops.register(options, library.path)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        out[name] = session.run(None, feeds)
+    return out
+
+
+def _bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32),
+                                                                                    b.view(np.uint32))
+
+
+def _vector_paths_agree(outputs: dict[str, list[np.ndarray]]) -> None:
+    """AVX2 equals AVX-512 VNNI bit for bit (the same lanes, the same float operations in the same order); portable C
+    equals it to float32 rounding (the same integers, its float sums in another order), as it always has."""
+    for vnni, avx2, portable in zip(outputs["avx512-vnni"], outputs["avx2"], outputs["portable"]):
+        assert np.abs(vnni).max() > 0
+        assert _bit_equal(avx2, vnni), np.abs(avx2 - vnni).max() / np.abs(vnni).max()
+        assert np.abs(portable - vnni).max() <= 2e-5 * np.abs(vnni).max()
+
+
+def test_the_avx2_library_uses_no_avx512(avx2):
+    """The AVX2 build says it is one (its exported function and the marker the build reads), and holds no AVX-512
+    instruction (no zmm or mask register, no EVEX-only form): it runs on an AVX2-only CPU although compiled on an
+    AVX-512 one."""
+    import ctypes
+
+    exported = ctypes.CDLL(str(avx2.path)).mla_deploy_cpu_ops_isa
+    exported.restype = ctypes.c_char_p
+    assert exported() == b"avx2" and cpu_ops.library_isa(avx2.path) == "avx2" and not avx2.vnni
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to read the library's instructions")
+    import re
+    import subprocess
+
+    text = subprocess.run([objdump, "-d", str(avx2.path)], capture_output=True, text=True, check=True).stdout
+    assert "vpmaddubsw" in text and "vpdpbusd" not in text
+    assert not re.search(r"%zmm|%k[0-7]|\{evex\}|%[xy]mm(1[6-9]|2[0-9]|3[01])\b", text)
+
+
+def _blockwise_model(K: int, N: int, bits: int, weights, scales) -> object:
+    """One input ``a [T, K]`` through BlockwiseMatMul four times: the weights as MatMulNBits holds them and
+    interleaved, each with float32 and float16 scales."""
+    nodes, inits, outputs = [], [], []
+    for layout in ("source", "interleaved"):
+        b = weights if layout == "source" else own_ops.interleave_rows(weights.reshape(N, -1), bits).reshape(
+            weights.shape)
+        inits.append(numpy_helper.from_array(b, f"b_{layout}"))
+        for stored in ("float", "float16"):
+            name = f"{layout}_{stored}"
+            inits.append(numpy_helper.from_array(scales.astype(np.float16) if stored == "float16" else scales,
+                                                 f"s_{name}"))
+            nodes.append(helper.make_node(own_ops.LINEAR_OP_TYPE, ["a", f"b_{layout}", f"s_{name}"], [name],
+                                          domain=own_ops.DOMAIN, K=K, N=N, bits=bits, block_size=32,
+                                          interleaved=int(layout == "interleaved")))
+            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", N]))
+    graph = helper.make_graph(nodes, "blockwise", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", K])],
+                              outputs, inits)
+    return _model(graph, own_ops.DOMAIN)
+
+
+# K: 3 blocks (int4 all left over; int8 two at a time and one), 4 (int4: 4 rows at a time), 16 (int8: 4 rows at a
+# time; interleaved groups), 20 (a group of 16 and 4 over); 43 rows: tiles, and 3 rows left by 4 at a time;
+# tokens: 1 (decode), 3, 6 (4 at a time and 2)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("K", [96, 128, 512, 640])
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_blockwise_matmul_avx2_equals_vnni_bit_for_bit(libraries, avx2, bits, K, tokens):
+    """BlockwiseMatMul on random weights, scales (float32 and float16) and activations, both weight layouts: the
+    AVX2 build's outputs equal the AVX-512 VNNI build's bit for bit, the portable build's to float32 rounding."""
+    N, rng = 43, np.random.default_rng(K + bits + tokens)
+    weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = _half_values(rng.random(N * K // 32, dtype=np.float32) * 0.02 + 0.005)
+    a = rng.standard_normal((tokens, K), dtype=np.float32)
+    _vector_paths_agree(_each_build(_blockwise_model(K, N, bits, weights, scales), {"a": a}, libraries, avx2))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("K", [96, 640])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_blockwise_matmul_integer_sums_are_the_same_on_every_path(libraries, avx2, bits, K, tokens):
+    """Activations whose int8 quantization is exact (small integers and one 127 per block: block scale 1) and
+    power-of-two weight scales make every float operation of the product exact, whatever its order: then all three
+    builds give the exact sum of the integer products, computed here in int64, bit for bit (the same integers on
+    every path, portable C's included)."""
+    N, rng = 43, np.random.default_rng(K * bits + tokens)
+    weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = 2.0 ** -rng.integers(6, 9, size=N * K // 32).astype(np.float32)
+    a = rng.integers(-8, 9, size=(tokens, K // 32, 32)).astype(np.float32)
+    peak = rng.integers(0, 32, size=(tokens, K // 32))
+    np.put_along_axis(a, peak[..., None], rng.choice([-127.0, 127.0], size=(tokens, K // 32, 1)), axis=2)
+    zero = 1 << (bits - 1)
+    values = weights.astype(np.int64)
+    if bits == 4:  # element 2j in byte j's low nibble, 2j + 1 in its high one (MatMulNBits' packing)
+        values = np.stack([values & 15, values >> 4], axis=-1).reshape(N, K // 32, 32)
+    per_block = np.einsum("nbj,tbj->tnb", values - zero, a.astype(np.int64))  # exact integers
+    want = (per_block * scales.reshape(N, K // 32)).sum(axis=2).astype(np.float32)  # exact: well within 2^24 units
+    outputs = _each_build(_blockwise_model(K, N, bits, weights, scales), {"a": a.reshape(tokens, K)}, libraries, avx2)
+    for name, got in outputs.items():
+        for output in got:
+            assert _bit_equal(output, want), (name, np.abs(output - want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_routed_experts_avx2_equals_vnni_bit_for_bit(libraries, avx2, bits, tokens):
+    """RoutedExperts (fc1 of 20 blocks, fc2 of 5) on the same weights as QMoE's tests, both layouts, float32 and
+    float16 scales, routing by the scores: AVX2 equals AVX-512 VNNI bit for bit, portable C to float32 rounding."""
+    rng = np.random.default_rng(tokens + 10 * bits)
+    x = rng.standard_normal((tokens, D), dtype=np.float32)
+    r = rng.standard_normal((tokens, E), dtype=np.float32)
+    nodes, inits, outputs = [], [], []
+    for layout in ("source", "interleaved"):
+        for stored in ("float", "float16"):
+            name = f"{layout}_{stored}"
+            weights = _as_half(_weights(bits)) if stored == "float16" else _weights(bits)
+            extra = {}
+            if layout == "interleaved":
+                weights, extra = _interleaved(weights, bits), {"interleaved": 1}
+            names = [f"{n}_{name}" for n in ("w1", "s1", "w2", "s2")]
+            inits += [numpy_helper.from_array(w, n) for w, n in zip(weights, names)]
+            nodes.append(helper.make_node(own_ops.OP_TYPE, ["x", "r", *names], [name], domain=own_ops.DOMAIN, k=K,
+                                          expert_weight_bits=bits, block_size=32, normalize_routing_weights=1,
+                                          **extra))
+            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", D]))
+    graph = helper.make_graph(nodes, "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
+                              outputs, inits)
+    _vector_paths_agree(_each_build(_model(graph, own_ops.DOMAIN), {"x": x, "r": r}, libraries, avx2))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_routed_experts_with_shared_experts_avx2_equals_vnni_bit_for_bit(libraries, avx2, bits, tokens):
+    """The shared experts folded into RoutedExperts (their gate, up and down products in the same call): AVX2 equals
+    AVX-512 VNNI bit for bit, portable C to float32 rounding."""
+    model = _shared_experts_model(bits)
+    assert own_ops.swap_experts(model) == 1 and own_ops.swap_linear(model) == 3
+    assert own_ops.fold_shared_experts(model) == 1
+    rng = np.random.default_rng(bits + tokens)
+    feeds = {"h": rng.standard_normal((1, tokens, D), dtype=np.float32),
+             "r": rng.standard_normal((tokens, E), dtype=np.float32)}
+    _vector_paths_agree(_each_build(model, feeds, libraries, avx2))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_headwise_matmul_avx2_equals_vnni_bit_for_bit(libraries, avx2, bits, rows):
+    """HeadwiseMatMul (signed per-head weights, flipped to the zero point as they are read): AVX2 equals AVX-512
+    VNNI bit for bit, portable C to float32 rounding."""
+    q, scales = _signed(bits, (HEADS, HN, D), seed=bits)
+    model = _per_head_graph(q, scales, bits)
+    assert own_ops.swap_headwise(model) == 1
+    a = np.random.default_rng(rows).standard_normal((HEADS, rows, D), dtype=np.float32)
+    _vector_paths_agree(_each_build(model, {"a": a}, libraries, avx2))
+
+
+def test_the_best_fast_path_the_cpu_has_is_chosen():
+    """AVX-512 VNNI before AVX-VNNI before AVX2 (with FMA and F16C, which its code needs); AVX-512 without VNNI
+    (Skylake-X) takes AVX2; without AVX2, FMA or F16C there is none, and doctor's reason says so."""
+    avx2 = ("avx2", "fma", "f16c")
+    avx512 = ("avx512f", "avx512bw", "avx512vl")
+    assert cpu_ops.fast_path(avx2).name == "avx2"
+    assert cpu_ops.fast_path(avx2 + ("avxvnni",)).name == "avx-vnni"
+    assert cpu_ops.fast_path(avx2 + avx512 + ("avx512_vnni", "avxvnni")).name == "avx512-vnni"
+    assert cpu_ops.fast_path(avx2 + avx512).name == "avx2"
+    assert cpu_ops.fast_path(("avx2", "fma")) is None and cpu_ops.fast_path(("avx", "sse4_2")) is None
+    assert cpu_ops.why_not_here(avx2) is None and cpu_ops.why_not_here(("avx", "sse4_2")) == cpu_ops.NO_FAST_PATH
+    assert [cpu_ops.isa_named(i.name) for i in cpu_ops.FAST_PATHS] == list(cpu_ops.FAST_PATHS)
+    with pytest.raises(ValueError, match="no operator instruction set 'sse2'"):
+        cpu_ops.isa_named("sse2")
+
+
+def test_a_library_for_an_instruction_set_the_cpu_lacks_is_compiled_but_not_kept(tmp_path):
+    """AVX-VNNI's code is compiled here whatever the CPU (its flags and intrinsics build), and kept only where the CPU
+    has AVX-VNNI; likewise an AVX2 library for a CPU said to have no AVX2."""
+    from mla_deploy.ort.record import host_cpu
+
+    isa = cpu_ops.isa_named("avx-vnni")
+    library = cpu_ops.compile_library(tmp_path, isa)
+    if all(f in host_cpu("").features for f in isa.needs):
+        assert library.path is not None and library.isa == "avx-vnni", library.why_not
+    else:  # compiled (not "could not compile"), then refused before anything runs it
+        assert library.path is None and not (tmp_path / cpu_ops.LIBRARY).exists()
+        assert library.why_not.startswith("compiled for avx-vnni, which this CPU cannot run (it lacks avxvnni"), \
+            library.why_not
+    library = cpu_ops.compile_library(tmp_path, cpu_ops.isa_named("avx2"), features=("avx", "fma", "f16c"))
+    assert library.path is None and library.why_not == "compiled for avx2, which this CPU cannot run (it lacks avx2)"
+
+
+def test_a_record_without_the_instruction_set_is_read_as_avx512_vnni():
+    """Engines recorded before the record named the instruction set were all AVX-512 VNNI builds."""
+    from mla_deploy.ort.record import CpuOperators
+
+    used = CpuOperators(1, 2, cpu_ops.LIBRARY, "a" * 64, "b" * 64, isa="avx2")
+    assert CpuOperators.from_dict(used.to_dict()) == used
+    old = {k: v for k, v in used.to_dict().items() if k != "isa"}
+    assert CpuOperators.from_dict(old).isa == "avx512-vnni"
+    kept = {k: v for k, v in CpuOperators(why_not=cpu_ops.NO_FAST_PATH).to_dict().items() if k != "isa"}
+    assert CpuOperators.from_dict(kept).isa is None
+
+
+def test_an_engine_built_for_avx2_records_it_and_gives_the_source_graphs_tokens(moe_artifact, avx2, tmp_path):
+    """The build given AVX2 (what an AVX2-only CPU's build takes) compiles its library for it, records the
+    instruction set, names it, and the engine decodes the source graphs' tokens."""
+    from mla_deploy.ort.cpu_build import build_cpu_engine
+    from mla_deploy.ort.record import read_cpu_engine_record
+
+    art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
+    record = build_cpu_engine(art, isa=cpu_ops.isa_named("avx2"))
+    assert record.operators.used and record.operators.isa == "avx2" and record.operators.why_not is None
+    assert json.loads((art / "cpu" / "engine.json").read_text())["operators"]["isa"] == "avx2"
+    assert read_cpu_engine_record(art).operators.isa == "avx2"
+    assert cpu_ops.library_isa(art / "cpu" / cpu_ops.LIBRARY) == "avx2"
+    assert f"({cpu_ops.LIBRARY}, instruction set avx2, " in record.operators.describe()
+    assert "instruction set avx2" in OrtEngine(art, threads=1).info()["operators"]
+    assert _tokens(art) == _tokens(art, "--no-engine")
+
+
+def test_a_cpu_without_a_fast_path_keeps_onnx_runtimes_kernels_and_says_why(moe_artifact, tmp_path):
+    """A build on a CPU with none of the fast paths (here: told the features of one with AVX but no AVX2) compiles
+    nothing, keeps QMoE and MatMulNBits, and records why; the engine decodes the source graphs' tokens."""
+    from mla_deploy.ort.cpu_build import build_cpu_engine
+
+    no_avx2 = ("avx", "sse4_2")
+    library = cpu_ops.compile_library(tmp_path, features=no_avx2)
+    assert library.path is None and library.why_not == cpu_ops.NO_FAST_PATH
+    assert not (tmp_path / cpu_ops.LIBRARY).exists()
+    art = Path(shutil.copytree(moe_artifact, tmp_path / "art"))
+    record = build_cpu_engine(art, features=no_avx2)
+    assert not record.operators.used and record.operators.isa is None
+    assert record.operators.why_not == cpu_ops.NO_FAST_PATH
+    assert record.operators.describe() == f"ONNX Runtime's only ({cpu_ops.NO_FAST_PATH})"
+    saved = json.loads((art / "cpu" / "engine.json").read_text())["operators"]
+    assert saved["why_not"] == cpu_ops.NO_FAST_PATH and saved["isa"] is None
+    assert saved["experts"] == saved["linear"] == 0
+    assert not (art / "cpu" / cpu_ops.LIBRARY).exists()
+    assert _tokens(art) == _tokens(art, "--no-engine")
+
+
+def test_a_planted_change_of_the_avx2_sum_order_is_caught(libraries, avx2, tmp_path):
+    """The bit-for-bit comparison has teeth: an AVX2 build that sums a row's 16 lanes in another order (the same
+    values) still passes its check against MatMulNBits (float32 rounding), but no longer equals the AVX-512 VNNI
+    build bit for bit."""
+    source = cpu_ops.source_path().read_text()
+    old = "const __m256 eight = _mm256_add_ps(vf_high(v), vf_low(v));"
+    assert source.count(old) == 1
+    planted = tmp_path / "cpu_ops.c"
+    planted.write_text(source.replace(old, "const __m256 eight = _mm256_add_ps(_mm256_permute_ps(vf_high(v), 0x1B), "
+                                           "vf_low(v));"))
+    changed = cpu_ops.compile_library(tmp_path, cpu_ops.isa_named("avx2"), source=planted)
+    assert changed.path is not None and changed.isa == "avx2", changed.why_not
+    K, N, bits, rng = 640, 43, 4, np.random.default_rng(3)
+    weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = _half_values(rng.random(N * K // 32, dtype=np.float32) * 0.02 + 0.005)
+    model = _blockwise_model(K, N, bits, weights, scales)
+    a = rng.standard_normal((1, K), dtype=np.float32)
+    outputs = _each_build(model, {"a": a}, libraries, changed)
+    vnni = outputs["avx512-vnni"][0]  # the source layout: its lanes summed by vf_sum
+    assert not _bit_equal(outputs["avx2"][0], vnni)
+    assert np.abs(outputs["avx2"][0] - vnni).max() <= 2e-5 * np.abs(vnni).max()
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def attention_engine(libraries, tmp_path_factory, request) -> tuple[Path, str]:
+    """An export with 16 heads and quantized per-head weights (the tiny preset's), built with LatentAttention."""
+    if libraries["native"].path is None:
+        pytest.skip(f"the build keeps ONNX Runtime's operators here: {libraries['native'].why_not}")
+    from mla_deploy.exporter import export_recipe
+
+    art = tmp_path_factory.mktemp("attention") / "art"
+    export_recipe(_concat_per_head_recipe(16, "concat", request.param), art)
+    ok(cli("build", art, "--target", "cpu"))
+    return art, request.param
+
+
+def test_latent_attention_avx2_equals_vnni_bit_for_bit(attention_engine, libraries, avx2):
+    """LatentAttention through the AVX-512 VNNI and AVX2 builds: a prefill of two sequences (per-head products row by
+    row) and a decode step (per-head products in panels): the logits, every layer's cache and layer 0's attention
+    output equal bit for bit (the scores, the softmax with its own exp and the weighted sum run the same 16 lanes on
+    both paths, as the products do). The portable build is compared with the nodes the operator replaces by
+    test_attention_operator_equals_the_nodes_it_replaces."""
+    art, weights = attention_engine
+    recipe = _concat_per_head_recipe(16, "concat", weights)
+    layers, width = recipe.model.num_hidden_layers, recipe.model.kv_lora_rank + recipe.model.qk_rope_head_dim
+    vnni = _vnni(libraries)
+    sessions = {name: _first_attention_session(art, library.path)[0]
+                for name, library in (("avx512-vnni", vnni), ("avx2", avx2))}
+    rng = np.random.default_rng(4)
+    feed = {"input_ids": rng.integers(0, recipe.model.vocab_size, size=(2, 5), dtype=np.int64),
+            "position_ids": np.arange(5)[None].repeat(2, 0), "logits_index": np.full((2, 1), 4),
+            "attention_mask": np.ones((2, 5), np.int64),
+            **{f"past_latent.{i}": np.zeros((2, 0, width), np.float32) for i in range(layers)}}
+    prefill = {name: session.run(None, feed) for name, session in sessions.items()}
+    step = {"input_ids": np.array([[11], [12]], np.int64), "position_ids": np.full((2, 1), 5, np.int64),
+            "logits_index": np.zeros((2, 1), np.int64), "attention_mask": np.ones((2, 6), np.int64),
+            **{f"past_latent.{i}": prefill["avx512-vnni"][1 + i] for i in range(layers)}}
+    decode = {name: session.run(None, step) for name, session in sessions.items()}
+    for runs in (prefill, decode):
+        want, got = runs["avx512-vnni"], runs["avx2"]
+        assert len(got) == len(want) == 2 + layers  # the logits, each layer's cache, layer 0's attention output
+        for mine, ref in zip(got, want):
+            assert np.abs(ref).max() > 0 and _bit_equal(mine, ref), np.abs(mine - ref).max() / np.abs(ref).max()

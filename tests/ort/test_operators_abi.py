@@ -19,11 +19,11 @@ def _compiled_with(tmp_path, old: str, new: str) -> operators.Library:
     assert old in source  # the planted change is a real edit of the shipped source
     planted = tmp_path / "cpu_ops.c"
     planted.write_text(source.replace(old, new))
-    return operators.compile_library(tmp_path, native=False, source=planted)
+    return operators.compile_library(tmp_path, operators.PORTABLE, source=planted)
 
 
 def test_the_shipped_source_passes_its_check(tmp_path):
-    library = operators.compile_library(tmp_path, native=False)
+    library = operators.compile_library(tmp_path, operators.PORTABLE)
     assert library.path is not None and library.why_not is None
     assert operators.check_library(library.path) is None
 

@@ -9,8 +9,9 @@
  *
  * Why: QMoE streams a decode step's chosen experts at 20-25 GB/s on the development machine where a kernel
  * written for the product reaches 39-42 GB/s (tools/gemv_probe); the routed experts are most of a quantized
- * DeepSeek decode step. mla-deploy's CPU engine build (mla_deploy/engines/cpu_ops.py) compiles this file for the
- * CPU it runs on and swaps each eligible QMoE node for this operator, same inputs, same semantics.
+ * DeepSeek decode step. mla-deploy's CPU engine build (mla_deploy/ort/operators.py) compiles this file for the
+ * best instruction set of the CPU it runs on and swaps each eligible QMoE node for this operator, same inputs, same
+ * semantics.
  *
  * Inputs (T tokens, D hidden, E experts, I intermediate, B = 32, bits 4 or 8):
  *   0 input           float [T, D]
@@ -45,12 +46,32 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* The instruction set the integer products use, chosen by the flags the library is compiled with
+ * (mla_deploy/ort/operators.py compiles it for the best one the CPU has): AVX-512 VNNI (16 lanes of 32 bits in one
+ * register), AVX-VNNI or AVX2 (the same 16 lanes in two 256-bit registers), else portable C. The three vector paths
+ * run the same loops over the same 16 lanes (the V16 operations below): the same integer sums per lane, the same
+ * float operations in the same order, so their outputs are equal bit for bit. The portable path sums block by block:
+ * the same integers, its float sums in another order. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VNNI 1
+#define WIDE 0
+#define ISA "avx512-vnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define VNNI 0
+#define WIDE 1 /* 16 lanes in two 256-bit registers */
+#if defined(__AVXVNNI__)
+#define ISA "avx-vnni"
+#else
+#define ISA "avx2"
+#endif
 #else
 #define VNNI 0
+#define WIDE 0
+#define ISA "portable"
 #endif
+#define SIMD (VNNI || WIDE)
 
 #define BLOCK 32
 #define TILE 16 /* weight rows per work item */
@@ -178,7 +199,7 @@ static OrtStatus *fail(const char *message) { return CALL(CreateStatus)(ORT_INVA
 /* The interleaved layout of a quantized row (the weights of a RoutedExperts or BlockwiseMatMul node whose
  * `interleaved` attribute is 1, and the activations they meet): each group of 16 whole blocks keeps its bytes where they are, but byte m of block
  * j of the group (m < 16 for int4 weights, 32 for int8) lies at 64 * (m / 4) + 4 * j + m % 4 of the group, so that
- * 32-bit lane j of every 64-byte load holds block j: VNNI's sums then stay per block across the group's loads, and
+ * 32-bit lane j of every 64-byte load holds block j: the sums then stay per block across the group's loads, and
  * the scales apply once per group. Blocks after the last whole group keep their order. An int4 activation row's
  * even half and odd half (quantize_block) are each laid out as int4 weights. */
 static inline size_t lane_byte(int b, int m, int block_bytes, int blocks) {
@@ -200,7 +221,8 @@ static inline void spread16(int8_t *dst, __m128i v) {
 static void quantize_block(const float *v, int K, int b, int bits, int lane, int8_t *q, float *d, float *corr) {
     const int blocks = K / BLOCK, spread = lane && b < blocks / 16 * 16; /* the block's bytes in 4-byte pieces */
 #if VNNI
-    { /* the same arithmetic on two vectors: cvtps rounds half to even as lrintf does (the default rounding mode) */
+    { /* the same arithmetic on two vectors: cvtps rounds half to even as lrintf does (the default rounding mode); the
+       * AVX-VNNI and AVX2 builds take the loop below, the same integers and scales */
         const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
@@ -306,42 +328,207 @@ static inline const void *scale_row(const void *s, int half, size_t i) { return 
 static inline __attribute__((always_inline)) float scale_at(const void *s, int half, int b) {
     return half ? half_value(((const uint16_t *)s)[b]) : ((const float *)s)[b];
 }
+/* ---- V16: 16 lanes of 32 bits (64 bytes), the vector paths' one set of operations ------------------------------
+ * vi: 16 int32 lanes (or 64 bytes), vf: 16 floats. AVX-512: one register; AVX-VNNI and AVX2: two 256-bit halves
+ * (lanes 0-7 and 8-15, the first and last 32 of 64 bytes). Each operation computes per lane what the AVX-512
+ * instruction computes, so that the loops written with them give the same lanes on every vector path. */
+#define AI static inline __attribute__((always_inline))
 #if VNNI
-static inline __attribute__((always_inline)) __m512 scales16(const void *s, int half, int b) { /* blocks b..b+15 */
+typedef __m512i vi;
+typedef __m512 vf;
+AI vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+AI vi vi_zero(void) { return _mm512_setzero_si512(); }
+AI vi vi_bytes(uint8_t b) { return _mm512_set1_epi8((char)b); }
+AI vi vi_words(int32_t v) { return _mm512_set1_epi32(v); }
+AI vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+AI vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+/* acc + in each lane the sum of its 4 products of an unsigned byte of u and a signed byte of s (any bytes) */
+AI vi vi_dot(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* int4: *lo (+) low nibbles . even, *hi (+) high nibbles . odd, to be finished by vi_nibbles_done: the odd weights
+ * are taken in place, as 16 times their value (the high nibble, masked): their sums are 16 times the odd products'
+ * exactly (at most 4 loads x 4 x 240 x 128 in a lane), and one shift per group divides them back, where shifting
+ * every load down cost an instruction per 64 bytes; the sums are the same integers */
+AI void vi_nibbles(vi *lo, vi *hi, vi packed, vi even, vi odd) {
+    *lo = _mm512_dpbusd_epi32(*lo, _mm512_and_si512(packed, _mm512_set1_epi8(0x0F)), even);
+    *hi = _mm512_dpbusd_epi32(*hi, _mm512_and_si512(packed, _mm512_set1_epi8((char)0xF0)), odd);
+}
+AI vi vi_nibbles_done(vi hi) { return _mm512_srai_epi32(hi, 4); }
+/* 64 bytes of int4 weights against a token's 64 even and 64 odd int8 values: per-lane sums of 4 + 4 products */
+AI vi vi_nibble_dot(vi packed, vi even, vi odd) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even);
+    return _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd);
+}
+AI vf vf_zero(void) { return _mm512_setzero_ps(); }
+AI vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+AI vf vf_load4(const float *p) { return _mm512_maskz_loadu_ps(0x000F, p); } /* p[0..3], then 0 */
+AI vf vf_load2(const float *p) { return _mm512_maskz_loadu_ps(0x0003, p); } /* p[0..1], then 0 */
+AI vf vf_set1(float v) { return _mm512_set1_ps(v); }
+AI vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+AI vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+AI vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a * b + c, rounded once */
+AI vf vf_float(vi a) { return _mm512_cvtepi32_ps(a); }
+AI void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+AI vf scales16(const void *s, int half, int b) { /* blocks b..b+15 */
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + b)))
                 : _mm512_loadu_ps((const float *)s + b);
 }
-static inline __attribute__((always_inline)) __m512 scales4(const void *s, int half, int b) { /* b..b+3, then 0 */
+AI vf scales4(const void *s, int half, int b) { /* b..b+3, then 0 */
     return half ? _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + b))))
                 : _mm512_maskz_loadu_ps(0x000F, (const float *)s + b);
 }
-static inline __attribute__((always_inline)) __m512 scales2(const void *s, int half, int b) { /* b, b + 1, then 0 */
+AI vf scales2(const void *s, int half, int b) { /* b, b + 1, then 0 */
     return half ? _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_maskz_loadu_epi16(0x03, (const uint16_t *)s + b)))
                 : _mm512_maskz_loadu_ps(0x0003, (const float *)s + b);
 }
+/* lane i: scale[4g + i / 4] (int4: a group's block 4g + i / 4 in lane i) */
+AI vf vf_four(vf scale, int g) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * g), _mm512_srli_epi32(lane, 2));
+    return _mm512_permutexvar_ps(lanes, scale);
+}
+/* lane i: scale[2g + i / 8] (int8) */
+AI vf vf_pair(vf scale, int g) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(2 * g), _mm512_srli_epi32(lane, 3));
+    return _mm512_permutexvar_ps(lanes, scale);
+}
+AI vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+AI vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+AI vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+AI vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+AI vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
+AI vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+AI vf vf_scale2(vf y, vf n) { return _mm512_scalef_ps(y, n); } /* y * 2^n for whole n, rounded once */
+AI __m256 vf_low(vf v) { return _mm512_castps512_ps256(v); }
+AI __m256 vf_high(vf v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+#elif WIDE
+typedef struct {
+    __m256i l, h;
+} vi;
+typedef struct {
+    __m256 l, h;
+} vf;
+AI vi vi_load(const void *p) {
+    return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)((const char *)p + 32))};
+}
+AI vi vi_zero(void) { return (vi){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+AI vi vi_bytes(uint8_t b) { return (vi){_mm256_set1_epi8((char)b), _mm256_set1_epi8((char)b)}; }
+AI vi vi_words(int32_t v) { return (vi){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+AI vi vi_xor(vi a, vi b) { return (vi){_mm256_xor_si256(a.l, b.l), _mm256_xor_si256(a.h, b.h)}; }
+AI vi vi_add(vi a, vi b) { return (vi){_mm256_add_epi32(a.l, b.l), _mm256_add_epi32(a.h, b.h)}; }
+AI __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+AI __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+#if defined(__AVXVNNI__)
+AI __m256i dot8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+/* two nibbles' products: the same sums as AVX-512's, in 256 bits */
+AI __m256i nibble_dot8(__m256i acc, __m256i packed, __m256i even, __m256i odd) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low_nibbles(packed), even), high_nibbles(packed), odd);
+}
+#else
+/* AVX2 has no 4-way byte product: vpmaddubsw sums 2 products into 16 bits, saturated, vpmaddwd 2 of those into 32.
+ * An unsigned weight byte (up to 255) times an int8 value (-127 to 127) twice overflows 16 bits, so the byte is
+ * split in its nibbles (up to 15: 2 x 15 x 127 fits) and the high nibble's sums weighted by 16 in vpmaddwd: the
+ * same integers as VNNI's vpdpbusd. */
+AI __m256i dot8(__m256i acc, __m256i u, __m256i s) {
+    const __m256i low = _mm256_madd_epi16(_mm256_maddubs_epi16(low_nibbles(u), s), _mm256_set1_epi16(1));
+    const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(high_nibbles(u), s), _mm256_set1_epi16(16));
+    return _mm256_add_epi32(acc, _mm256_add_epi32(low, high));
+}
+/* int4: 2 x 15 x 127 per product pair, twice: the 16-bit sums of both nibbles fit (at most 7620) */
+AI __m256i nibble_dot8(__m256i acc, __m256i packed, __m256i even, __m256i odd) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low_nibbles(packed), even),
+                                           _mm256_maddubs_epi16(high_nibbles(packed), odd));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+AI vi vi_dot(vi acc, vi u, vi s) { return (vi){dot8(acc.l, u.l, s.l), dot8(acc.h, u.h, s.h)}; }
+/* int4, as AVX-512's vi_nibbles: the sums go to *lo alone (only lo + hi is used, the same integers) */
+AI void vi_nibbles(vi *lo, vi *hi, vi packed, vi even, vi odd) {
+    (void)hi;
+    *lo = (vi){nibble_dot8(lo->l, packed.l, even.l, odd.l), nibble_dot8(lo->h, packed.h, even.h, odd.h)};
+}
+AI vi vi_nibbles_done(vi hi) { return hi; }
+AI vi vi_nibble_dot(vi packed, vi even, vi odd) {
+    const __m256i zero = _mm256_setzero_si256();
+    return (vi){nibble_dot8(zero, packed.l, even.l, odd.l), nibble_dot8(zero, packed.h, even.h, odd.h)};
+}
+AI vf vf_zero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+AI vf vf_load(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+AI vf vf_load4(const float *p) { return (vf){_mm256_zextps128_ps256(_mm_loadu_ps(p)), _mm256_setzero_ps()}; }
+AI vf vf_load2(const float *p) {
+    return (vf){_mm256_zextps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)p))), _mm256_setzero_ps()};
+}
+AI vf vf_set1(float v) { return (vf){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+AI vf vf_add(vf a, vf b) { return (vf){_mm256_add_ps(a.l, b.l), _mm256_add_ps(a.h, b.h)}; }
+AI vf vf_mul(vf a, vf b) { return (vf){_mm256_mul_ps(a.l, b.l), _mm256_mul_ps(a.h, b.h)}; }
+AI vf vf_fmadd(vf a, vf b, vf c) { return (vf){_mm256_fmadd_ps(a.l, b.l, c.l), _mm256_fmadd_ps(a.h, b.h, c.h)}; }
+AI vf vf_float(vi a) { return (vf){_mm256_cvtepi32_ps(a.l), _mm256_cvtepi32_ps(a.h)}; }
+AI void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.l), _mm256_storeu_ps(p + 8, v.h); }
+AI vf scales16(const void *s, int half, int b) {
+    const uint16_t *h = (const uint16_t *)s + b;
+    return half ? (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)),
+                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))}
+                : vf_load((const float *)s + b);
+}
+AI vf scales4(const void *s, int half, int b) {
+    const __m128i four = half ? _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + b)) : _mm_setzero_si128();
+    return half ? (vf){_mm256_zextps128_ps256(_mm_cvtph_ps(four)), _mm256_setzero_ps()}
+                : vf_load4((const float *)s + b);
+}
+AI vf scales2(const void *s, int half, int b) {
+    int32_t two;
+    if (half) memcpy(&two, (const uint16_t *)s + b, sizeof two);
+    return half ? (vf){_mm256_zextps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two))), _mm256_setzero_ps()}
+                : vf_load2((const float *)s + b);
+}
+AI vf vf_four(vf scale, int g) { /* lanes 0-7: scale[4g], scale[4g + 1]; 8-15: scale[4g + 2], scale[4g + 3] */
+    const __m256 from = g < 2 ? scale.l : scale.h;
+    const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(4 * (g & 1)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    const __m256i next = _mm256_add_epi32(at, _mm256_set1_epi32(2));
+    return (vf){_mm256_permutevar8x32_ps(from, at), _mm256_permutevar8x32_ps(from, next)};
+}
+AI vf vf_pair(vf scale, int g) { /* lanes 0-7: scale[2g]; 8-15: scale[2g + 1] */
+    const __m256 from = g < 4 ? scale.l : scale.h;
+    const int at = 2 * g % 8;
+    return (vf){_mm256_permutevar8x32_ps(from, _mm256_set1_epi32(at)),
+                _mm256_permutevar8x32_ps(from, _mm256_set1_epi32(at + 1))};
+}
+AI vf vf_sub(vf a, vf b) { return (vf){_mm256_sub_ps(a.l, b.l), _mm256_sub_ps(a.h, b.h)}; }
+AI vf vf_div(vf a, vf b) { return (vf){_mm256_div_ps(a.l, b.l), _mm256_div_ps(a.h, b.h)}; }
+AI vf vf_max(vf a, vf b) { return (vf){_mm256_max_ps(a.l, b.l), _mm256_max_ps(a.h, b.h)}; }
+AI vf vf_min(vf a, vf b) { return (vf){_mm256_min_ps(a.l, b.l), _mm256_min_ps(a.h, b.h)}; }
+AI vf vf_fnmadd(vf a, vf b, vf c) { return (vf){_mm256_fnmadd_ps(a.l, b.l, c.l), _mm256_fnmadd_ps(a.h, b.h, c.h)}; }
+AI vf vf_round(vf a) {
+    return (vf){_mm256_round_ps(a.l, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_round_ps(a.h, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+/* y * 2^n for whole n in [-150, 128] (vf_exp's), rounded once as AVX-512's vscalefps rounds it: 2^n is not a float
+ * at both ends, so y is scaled by 2^(n/2 rounded down) first (exact: y is near 1) and by the rest after */
+AI __m256 scale2_8(__m256 y, __m256 n) {
+    const __m256i whole = _mm256_cvtps_epi32(n), first = _mm256_srai_epi32(whole, 1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(whole, first), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, a), b);
+}
+AI vf vf_scale2(vf y, vf n) { return (vf){scale2_8(y.l, n.l), scale2_8(y.h, n.h)}; }
+AI __m256 vf_low(vf v) { return v.l; }
+AI __m256 vf_high(vf v) { return v.h; }
 #endif
 
-#if VNNI
-/* lanes 4g .. 4g + 3 of a block group's scales, each over the 4 lanes of its block (int4: block 4g + i / 4 in lane i) */
-static inline __attribute__((always_inline)) __m512i four_lanes(int g) {
-    return _mm512_add_epi32(_mm512_set1_epi32(4 * g),
-                            _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+#if SIMD
+/* the sum of a vf's 16 lanes, in the order GCC's _mm512_reduce_add_ps sums them (halves, quarters, then pairs),
+ * written out so that every vector path and compiler sums in that one order */
+AI float vf_sum(vf v) {
+    const __m256 eight = _mm256_add_ps(vf_high(v), vf_low(v));
+    const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+    const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
 }
-/* int8: block 2g + i / 8 in lane i */
-static inline __attribute__((always_inline)) __m512i pair_lanes(int g) {
-    return _mm512_add_epi32(_mm512_set1_epi32(2 * g),
-                            _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
-}
-/* 64 bytes of int4 weights (flipped) against a token's 64 even and 64 odd int8 values: per-lane sums of 4 products */
-static inline __attribute__((always_inline)) __m512i nibble_dot(__m512i packed, __m512i even_x, __m512i odd_x) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), even_x);
-    return _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), odd_x);
-}
-/* acc += dot * the scales of its lanes' blocks (`lanes` picks them from `scale`) */
-static inline __attribute__((always_inline)) __m512 scaled(__m512 acc, __m512i dot, __m512i lanes, __m512 scale) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lanes, scale), acc);
-}
+/* acc += dot * the scales of its lanes' blocks (int4: vf_four's, int8: vf_pair's) */
+AI vf scaled4(vf acc, vi dot, int g, vf scale) { return vf_fmadd(vf_float(dot), vf_four(scale, g), acc); }
+AI vf scaled2(vf acc, vi dot, int g, vf scale) { return vf_fmadd(vf_float(dot), vf_pair(scale, g), acc); }
 #endif
 
 /* out[t * stride] = row . x_t for n (<= 4) tokens: the row's weights w (K * bits / 8 bytes; each byte XORed with
@@ -355,111 +542,92 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     const int blocks = K / BLOCK;
     float total[4] = {0.f, 0.f, 0.f, 0.f};
     int b = 0;
-#if VNNI
+#if SIMD
     {
-        const __m512i flips = _mm512_set1_epi8((char)flip);
-        __m512 acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
-        for (int t = 0; t < n; t++) acc[t] = acc2[t] = zp[t] = _mm512_setzero_ps();
+        const vi flips = vi_bytes(flip);
+        vf acc[4], acc2[4], zp[4]; /* int4: odd groups into acc2, so that two chains of FMAs run at once */
+        for (int t = 0; t < n; t++) acc[t] = acc2[t] = zp[t] = vf_zero();
         for (; lane && b + 16 <= blocks; b += 16) { /* the interleaved layout: lane j is block j in every load */
-            const __m512 sw = scales16(s, half, b);
-            __m512i lo[4], hi[4]; /* two chains of integer sums per token */
-            for (int t = 0; t < n; t++) lo[t] = hi[t] = _mm512_setzero_si512();
+            const vf sw = scales16(s, half, b);
+            vi lo[4], hi[4]; /* two chains of integer sums per token */
+            for (int t = 0; t < n; t++) lo[t] = hi[t] = vi_zero();
             if (bits == 4) {
-                /* the odd weights are taken in place, as 16 times their value (the high nibble, masked): their
-                 * sums are 16 times the odd products' exactly (at most 4 loads x 4 x 240 x 128 in a lane), and
-                 * one shift per group divides them back, where shifting every load down cost an instruction per
-                 * 64 bytes; the sums are the same integers */
-                const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
                 for (int g = 0; g < 4; g++) {
                     const int at = 16 * b + 64 * g;
-                    const __m512i packed = flip ? _mm512_xor_si512(_mm512_loadu_si512(w + at), flips)
-                                                : _mm512_loadu_si512(w + at);
-                    const __m512i even_w = _mm512_and_si512(packed, low), odd_w = _mm512_and_si512(packed, high);
-                    for (int t = 0; t < n; t++) {
-                        lo[t] = _mm512_dpbusd_epi32(lo[t], even_w, _mm512_loadu_si512(q[t] + at));
-                        hi[t] = _mm512_dpbusd_epi32(hi[t], odd_w, _mm512_loadu_si512(q[t] + K / 2 + at));
-                    }
+                    const vi packed = flip ? vi_xor(vi_load(w + at), flips) : vi_load(w + at);
+                    for (int t = 0; t < n; t++)
+                        vi_nibbles(&lo[t], &hi[t], packed, vi_load(q[t] + at), vi_load(q[t] + K / 2 + at));
                 }
-                for (int t = 0; t < n; t++) hi[t] = _mm512_srai_epi32(hi[t], 4);
+                for (int t = 0; t < n; t++) hi[t] = vi_nibbles_done(hi[t]);
             } else {
                 for (int g = 0; g < 8; g += 2) {
                     const int at = BLOCK * b + 64 * g;
                     _mm_prefetch((const char *)w + at + INT8_AHEAD, _MM_HINT_T0);
                     _mm_prefetch((const char *)w + at + 64 + INT8_AHEAD, _MM_HINT_T0);
-                    const __m512i p0 = flip ? _mm512_xor_si512(_mm512_loadu_si512(w + at), flips)
-                                            : _mm512_loadu_si512(w + at);
-                    const __m512i p1 = flip ? _mm512_xor_si512(_mm512_loadu_si512(w + at + 64), flips)
-                                            : _mm512_loadu_si512(w + at + 64);
+                    const vi p0 = flip ? vi_xor(vi_load(w + at), flips) : vi_load(w + at);
+                    const vi p1 = flip ? vi_xor(vi_load(w + at + 64), flips) : vi_load(w + at + 64);
                     for (int t = 0; t < n; t++) {
-                        lo[t] = _mm512_dpbusd_epi32(lo[t], p0, _mm512_loadu_si512(q[t] + at));
-                        hi[t] = _mm512_dpbusd_epi32(hi[t], p1, _mm512_loadu_si512(q[t] + at + 64));
+                        lo[t] = vi_dot(lo[t], p0, vi_load(q[t] + at));
+                        hi[t] = vi_dot(hi[t], p1, vi_load(q[t] + at + 64));
                     }
                 }
             }
             for (int t = 0; t < n; t++) {
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[t], hi[t]));
-                acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_loadu_ps(d[t] + b)), acc[t]);
-                zp[t] = _mm512_fmadd_ps(sw, _mm512_loadu_ps(corr[t] + b), zp[t]);
+                const vf dot = vf_float(vi_add(lo[t], hi[t]));
+                acc[t] = vf_fmadd(dot, vf_mul(sw, vf_load(d[t] + b)), acc[t]);
+                zp[t] = vf_fmadd(sw, vf_load(corr[t] + b), zp[t]);
             }
         }
         for (; b + 16 <= blocks; b += 16) { /* 16 blocks: their scale products at once */
-            const __m512 sw = scales16(s, half, b);
-            __m512 scale[4];
+            const vf sw = scales16(s, half, b);
+            vf scale[4];
             for (int t = 0; t < n; t++) {
-                scale[t] = _mm512_mul_ps(sw, _mm512_loadu_ps(d[t] + b));
-                zp[t] = _mm512_fmadd_ps(sw, _mm512_loadu_ps(corr[t] + b), zp[t]);
+                scale[t] = vf_mul(sw, vf_load(d[t] + b));
+                zp[t] = vf_fmadd(sw, vf_load(corr[t] + b), zp[t]);
             }
             if (bits == 4) {
                 for (int g = 0; g < 4; g++) {
                     const int at = 16 * (b + 4 * g);
-                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
+                    const vi packed = vi_xor(vi_load(w + at), flips);
                     for (int t = 0; t < n; t++) {
-                        const __m512i dot = nibble_dot(packed, _mm512_loadu_si512(q[t] + at),
-                                                       _mm512_loadu_si512(q[t] + K / 2 + at));
+                        const vi dot = vi_nibble_dot(packed, vi_load(q[t] + at), vi_load(q[t] + K / 2 + at));
                         if (g & 1)
-                            acc2[t] = scaled(acc2[t], dot, four_lanes(g), scale[t]);
+                            acc2[t] = scaled4(acc2[t], dot, g, scale[t]);
                         else
-                            acc[t] = scaled(acc[t], dot, four_lanes(g), scale[t]);
+                            acc[t] = scaled4(acc[t], dot, g, scale[t]);
                     }
                 }
             } else {
                 for (int g = 0; g < 8; g++) {
                     const int at = BLOCK * (b + 2 * g);
-                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + at), flips);
-                    for (int t = 0; t < n; t++) {
-                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed,
-                                                                _mm512_loadu_si512(q[t] + at));
-                        acc[t] = scaled(acc[t], dot, pair_lanes(g), scale[t]);
-                    }
+                    const vi packed = vi_xor(vi_load(w + at), flips);
+                    for (int t = 0; t < n; t++)
+                        acc[t] = scaled2(acc[t], vi_dot(vi_zero(), packed, vi_load(q[t] + at)), g, scale[t]);
                 }
             }
         }
         for (; bits == 4 && b + 4 <= blocks; b += 4) { /* int4: 4 blocks left at a time */
-            const __m512 sw = scales4(s, half, b);
-            const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + 16 * b), flips);
+            const vf sw = scales4(s, half, b);
+            const vi packed = vi_xor(vi_load(w + 16 * b), flips);
             for (int t = 0; t < n; t++) {
-                const __m512i dot = nibble_dot(packed, _mm512_loadu_si512(q[t] + 16 * b),
-                                               _mm512_loadu_si512(q[t] + K / 2 + 16 * b));
-                const __m512 scale = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(0x000F, d[t] + b));
-                acc[t] = scaled(acc[t], dot, four_lanes(0), scale);
-                zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x000F, corr[t] + b), zp[t]);
+                const vi dot = vi_nibble_dot(packed, vi_load(q[t] + 16 * b), vi_load(q[t] + K / 2 + 16 * b));
+                acc[t] = scaled4(acc[t], dot, 0, vf_mul(sw, vf_load4(d[t] + b)));
+                zp[t] = vf_fmadd(sw, vf_load4(corr[t] + b), zp[t]);
             }
         }
         for (; bits == 8 && b + 2 <= blocks; b += 2) { /* int8: 2 blocks left at a time (an expert's 1408 = 44 x 32) */
-            const __m512 sw = scales2(s, half, b);
-            const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w + BLOCK * b), flips);
+            const vf sw = scales2(s, half, b);
+            const vi packed = vi_xor(vi_load(w + BLOCK * b), flips);
             for (int t = 0; t < n; t++) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed,
-                                                        _mm512_loadu_si512(q[t] + BLOCK * b));
-                const __m512 scale = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(0x0003, d[t] + b));
-                acc[t] = scaled(acc[t], dot, pair_lanes(0), scale);
-                zp[t] = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(0x0003, corr[t] + b), zp[t]);
+                const vi dot = vi_dot(vi_zero(), packed, vi_load(q[t] + BLOCK * b));
+                acc[t] = scaled2(acc[t], dot, 0, vf_mul(sw, vf_load2(d[t] + b)));
+                zp[t] = vf_fmadd(sw, vf_load2(corr[t] + b), zp[t]);
             }
         }
-        for (int t = 0; t < n; t++) total[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t], acc2[t]), zp[t]));
+        for (int t = 0; t < n; t++) total[t] = vf_sum(vf_add(vf_add(acc[t], acc2[t]), zp[t]));
     }
 #endif
-    for (; b < blocks; b++) { /* the blocks left over (every block without VNNI) */
+    for (; b < blocks; b++) { /* the blocks left over (every block in portable C) */
         for (int t = 0; t < n; t++) {
             int dot = 0;
             if (bits == 4) {
@@ -529,10 +697,10 @@ static void dot_rows_of(const uint8_t *w, size_t row_step, const void *s, size_t
 #undef EACH
 }
 
-#if VNNI
+#if SIMD
 /* the sums of 4 vectors' lanes: [sum a, sum b, sum c, sum d] */
-static inline __attribute__((always_inline)) __m128 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
-#define HALVES(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+AI __m128 sums4(vf a, vf b, vf c, vf d) {
+#define HALVES(v) _mm256_add_ps(vf_low(v), vf_high(v))
     const __m256 ab = _mm256_hadd_ps(HALVES(a), HALVES(b)), cd = _mm256_hadd_ps(HALVES(c), HALVES(d));
 #undef HALVES
     const __m256 all = _mm256_hadd_ps(ab, cd); /* [a, b, c, d] per 128-bit half */
@@ -543,57 +711,56 @@ static inline __attribute__((always_inline)) __m128 sums4(__m512 a, __m512 b, __
  * same products and partial sums as dot_rows per row, the 16 lanes summed in another order; the 4 rows' chains
  * interleave and their lanes are summed together (a decode step's product is one token against thousands of rows:
  * per row a quarter of a reduction and of a call, and 4 independent chains). Only where dot4_fits: every block in
- * VNNI's groups (int4: blocks of 4; int8: blocks of 16). */
-static inline __attribute__((always_inline)) void dot4(const uint8_t *const *w, const void *const *s, int half, int K,
-                                                      int bits, const int8_t *q, const float *d, const float *corr,
-                                                      float *out, uint8_t flip) {
+ * the vector groups (int4: blocks of 4; int8: blocks of 16). */
+AI void dot4(const uint8_t *const *w, const void *const *s, int half, int K, int bits, const int8_t *q, const float *d,
+             const float *corr, float *out, uint8_t flip) {
     const int blocks = K / BLOCK;
-    const __m512i flips = _mm512_set1_epi8((char)flip);
-    __m512 acc[4], acc2[4], zp[4];
-    for (int r = 0; r < 4; r++) acc[r] = acc2[r] = zp[r] = _mm512_setzero_ps();
+    const vi flips = vi_bytes(flip);
+    vf acc[4], acc2[4], zp[4];
+    for (int r = 0; r < 4; r++) acc[r] = acc2[r] = zp[r] = vf_zero();
     int b = 0;
     for (; b + 16 <= blocks; b += 16) {
-        const __m512 dx = _mm512_loadu_ps(d + b), cx = _mm512_loadu_ps(corr + b);
-        __m512 scale[4];
+        const vf dx = vf_load(d + b), cx = vf_load(corr + b);
+        vf scale[4];
         for (int r = 0; r < 4; r++) {
-            const __m512 sw = scales16(s[r], half, b);
-            scale[r] = _mm512_mul_ps(sw, dx);
-            zp[r] = _mm512_fmadd_ps(sw, cx, zp[r]);
+            const vf sw = scales16(s[r], half, b);
+            scale[r] = vf_mul(sw, dx);
+            zp[r] = vf_fmadd(sw, cx, zp[r]);
         }
         if (bits == 4) {
             for (int g = 0; g < 4; g++) {
                 const int at = 16 * (b + 4 * g);
-                const __m512i even_x = _mm512_loadu_si512(q + at), odd_x = _mm512_loadu_si512(q + K / 2 + at);
+                const vi even_x = vi_load(q + at), odd_x = vi_load(q + K / 2 + at);
                 for (int r = 0; r < 4; r++) {
-                    const __m512i dot = nibble_dot(_mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips), even_x, odd_x);
+                    const vi dot = vi_nibble_dot(vi_xor(vi_load(w[r] + at), flips), even_x, odd_x);
                     if (g & 1)
-                        acc2[r] = scaled(acc2[r], dot, four_lanes(g), scale[r]);
+                        acc2[r] = scaled4(acc2[r], dot, g, scale[r]);
                     else
-                        acc[r] = scaled(acc[r], dot, four_lanes(g), scale[r]);
+                        acc[r] = scaled4(acc[r], dot, g, scale[r]);
                 }
             }
         } else {
             for (int g = 0; g < 8; g++) {
                 const int at = BLOCK * (b + 2 * g);
-                const __m512i x = _mm512_loadu_si512(q + at);
+                const vi x = vi_load(q + at);
                 for (int r = 0; r < 4; r++) {
-                    const __m512i packed = _mm512_xor_si512(_mm512_loadu_si512(w[r] + at), flips);
-                    acc[r] = scaled(acc[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), packed, x), pair_lanes(g), scale[r]);
+                    const vi packed = vi_xor(vi_load(w[r] + at), flips);
+                    acc[r] = scaled2(acc[r], vi_dot(vi_zero(), packed, x), g, scale[r]);
                 }
             }
         }
     }
     for (; bits == 4 && b + 4 <= blocks; b += 4) {
-        const __m512 dx = _mm512_maskz_loadu_ps(0x000F, d + b), cx = _mm512_maskz_loadu_ps(0x000F, corr + b);
-        const __m512i even_x = _mm512_loadu_si512(q + 16 * b), odd_x = _mm512_loadu_si512(q + K / 2 + 16 * b);
+        const vf dx = vf_load4(d + b), cx = vf_load4(corr + b);
+        const vi even_x = vi_load(q + 16 * b), odd_x = vi_load(q + K / 2 + 16 * b);
         for (int r = 0; r < 4; r++) {
-            const __m512 sw = scales4(s[r], half, b);
-            const __m512i dot = nibble_dot(_mm512_xor_si512(_mm512_loadu_si512(w[r] + 16 * b), flips), even_x, odd_x);
-            acc[r] = scaled(acc[r], dot, four_lanes(0), _mm512_mul_ps(sw, dx));
-            zp[r] = _mm512_fmadd_ps(sw, cx, zp[r]);
+            const vf sw = scales4(s[r], half, b);
+            const vi dot = vi_nibble_dot(vi_xor(vi_load(w[r] + 16 * b), flips), even_x, odd_x);
+            acc[r] = scaled4(acc[r], dot, 0, vf_mul(sw, dx));
+            zp[r] = vf_fmadd(sw, cx, zp[r]);
         }
     }
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_add_ps(_mm512_add_ps(acc[r], acc2[r]), zp[r]);
+    for (int r = 0; r < 4; r++) acc[r] = vf_add(vf_add(acc[r], acc2[r]), zp[r]);
     _mm_storeu_ps(out, sums4(acc[0], acc[1], acc[2], acc[3]));
 }
 #endif
@@ -605,13 +772,13 @@ static inline __attribute__((always_inline)) void dot4(const uint8_t *const *w, 
 
 /* whether dot_row4 takes rows of K values of `bits` */
 static inline int dot4_fits(int K, int bits) {
-    return VNNI && K <= DOT4_MAX_K && K % BLOCK == 0 && (bits == 4 ? (K / BLOCK) % 4 == 0 : (K / BLOCK) % 16 == 0);
+    return SIMD && K <= DOT4_MAX_K && K % BLOCK == 0 && (bits == 4 ? (K / BLOCK) % 4 == 0 : (K / BLOCK) % 16 == 0);
 }
 
 /* dot4 with the bits and the scales' type constant in each call */
 static void dot_row4(const uint8_t *const *w, const void *const *s, int half, int K, int bits, const int8_t *q,
                      const float *d, const float *corr, float *out, uint8_t flip) {
-#if VNNI
+#if SIMD
     switch (10 * (half != 0) + bits) {
     case 4: dot4(w, s, 0, K, 4, q, d, corr, out, flip); break;
     case 8: dot4(w, s, 0, K, 8, q, d, corr, out, flip); break;
@@ -1168,7 +1335,7 @@ static void run_linear(void *data, size_t item) {
     }
 }
 
-#if VNNI
+#if SIMD
 /* one token's row (quantize_row's, not interleaved) against panel `panel` of head h: out[panel * PANEL + j] */
 static void panel_rows(const Panels *p, int h, int panel, const int8_t *q, const float *d, const float *c,
                        float *out) {
@@ -1176,31 +1343,27 @@ static void panel_rows(const Panels *p, int h, int panel, const int8_t *q, const
     const size_t first = ((size_t)h * (p->N / PANEL) + panel) * blocks;
     const uint8_t *w = p->w + first * PANEL * block_bytes;
     const float *s = p->s + first * PANEL;
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
-    __m512 acc = _mm512_setzero_ps(), zp = _mm512_setzero_ps();
+    vf acc = vf_zero(), zp = vf_zero();
     for (int b = 0; b < blocks; b++, w += PANEL * block_bytes, s += PANEL) {
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        vi lo = vi_zero(), hi = vi_zero();
         int32_t piece[8];
-        if (p->bits == 4) { /* the odd weights in place as 16 times their value, as dot_rows takes them */
+        if (p->bits == 4) { /* the odd weights as dot_rows takes them (vi_nibbles) */
             memcpy(piece, q + 16 * b, 16), memcpy(piece + 4, q + p->K / 2 + 16 * b, 16);
-            for (int g = 0; g < 4; g++) {
-                const __m512i packed = _mm512_loadu_si512(w + 64 * g);
-                lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(packed, low), _mm512_set1_epi32(piece[g]));
-                hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(packed, high), _mm512_set1_epi32(piece[4 + g]));
-            }
-            hi = _mm512_srai_epi32(hi, 4);
+            for (int g = 0; g < 4; g++)
+                vi_nibbles(&lo, &hi, vi_load(w + 64 * g), vi_words(piece[g]), vi_words(piece[4 + g]));
+            hi = vi_nibbles_done(hi);
         } else {
             memcpy(piece, q + BLOCK * b, 32);
             for (int g = 0; g < 8; g += 2) {
-                lo = _mm512_dpbusd_epi32(lo, _mm512_loadu_si512(w + 64 * g), _mm512_set1_epi32(piece[g]));
-                hi = _mm512_dpbusd_epi32(hi, _mm512_loadu_si512(w + 64 * g + 64), _mm512_set1_epi32(piece[g + 1]));
+                lo = vi_dot(lo, vi_load(w + 64 * g), vi_words(piece[g]));
+                hi = vi_dot(hi, vi_load(w + 64 * g + 64), vi_words(piece[g + 1]));
             }
         }
-        const __m512 sw = _mm512_loadu_ps(s);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(sw, _mm512_set1_ps(d[b])), acc);
-        zp = _mm512_fmadd_ps(sw, _mm512_set1_ps(c[b]), zp);
+        const vf sw = vf_load(s);
+        acc = vf_fmadd(vf_float(vi_add(lo, hi)), vf_mul(sw, vf_set1(d[b])), acc);
+        zp = vf_fmadd(sw, vf_set1(c[b]), zp);
     }
-    _mm512_storeu_ps(out + (size_t)panel * PANEL, _mm512_add_ps(acc, zp));
+    vf_store(out + (size_t)panel * PANEL, vf_add(acc, zp));
 }
 
 #define PANELS_PER_ITEM 8
@@ -1239,7 +1402,7 @@ static OrtStatus *run_products(OrtKernelContext *ctx, LinearWork *w, int heads, 
     w->rows = TILE;
     while (w->rows < w->N && (size_t)w->rows * w->row_bytes < ITEM_BYTES) w->rows *= 2;
     w->tiles = (w->N + w->rows - 1) / w->rows;
-#if VNNI
+#if SIMD
     if (!status && w->panels) {
         const size_t per_head = (size_t)(w->N / PANEL + PANELS_PER_ITEM - 1) / PANELS_PER_ITEM;
         status = parallel(ctx, run_panels, (size_t)heads * per_head, w, rows * (size_t)w->N * K);
@@ -1404,7 +1567,7 @@ typedef struct {
     Panels uk, uv;
 } AttentionKernel;
 
-#if VNNI
+#if SIMD
 /* the panels of `heads` weights of N rows of K values (uint8, HeadwiseMatMul's layout, signed: stored flipped to
  * the zero point) and their float scales [heads, N, K/32]; 0 where the memory is not there */
 static int make_panels(Panels *p, const uint8_t *w, const float *s, int heads, int N, int K, int bits) {
@@ -1436,7 +1599,7 @@ static int make_panels(Panels *p, const uint8_t *w, const float *s, int heads, i
 /* whether this call may take the kernel's panels for w_uk (H heads of r rows of dn) and w_uv (H of dv rows of r):
  * the first call that asks makes them (once: a call meanwhile goes row by row), from these very weights */
 static int panels_ready(AttentionKernel *k, const void *const from[4], int H, int r, int dn, int dv) {
-#if VNNI
+#if SIMD
     int state = __atomic_load_n(&k->panels_state, __ATOMIC_ACQUIRE), idle = 0;
     if (state == 0 && r % PANEL == 0 && dv % PANEL == 0 &&
         __atomic_compare_exchange_n(&k->panels_state, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
@@ -1491,23 +1654,22 @@ static void run_scores(void *data, size_t item) {
     float *p = w->p + ((size_t)b * w->panels + panel) * w->T * LANES;
     const float *rows = w->present + (size_t)b * w->T * C;
     int t = t0;
-#if defined(__AVX512F__)
+#if SIMD
     for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
         const float *row = rows + (size_t)t * C;
-        __m512 acc[SCORE_ROWS];
-        for (int i = 0; i < SCORE_ROWS; i++) acc[i] = _mm512_setzero_ps();
+        vf acc[SCORE_ROWS];
+        for (int i = 0; i < SCORE_ROWS; i++) acc[i] = vf_zero();
         for (int c = 0; c < C; c++) {
-            const __m512 q = _mm512_loadu_ps(qt + (size_t)c * LANES);
-            for (int i = 0; i < SCORE_ROWS; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(row[(size_t)i * C + c]), q, acc[i]);
+            const vf q = vf_load(qt + (size_t)c * LANES);
+            for (int i = 0; i < SCORE_ROWS; i++) acc[i] = vf_fmadd(vf_set1(row[(size_t)i * C + c]), q, acc[i]);
         }
-        for (int i = 0; i < SCORE_ROWS; i++) _mm512_storeu_ps(p + (size_t)(t + i) * LANES, acc[i]);
+        for (int i = 0; i < SCORE_ROWS; i++) vf_store(p + (size_t)(t + i) * LANES, acc[i]);
     }
     for (; t < t1; t++) {
         const float *row = rows + (size_t)t * C;
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(_mm512_set1_ps(row[c]), _mm512_loadu_ps(qt + c * LANES), acc);
-        _mm512_storeu_ps(p + (size_t)t * LANES, acc);
+        vf acc = vf_zero();
+        for (int c = 0; c < C; c++) acc = vf_fmadd(vf_set1(row[c]), vf_load(qt + c * LANES), acc);
+        vf_store(p + (size_t)t * LANES, acc);
     }
 #else
     for (; t < t1; t++) {
@@ -1520,24 +1682,23 @@ static void run_scores(void *data, size_t item) {
 #endif
 }
 
-#if defined(__AVX512F__)
+#if SIMD
 /* e^x for 16 floats (Cephes' expf: a degree-6 polynomial on [-ln2/2, ln2/2], then a scale by 2^n; ~1 ulp; 0 far
  * below -87, as expf) */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(y, n);
+AI vf vf_exp(vf x) {
+    x = vf_max(x, vf_set1(-104.f));
+    x = vf_min(x, vf_set1(88.7f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf y = vf_set1(1.9875691500E-4f);
+    y = vf_fmadd(y, r, vf_set1(1.3981999507E-3f));
+    y = vf_fmadd(y, r, vf_set1(8.3334519073E-3f));
+    y = vf_fmadd(y, r, vf_set1(4.1665795894E-2f));
+    y = vf_fmadd(y, r, vf_set1(1.6666665459E-1f));
+    y = vf_fmadd(y, r, vf_set1(5.0000001201E-1f));
+    y = vf_fmadd(y, vf_mul(r, r), vf_add(r, vf_set1(1.f)));
+    return vf_scale2(y, n);
 }
 #endif
 
@@ -1549,19 +1710,19 @@ static void run_softmax(void *data, size_t item) {
     const int rows = w->S * w->H;
     float top[LANES], sum[LANES];
     for (int l = 0; l < LANES; l++) top[l] = -INFINITY, sum[l] = 0.f;
-#if defined(__AVX512F__)
+#if SIMD
     const int first = panel * LANES / w->H, last = ((panel + 1) * LANES - 1) / w->H;
     if (first == last) { /* one token's heads: one mask row for every lane */
         const uint8_t *hidden = w->mask + ((size_t)(w->mask_batch == 1 ? 0 : b) * w->S + first) * w->T;
-        const __m512 scale = _mm512_set1_ps(w->scale), fill = _mm512_set1_ps(w->fill);
-        __m512 most = _mm512_set1_ps(-INFINITY);
+        const vf scale = vf_set1(w->scale), fill = vf_set1(w->fill);
+        vf most = vf_set1(-INFINITY);
         for (int t = 0; t < limit; t++) {
             float *v = p + (size_t)t * LANES;
-            const __m512 x = (hidden[t] != 0) == w->hidden_when ? fill : _mm512_mul_ps(_mm512_loadu_ps(v), scale);
-            _mm512_storeu_ps(v, x);
-            most = _mm512_max_ps(most, x);
+            const vf x = (hidden[t] != 0) == w->hidden_when ? fill : vf_mul(vf_load(v), scale);
+            vf_store(v, x);
+            most = vf_max(most, x);
         }
-        _mm512_storeu_ps(top, most);
+        vf_store(top, most);
     } else
 #endif
         for (int l = 0; l < LANES; l++) {
@@ -1573,17 +1734,16 @@ static void run_softmax(void *data, size_t item) {
                 top[l] = fmaxf(top[l], *v);
             }
         }
-#if defined(__AVX512F__)
-    const __m512 most = _mm512_loadu_ps(top);
-    __m512 total = _mm512_setzero_ps();
+#if SIMD
+    const vf most = vf_load(top);
+    vf total = vf_zero();
     for (int t = 0; t < limit; t++) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + (size_t)t * LANES), most));
-        _mm512_storeu_ps(p + (size_t)t * LANES, e);
-        total = _mm512_add_ps(total, e);
+        const vf e = vf_exp(vf_sub(vf_load(p + (size_t)t * LANES), most));
+        vf_store(p + (size_t)t * LANES, e);
+        total = vf_add(total, e);
     }
-    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.f), total);
-    for (int t = 0; t < limit; t++)
-        _mm512_storeu_ps(p + (size_t)t * LANES, _mm512_mul_ps(_mm512_loadu_ps(p + (size_t)t * LANES), inverse));
+    const vf inverse = vf_div(vf_set1(1.f), total);
+    for (int t = 0; t < limit; t++) vf_store(p + (size_t)t * LANES, vf_mul(vf_load(p + (size_t)t * LANES), inverse));
     (void)sum;
 #else
     for (int t = 0; t < limit; t++)
@@ -1607,20 +1767,20 @@ static void run_values(void *data, size_t item) {
     const float *p = w->p + ((size_t)b * w->panels + panel) * w->T * LANES;
     for (int half = 0; half < LANES; half += 8) {
         float acc[8][CHANNELS];
-#if defined(__AVX512F__)
-        __m512 lo[8], hi[8];
-        for (int l = 0; l < 8; l++) lo[l] = hi[l] = _mm512_setzero_ps();
+#if SIMD
+        vf lo[8], hi[8];
+        for (int l = 0; l < 8; l++) lo[l] = hi[l] = vf_zero();
         for (int t = 0; t < limit; t++) {
             const float *row = w->present + ((size_t)b * w->T + t) * w->C + c0;
-            const __m512 a = _mm512_loadu_ps(row), z = _mm512_loadu_ps(row + 16);
+            const vf a = vf_load(row), z = vf_load(row + 16);
             const float *pt = p + (size_t)t * LANES + half;
             for (int l = 0; l < 8; l++) {
-                const __m512 pl = _mm512_set1_ps(pt[l]);
-                lo[l] = _mm512_fmadd_ps(pl, a, lo[l]);
-                hi[l] = _mm512_fmadd_ps(pl, z, hi[l]);
+                const vf pl = vf_set1(pt[l]);
+                lo[l] = vf_fmadd(pl, a, lo[l]);
+                hi[l] = vf_fmadd(pl, z, hi[l]);
             }
         }
-        for (int l = 0; l < 8; l++) _mm512_storeu_ps(acc[l], lo[l]), _mm512_storeu_ps(acc[l] + 16, hi[l]);
+        for (int l = 0; l < 8; l++) vf_store(acc[l], lo[l]), vf_store(acc[l] + 16, hi[l]);
 #else
         memset(acc, 0, sizeof acc);
         for (int t = 0; t < limit; t++) {
@@ -2354,8 +2514,15 @@ static OrtCustomOp float_matmul = OP_TABLE_FREED(float_linear_name, float_linear
                                                  float_linear_create, float_linear_compute, required,
                                                  float_linear_destroy);
 
-/* which code path this build computes with: 1 AVX-512 VNNI, 0 portable C */
+/* which code path this build computes with: 1 AVX-512 VNNI, 0 another (mla_deploy_cpu_ops_isa says which) */
 int mla_deploy_cpu_ops_vnni(void) { return VNNI; }
+
+/* the instruction set of this build's integer products: "avx512-vnni", "avx-vnni", "avx2" or "portable"; also a
+ * marker in the library's bytes, which mla_deploy/ort/operators.py reads without loading the library (a process
+ * that loaded a library from a path keeps that one for the path, whatever file is there later) */
+#define ISA_MARKER "mla_deploy_cpu_ops_isa="
+static const char isa_marker[] __attribute__((used)) = ISA_MARKER ISA ";";
+const char *mla_deploy_cpu_ops_isa(void) { return ISA; }
 
 /* the OrtApi version whose table positions this file uses (mla_deploy/ort/operators.py refuses an older ONNX Runtime) */
 int mla_deploy_cpu_ops_api_version(void) { return API_VERSION; }
