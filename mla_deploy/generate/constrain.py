@@ -56,7 +56,14 @@ class Grammars:
         Raises: RuntimeMissingError: xgrammar is not installed. InputError: the schema is not one xgrammar takes
             (the message in one line).
         """
-        key = json.dumps(schema) if schema is not None else None  # the properties' order is the output's
+        unenforced = _unenforced(schema) if schema is not None else None
+        if unenforced:
+            raise InputError(f"the JSON schema cannot be used: {unenforced} cannot be enforced while decoding "
+                             f"(refused rather than ignored: the reply must validate)")
+        try:  # the properties' order is the output's: not sorted
+            key = json.dumps(schema, allow_nan=False) if schema is not None else None
+        except ValueError:
+            raise InputError("the JSON schema holds a number that is not finite (NaN, Infinity)") from None
         return self._compiled(key)
 
     @functools.lru_cache(maxsize=64)
@@ -71,7 +78,13 @@ class Grammars:
                                                         strict_mode=True)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InputError(f"the JSON schema cannot be used: {_one_line(exc)}") from None
-        return Grammar(compiled, self.vocab_size, self.stop_ids)
+        grammar = Grammar(compiled, self.vocab_size, self.stop_ids)
+        # a schema that no value satisfies ({"anyOf": []}) would leave a row no token to choose
+        first = grammar.start().allowed().copy()
+        first[grammar.stop_ids] = False
+        if not first.any():
+            raise InputError("the JSON schema cannot be used: no JSON value satisfies it")
+        return grammar
 
     def _xgrammar_compiler(self):
         with self._lock:
@@ -171,11 +184,37 @@ def _vocab_type(xgrammar, backend):
 
 def _one_line(exc: Exception) -> str:
     """xgrammar's message without its ``[time] file.cc:line:`` prefix, on one line."""
-    text = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", str(exc))
+    text = re.sub(r"\[[0-9:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ", "", str(exc))
     return " ".join(text.split()) or type(exc).__name__
 
 
-def check_schema(schema: Any) -> None:
-    """Refuse what is not a JSON schema object before it reaches the compiler. Raises: InputError."""
+#: keywords that xgrammar 0.2.9 does not hold a reply to (it would accept values they exclude)
+UNENFORCED = ("not", "if", "then", "else")
+#: keywords whose value maps names to schemas, holds a list of schemas, or holds data (not schemas)
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_DATA = ("enum", "const", "default", "examples", "required", "description", "title", "pattern")
+
+
+def _unenforced(schema: Any, depth: int = 0) -> str | None:
+    """The first keyword of ``schema`` (nested schemas included) that decoding cannot enforce, or None."""
+    if depth > 64:
+        return "a schema nested more than 64 deep"
     if not isinstance(schema, dict):
-        raise InputError(f"a JSON schema is an object, got {type(schema).__name__}")
+        return None
+    for key in UNENFORCED:
+        if key in schema:
+            return f"the keyword {key!r}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "'allOf' of several schemas"
+    if schema.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    nested = []
+    for key, value in schema.items():
+        if key in _NAMED and isinstance(value, dict):
+            nested += value.values()
+        elif key in _LISTS and isinstance(value, list):
+            nested += value
+        elif key not in _DATA:
+            nested.append(value)
+    return next((found for found in (_unenforced(v, depth + 1) for v in nested) if found), None)

@@ -132,21 +132,19 @@ def test_a_free_request_beside_constrained_ones_keeps_its_solo_tokens(server, al
 
     threads = [threading.Thread(target=run_constrained, args=(s,)) for s in range(3)]
     threads.append(threading.Thread(target=run_free))
-    steps = server.metric("mla_deploy_decode_steps_total") if _has_metric(server, "mla_deploy_decode_steps_total") \
-        else None
+    steps, rows = server.metric("mla_deploy_decode_steps_total"), server.metric("mla_deploy_decode_rows_total")
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert free[0].text == text and free[0].finish_reason == reason
+    assert len(constrained) == 3
     for choice in constrained:
+        assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), PERSON)
-    del steps
-
-
-def _has_metric(server, name):
-    _, _, text = server.raw("/metrics")
-    return f"\n{name} " in text
+    # they shared decode steps: more rows were decoded than steps were run
+    steps = server.metric("mla_deploy_decode_steps_total") - steps
+    assert server.metric("mla_deploy_decode_rows_total") - rows > steps > 0
 
 
 def test_refusals_are_one_line_400s(server):
