@@ -10,8 +10,9 @@ tokens ``[t300]``... up to ``--vocab`` ids, as benchmarks/bench_tokenizer.py giv
 document valid under a schema of nested objects, enums, bounded strings, numbers and an array is tokenized; both
 libraries walk it token by token in lockstep (the order alternating each token, so that a busy machine slows both
 alike), timing each mask computation (the library filling a bitmask of the whole vocabulary for the next token) and
-each token's advance. Reported: median and 90th percentile per token of each, the ratio of the medians, and the
-one-time costs (the tokenizer's preparation, the schema's compilation).
+each token's advance. Reported: median and 90th percentile per token of each, the ratio of the medians, the
+one-time costs (the tokenizer's preparation, the schema's compilation), and what the server pays per constrained row
+and step with the chosen library (mask, applied to the row's logits, and advance: mla_deploy.generate.constrain).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEMA = {
     "type": "object",
@@ -154,14 +156,35 @@ def walk(kind: str, vocab: int, repeat: int) -> dict:
         out[f"{name} advance median (us)"] = 1e6 * statistics.median(advance[name])
         out[f"{name} allowed tokens (mean per step)"] = statistics.fmean(allowed[name])
     out["xgrammar / llguidance mask median"] = out["xgrammar mask median (us)"] / out["llguidance mask median (us)"]
-    # the host-side cost of applying one row's bitmask to float32 logits (what the server adds per constrained row)
-    logits, bits = np.random.default_rng(0).standard_normal(vocab).astype(np.float32), ll_mask[0]
-    start = time.perf_counter()
-    for _ in range(200):
-        allowed_rows = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
-        np.where(allowed_rows, logits, -np.inf)
-    out["apply one row's bitmask with numpy (us)"] = 1e6 * (time.perf_counter() - start) / 200
+    out.update(served_row(tok, vocab, ids, repeat))
     return out
+
+
+def served_row(tok, vocab: int, ids: list[int], repeat: int) -> dict:
+    """What `mla-deploy serve` pays per constrained row and step (mla_deploy.generate.constrain, xgrammar): the
+    mask, its application to the row's float32 logits, and the advance, along the same document."""
+    import tempfile
+
+    import numpy as np
+
+    from mla_deploy.generate.constrain import Grammars
+    from mla_deploy.generate.tokenizer import ArtifactTokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        tok.backend_tokenizer.save(str(Path(folder) / "tokenizer.json"))
+        grammar = Grammars(ArtifactTokenizer(folder), vocab, [tok.eos_token_id]).compile(SCHEMA)
+    logits = np.random.default_rng(0).standard_normal(vocab).astype(np.float32)
+    row = []
+    for _ in range(repeat):
+        constraint = grammar.start()
+        for token in ids:
+            start = time.perf_counter()
+            constraint.mask(logits)
+            constraint.advance(token)
+            row.append(time.perf_counter() - start)
+        assert constraint.complete
+    return {"served row: mask + apply + advance median (us)": 1e6 * statistics.median(row),
+            "served row: mask + apply + advance mean (us)": 1e6 * statistics.fmean(row)}
 
 
 def main(argv: list[str]) -> int:
