@@ -287,7 +287,9 @@ class ChatRequest(_Sampling):
                 extra["tool_calls"] = [call.model_dump() for call in message.tool_calls]
             if message.tool_call_id is not None:
                 extra["tool_call_id"] = message.tool_call_id
-            out.append({**extra, "role": role, "content": message.text()})
+            # an assistant message of calls alone keeps no content (templates test for it: DeepSeek-V3's)
+            text = None if message.content is None and message.tool_calls else message.text()
+            out.append({**extra, "role": role, "content": text})
         return out
 
 

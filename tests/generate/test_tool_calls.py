@@ -84,3 +84,50 @@ def test_forced_schemas_and_their_replies():
     calls = forced_calls('[{"name":"b","arguments":{}},{"name":"a","arguments":{"k":2}}]', None)
     assert [(c.name, c.arguments) for c in calls] == [("b", "{}"), ("a", '{"k": 2}')]
     assert forced_calls('{"x":', "a") == []
+
+
+#: a chat template in DeepSeek-V3's manner (written for this test): the tools in the system turn, an assistant's calls
+#: as its tool tokens, tool results in their own turn
+DS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>Tools: {{ tools | tojson }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] is defined %}<|assistant|>" + DS_CALLS_BEGIN +
+    "{% for c in m['tool_calls'] %}" + DS_CALL_BEGIN + "function" + DS_SEP +
+    "{{ c['function']['name'] }}\n```json\n{{ c['function']['arguments'] }}\n```" + DS_CALL_END +
+    "{% endfor %}" + DS_CALLS_END + "{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_template_with_tool_tokens_renders_tools_and_calls_and_the_reply_keeps_them(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_oracle import hf_tokenizer
+    from mla_deploy.generate.tokenizer import ArtifactTokenizer
+
+    tok = hf_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END,
+                                                          DS_SEP]})
+    tok.chat_template = DS_TEMPLATE
+    tok.save_pretrained(tmp_path)
+    tokenizer = ArtifactTokenizer(tmp_path)
+    syntax = tool_syntax(tokenizer.backend.get_vocab(with_added_tokens=True))
+    assert syntax == DEEPSEEK and tokenizer.template_reads("tools")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+    prepared = prepare_messages(messages, tools, syntax, renders_tools=True,
+                                renders_calls="tool_calls" in tokenizer.chat_template)
+    assert prepared == messages  # the template renders both itself
+    text = tokenizer.render_chat(prepared, tools=tools)
+    assert '"get_weather"' in text.split("<|user|>")[0] and DS_CALL_BEGIN in text
+    ids = tokenizer.chat_ids(prepared, tools=tools)
+    assert tokenizer.backend.token_to_id(DS_CALL_BEGIN) in ids  # one special token, not its characters
+    # a reply in the tool tokens: dropped by the plain detokenizer, kept (and read back) by the one that keeps them
+    reply = tokenizer.encode("Sure." + V3.split("Let me check.")[1], add_special_tokens=False)
+    plain, kept = tokenizer.detokenizer(), tokenizer.detokenizer(skip_special_tokens=False)
+    assert DS_CALL_BEGIN not in "".join(plain.push(i) for i in reply) + plain.flush()
+    content, calls = DEEPSEEK.parse("".join(kept.push(i) for i in reply) + kept.flush(), NAMES)
+    assert content == "Sure." and [c.name for c in calls] == ["get_weather", "time"]
