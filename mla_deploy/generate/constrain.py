@@ -17,7 +17,6 @@ The JSON is compact (no whitespace between tokens of the syntax: a model cannot 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 import threading
@@ -29,11 +28,6 @@ from ..errors import InputError, RuntimeMissingError
 
 #: what a user installs for constrained decoding
 EXTRA = "pip install 'mla-deploy[structured]'"
-
-
-def available() -> bool:
-    """Whether the grammar library is installed (without importing it)."""
-    return importlib.util.find_spec("xgrammar") is not None
 
 
 class Grammars:
@@ -89,9 +83,10 @@ class Grammars:
     def _xgrammar_compiler(self):
         with self._lock:
             if self._compiler is None:
-                if not available():
-                    raise RuntimeMissingError(f"structured outputs need the xgrammar library: {EXTRA}")
-                import xgrammar
+                try:
+                    import xgrammar
+                except ImportError:
+                    raise RuntimeMissingError(f"structured outputs need the xgrammar library: {EXTRA}") from None
 
                 info = xgrammar.TokenizerInfo(_encoded_vocab(self.tokenizer.backend, self.vocab_size),
                                               _vocab_type(xgrammar, self.tokenizer.backend),

@@ -134,7 +134,7 @@ def create_app(service: Service):
                       service.tool_syntax if body.calls_parsed() else None, forced, name)
         if forced:  # the call's JSON is the whole reply
             constrained, schema = True, forced_schema(tools, name, body.parallel_tool_calls is not False)
-        constraint = await service.constraint(schema, "tool_choice" if forced else "response_format") \
+        constraint = await service.constraint(schema, "tools" if forced else "response_format") \
             if constrained else None
         max_new = service.max_new_tokens(len(ids), asked)
         text_request = service.generate(ids, max_new, sampling, body.stop, constraint,

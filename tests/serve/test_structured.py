@@ -167,6 +167,8 @@ def test_refusals_are_one_line_400s(server):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "weather"}},
           "response_format": _schema_format(PERSON)}, None),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          "tool_choice": "required"}, "tools"),
     ]
     for extra, param in cases:
         body = {"model": server.model, "messages": USER, "max_tokens": 4, **extra}
@@ -261,3 +263,27 @@ def test_tool_choice_none_and_auto_reply_with_text(server):
     # the tools are in the prompt: it is longer than the same conversation without them
     bare = client.chat.completions.create(model=server.model, messages=USER, max_tokens=1, temperature=0)
     assert reply.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+
+
+def test_without_the_grammar_library_a_constrained_request_gets_a_one_line_400(artifact, tmp_path):
+    # a server whose Python cannot import xgrammar (a package of that name that refuses to load comes first on its
+    # path), as where the structured extra is not installed
+    (tmp_path / "xgrammar").mkdir()
+    (tmp_path / "xgrammar" / "__init__.py").write_text("raise ImportError('No module named xgrammar')\n")
+    import os
+
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    bare = Server(artifact, "--max-batch", "1", env={"PYTHONPATH": path})
+    try:
+        client = bare.client()
+        for extra in ({"response_format": {"type": "json_object"}},
+                      {"tools": [WEATHER], "tool_choice": "required"}):
+            with pytest.raises(openai.BadRequestError) as error:
+                client.chat.completions.create(model=bare.model, messages=USER, max_tokens=4, **extra)
+            message = error.value.body["message"]
+            assert "pip install 'mla-deploy[structured]'" in message and "\n" not in message, message
+        # free requests, and tools read as text, are served as before
+        reply = client.chat.completions.create(model=bare.model, messages=USER, max_tokens=4, tools=[WEATHER])
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        assert bare.stop() == 0
