@@ -42,6 +42,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, int(vocab_size), [int(i) for i in stop_ids]
         self._compiler = None
+        self._lone_lead = self._continues = None  # the surrogate rule's token sets (:class:`Constraint`)
         self._lock = threading.Lock()
 
     def compile(self, schema: dict | None) -> "Grammar":
@@ -72,7 +73,7 @@ class Grammars:
                                                         strict_mode=True)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InputError(f"the JSON schema cannot be used: {_one_line(exc)}") from None
-        grammar = Grammar(compiled, self.vocab_size, self.stop_ids)
+        grammar = Grammar(compiled, self.vocab_size, self.stop_ids, self._lone_lead, self._continues)
         # a schema that no value satisfies ({"anyOf": []}) would leave a row no token to choose
         first = grammar.start().allowed().copy()
         first[grammar.stop_ids] = False
@@ -88,10 +89,18 @@ class Grammars:
                 except ImportError:
                     raise RuntimeMissingError(f"structured outputs need the xgrammar library: {EXTRA}") from None
 
-                info = xgrammar.TokenizerInfo(_encoded_vocab(self.tokenizer.backend, self.vocab_size),
-                                              _vocab_type(xgrammar, self.tokenizer.backend),
-                                              vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None,
-                                              add_prefix_space=False)
+                encoded = _encoded_vocab(self.tokenizer.backend, self.vocab_size)
+                kind = _vocab_type(xgrammar, self.tokenizer.backend)
+                # xgrammar 0.2.9 lets a UTF-8-encoded surrogate (ED A0..BF ..) into a string, which is not UTF-8
+                # (it decodes to three U+FFFD): tokens holding one are never allowed, and a token ending in the
+                # lead byte ED is never followed by one starting with A0..BF (Constraint.allowed)
+                pieces = [_token_bytes(t) if kind == xgrammar.VocabType.BYTE_LEVEL else b"" for t in encoded]
+                encoded = [("" if _SURROGATE.search(b) else t) for t, b in zip(encoded, pieces)]
+                self._lone_lead = np.array([b.endswith(b"\xed") for b in pieces], dtype=bool)
+                self._continues = np.array([b[:1] >= b"\xa0" and b[:1] <= b"\xbf" and b != b"" for b in pieces],
+                                           dtype=bool)
+                info = xgrammar.TokenizerInfo(encoded, kind, vocab_size=self.vocab_size,
+                                              stop_token_ids=self.stop_ids or None, add_prefix_space=False)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
@@ -99,8 +108,10 @@ class Grammars:
 class Grammar:
     """A compiled grammar: :meth:`start` a :class:`Constraint` on it for each request."""
 
-    def __init__(self, compiled, vocab_size: int, stop_ids: Sequence[int]):
+    def __init__(self, compiled, vocab_size: int, stop_ids: Sequence[int], lone_lead: np.ndarray,
+                 continues: np.ndarray):
         self.compiled, self.vocab_size, self.stop_ids = compiled, vocab_size, list(stop_ids)
+        self.lone_lead, self.continues = lone_lead, continues
 
     def start(self) -> "Constraint":
         return Constraint(self)
@@ -112,8 +123,9 @@ class Constraint:
     def __init__(self, grammar: Grammar):
         import xgrammar
 
-        self.vocab_size = grammar.vocab_size
+        self.vocab_size, self.grammar = grammar.vocab_size, grammar
         self.stop_ids = np.array(grammar.stop_ids, dtype=np.int64)
+        self._after_lead = False  # the last token ended in the byte ED
         self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=grammar.stop_ids or None)
         self._bits = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         self._allowed: np.ndarray | None = None  # of the next token, computed once per step
@@ -125,6 +137,8 @@ class Constraint:
             self.matcher.fill_next_token_bitmask(self._bits)
             packed = self._bits.numpy()[0].view(np.uint8)
             self._allowed = np.unpackbits(packed, bitorder="little", count=self.vocab_size).view(bool)
+            if self._after_lead:
+                self._allowed &= ~self.grammar.continues
         return self._allowed
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
@@ -137,6 +151,7 @@ class Constraint:
         accepted = self.matcher.accept_token(int(token))
         assert accepted, f"the grammar refused token {token}, which its mask allowed"
         self._allowed = None
+        self._after_lead = bool(self.grammar.lone_lead[token])
         if self.matcher.is_terminated():
             self.complete = True
         elif self.matcher.is_completed():
@@ -164,6 +179,26 @@ def _encoded_vocab(backend, vocab_size: int) -> list[str]:
 
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def _token_bytes(token: str) -> bytes:
+    """The bytes a byte-level vocabulary entry stands for (GPT-2's byte-to-character map reversed); an entry of
+    other characters (an added token) as its UTF-8."""
+    decoder = _byte_decoder()
+    if all(ch in decoder for ch in token):
+        return bytes(decoder[ch] for ch in token)
+    return token.encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level map, character to byte: printable bytes are themselves, the others 256 + n in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(moved)}}
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def _vocab_type(xgrammar, backend):

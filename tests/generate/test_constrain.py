@@ -61,7 +61,8 @@ def test_the_mask_allows_what_the_grammar_allows(served):
     allowed = np.flatnonzero(np.isfinite(constraint.mask(logits)))
     texts = {tokenizer.decode([int(i)]) for i in allowed}
     assert texts and all('"yes"'.startswith(t) or '"no"'.startswith(t) for t in texts), texts
-    constraint.advance(tokenizer.encode('"', add_special_tokens=False)[0])
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    constraint.advance(quote)
     for token in tokenizer.encode('no"', add_special_tokens=False):
         assert not constraint.complete
         assert np.isfinite(constraint.mask(logits)[token])
@@ -71,15 +72,17 @@ def test_the_mask_allows_what_the_grammar_allows(served):
 
 def test_any_json_object_and_bad_schemas(served):
     engine, tokenizer, grammars = served
-    batcher = ContinuousBatcher(engine, max_batch=2)
-    tickets = [batcher.submit(tokenizer.encode("obj"), 250, SamplingConfig(temperature=0.7, seed=s),
-                              tokenizer.eos_ids, constraint=grammars.compile(None).start()) for s in range(2)]
+    batcher = ContinuousBatcher(engine, max_batch=4)
+    tickets = [batcher.submit(tokenizer.encode("obj"), 250, SamplingConfig(temperature=t, seed=s),
+                              tokenizer.eos_ids, constraint=grammars.compile(None).start())
+               for s in range(2) for t in (0.7, 1.0)]
     while not batcher.idle:
         batcher.step()
     for ticket in tickets:
         text = tokenizer.decode(ticket.tokens)
         if len(ticket.tokens) < 250:  # an object may outgrow the tokens given; one that ended is whole
             assert isinstance(json.loads(text), dict)
+            assert "\ufffd" not in text  # UTF-8 throughout (no encoded surrogate)
         else:
             assert text.startswith("{")
     # refused: not a schema xgrammar takes; no value satisfies it; a keyword decoding would not enforce; not finite
@@ -90,3 +93,19 @@ def test_any_json_object_and_bad_schemas(served):
             grammars.compile(bad)
         assert "\n" not in str(error.value)
     grammars.compile({"type": "object", "properties": {"not": {"enum": ["if"]}}})  # names and data are not keywords
+
+
+def byte_level(byte: int) -> str:
+    """The character GPT-2's byte-level alphabet (the tests' tokenizer's) spells ``byte`` with."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    return chr(byte) if byte in kept else chr(256 + [b for b in range(256) if b not in kept].index(byte))
+
+
+def test_no_encoded_surrogate_gets_into_a_string(served):
+    # xgrammar 0.2.9 alone would take ED A0 80 (a surrogate encoded, not UTF-8) into a JSON string
+    engine, tokenizer, grammars = served
+    constraint = grammars.compile({"type": "string"}).start()
+    constraint.advance(tokenizer.encode('"', add_special_tokens=False)[0])
+    constraint.advance(tokenizer.backend.token_to_id(byte_level(0xED)))
+    allowed = {tokenizer.backend.id_to_token(int(i)) for i in np.flatnonzero(constraint.allowed())}
+    assert allowed == {byte_level(b) for b in range(0x80, 0xA0)}, allowed

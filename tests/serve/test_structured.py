@@ -85,6 +85,7 @@ def test_json_schema_replies_validate_across_seeds_greedy_and_sampled(server):
         assert choice.finish_reason == "stop", (seed, temperature, choice)
         value = json.loads(choice.message.content)
         jsonschema.validate(value, PERSON)
+        assert "\ufffd" not in choice.message.content  # UTF-8 throughout
         texts.add(choice.message.content)
     assert len(texts) > 5  # sampled replies differ: the mask restricts the draw, it does not make it
     # the same seed draws the same reply
