@@ -223,8 +223,12 @@ def _round_trip(client, server, tools, tool_choice, stream):
         {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temperature": 21})}]
     final = client.chat.completions.create(model=server.model, messages=history, tools=tools, max_tokens=8,
                                            temperature=0)
-    assert final.choices[0].finish_reason in ("stop", "length")
-    assert final.usage.prompt_tokens > 0
+    assert final.choices[0].finish_reason in ("stop", "length") and final.usage.prompt_tokens > 0
+    if stream:  # the final answer streamed is the same text
+        chunks = list(client.chat.completions.create(model=server.model, messages=history, tools=tools,
+                                                     max_tokens=8, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            final.choices[0].message.content
     return name, json.loads(arguments), final
 
 
