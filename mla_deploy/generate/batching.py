@@ -56,13 +56,17 @@ class Ticket:
     Attributes:
         prompt_length, max_new_tokens: as submitted. submitted: ``time.perf_counter()`` at submission.
         tokens: the new ids so far (appended on the engine's thread).
+        constraint: None, or the request's token mask (a :class:`~mla_deploy.generate.constrain.Constraint`:
+            ``mask(logits [V])`` before its sampler chooses, ``advance(token)`` after; the sequence ends with
+            ``stop`` once it is ``complete``).
     """
 
     def __init__(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig,
-                 eos_ids: frozenset, on_event: Callable[[SequenceEvent], None]):
+                 eos_ids: frozenset, on_event: Callable[[SequenceEvent], None], constraint=None):
         self.prompt = np.asarray(prompt, dtype=np.int64)
         self.prompt_length, self.max_new_tokens = len(self.prompt), int(max_new_tokens)
         self.sampler, self.eos_ids, self.on_event = Sampler(sampling), eos_ids, on_event
+        self.constraint = constraint
         self.submitted = time.perf_counter()
         self.tokens: list[int] = []
         self.cancel_reason: str | None = None
@@ -147,14 +151,16 @@ class ContinuousBatcher:
         self.engine.layout.check_request(prompt_length, max_new_tokens, self.capacity)
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-               eos_ids: Sequence[int] = (), on_event: Callable[[SequenceEvent], None] = lambda event: None) -> Ticket:
-        """Queue a request. Its events (:class:`SequenceEvent`) come through ``on_event`` on the engine's thread.
+               eos_ids: Sequence[int] = (), on_event: Callable[[SequenceEvent], None] = lambda event: None,
+               constraint=None) -> Ticket:
+        """Queue a request. Its events (:class:`SequenceEvent`) come through ``on_event`` on the engine's thread;
+        ``constraint``: its token mask (:class:`Ticket`), None for a free request.
 
         Raises: InputError (an id outside the vocabulary, as :meth:`check`), CacheCapacityError, BusyError: the
             queue is full or the batcher is closed.
         """
         ticket = Ticket(prompt, max_new_tokens, sampling or SamplingConfig(), frozenset(int(i) for i in eos_ids),
-                        on_event)
+                        on_event, constraint)
         self.check(ticket.prompt_length, ticket.max_new_tokens)
         check_ids(ticket.prompt, self.engine.vocab_size)
         with self._wake:
@@ -271,14 +277,18 @@ class ContinuousBatcher:
                 self._record(row, int(tokens[row]))
 
     def _choose(self, logits, tickets: Sequence[Ticket | None]) -> np.ndarray:
-        """``[width]`` int64: each row's next token by its own sampler (the engine's argmax for greedy rows)."""
+        """``[width]`` int64: each row's next token by its own sampler (the engine's argmax for greedy rows), over
+        its constraint's mask for a constrained row (the other rows pay nothing for it)."""
         sampled = [r for r, t in enumerate(tickets) if t is not None and not t.sampler.greedy]
-        if not sampled:
+        constrained = [r for r, t in enumerate(tickets) if t is not None and t.constraint is not None]
+        if not sampled and not constrained:
             return self.engine.argmax(logits)  # where the logits are (a GPU's)
         host = self.engine.to_host(logits)  # one copy for the greedy rows and the draws
         tokens = host.argmax(-1).astype(np.int64)
-        for row in sampled:
-            tokens[row] = tickets[row].sampler.choose(host[row: row + 1])[0]
+        for row in sorted(set(sampled) | set(constrained)):
+            ticket = tickets[row]
+            scores = host[row] if ticket.constraint is None else ticket.constraint.mask(host[row])
+            tokens[row] = ticket.sampler.choose(scores[None])[0]
         return tokens
 
     def _record(self, row: int, token: int) -> None:
@@ -287,8 +297,11 @@ class ContinuousBatcher:
         ticket.tokens.append(token)
         self.next_tokens[row] = token
         self.stats.generated_tokens += 1
-        reason = "eos" if token in ticket.eos_ids else "length" if len(ticket.tokens) >= ticket.max_new_tokens \
-            else None
+        if ticket.constraint is not None and token not in ticket.eos_ids:
+            ticket.constraint.advance(token)
+        reason = "eos" if token in ticket.eos_ids else \
+            "stop" if ticket.constraint is not None and ticket.constraint.complete else \
+            "length" if len(ticket.tokens) >= ticket.max_new_tokens else None
         ticket.on_event(SequenceEvent(token, reason))
         if reason is not None:
             self._free(row, reason)

@@ -95,20 +95,28 @@ class ArtifactTokenizer:
         """The text of ``ids``."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by the chat template. Raises: InputError when there is no template."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: list | None = None) -> str:
+        """The conversation rendered by the chat template (``tools``: OpenAI's function definitions, as
+        ``apply_chat_template(tools=...)`` hands them to it). Raises: InputError when there is no template."""
         from .chat_template import render_chat
 
         if self.chat_template is None:
             raise InputError("this tokenizer has no chat template (no chat_template.jinja, none in "
                              "tokenizer_config.json)")
-        return render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt)
+        return render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt, tools=tools)
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable ``name`` (``tools``: it renders function definitions)."""
+        from .chat_template import template_variables
+
+        return self.chat_template is not None and name in template_variables(self.chat_template)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                 release_gil: bool = False) -> list[int]:
+                 release_gil: bool = False, tools: list | None = None) -> list[int]:
         """The ids of the rendered conversation (the template writes the special tokens; none are added);
-        ``release_gil`` as :meth:`encode`."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False,
+        ``release_gil`` as :meth:`encode`; ``tools`` as :meth:`render_chat`."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False,
                            release_gil=release_gil)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":

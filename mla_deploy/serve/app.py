@@ -18,16 +18,18 @@ import hmac
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..generate.tool_calls import forced_schema
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, validation_error
 from .service import Service, TextRequest
+from .tool_replies import Calls
 
 
 def create_app(service: Service):
@@ -98,12 +100,14 @@ def create_app(service: Service):
                                 f"requests this server queues (--max-queue): send fewer per request", param="prompt",
                            code="too_many_prompts")
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
+        constrained, schema = body.output_schema()
         requests: list[TextRequest] = []
         try:
             for prompt in prompts:
                 ids = await service.prompt_ids(prompt)
+                constraint = await service.constraint(schema, "response_format") if constrained else None
                 requests.append(service.generate(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
-                                                 body.stop))
+                                                 body.stop, constraint))
         except BaseException:  # refused, or the client left: what was submitted is withdrawn
             for started in requests:
                 started.cancel()
@@ -120,18 +124,29 @@ def create_app(service: Service):
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check(service, body)
-        ids = await service.chat_ids(body.template_messages())
+        tools = body.tool_dicts()
+        ids = await service.chat_ids(body.template_messages(), tools)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
-        text_request = service.generate(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop)
+        constrained, schema = body.output_schema()
+        forced, name = body.forced_call()
+        calls = Calls([t["function"]["name"] for t in tools or ()],
+                      service.tool_syntax if body.calls_parsed() else None, forced, name)
+        if forced:  # the call's JSON is the whole reply
+            constrained, schema = True, forced_schema(tools, name, body.parallel_tool_calls is not False)
+        constraint = await service.constraint(schema, "tools" if forced else "response_format") \
+            if constrained else None
+        max_new = service.max_new_tokens(len(ids), asked)
+        text_request = service.generate(ids, max_new, sampling, body.stop, constraint,
+                                        keep_special=calls.syntax is not None and service.calls_need_special)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": service.model_name}
         if body.stream:
-            return _sse(_chat_chunks({**head, "object": "chat.completion.chunk"}, text_request, _usage_wanted(body)),
-                        [text_request], request)
+            return _sse(_chat_chunks({**head, "object": "chat.completion.chunk"}, text_request, calls,
+                                     _usage_wanted(body)), [text_request], request)
         (text, reason), = await _collect([text_request], request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
+        message, reason = calls.message(text, reason)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         return {**head, "choices": [choice], "usage": _usage([text_request])}
 
     def _sse(chunks: AsyncIterator[dict], requests: list[TextRequest], request: Request):
@@ -252,13 +267,11 @@ async def _completion_chunks(head: dict, text_request: TextRequest, usage: bool)
         yield {**head, "choices": [], "usage": _usage([text_request])}
 
 
-async def _chat_chunks(head: dict, text_request: TextRequest, usage: bool) -> AsyncIterator[dict]:
+async def _chat_chunks(head: dict, text_request: TextRequest, calls: Calls, usage: bool) -> AsyncIterator[dict]:
     yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}]}
-    async for piece in text_request:
-        delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
-        yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                    "finish_reason": piece.finish_reason}]}
+    async for delta, reason in calls.deltas(text_request):
+        yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
     if usage:
         yield {**head, "choices": [], "usage": _usage([text_request])}
 

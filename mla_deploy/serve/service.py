@@ -8,6 +8,7 @@ The HTTP layer (:mod:`mla_deploy.serve.app`) knows nothing of engines; this modu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Sequence
 
-from ..errors import ArtifactError, BusyError, CacheCapacityError, InputError
+from ..errors import ArtifactError, BusyError, CacheCapacityError, InputError, RuntimeMissingError
 from ..generate.batching import ContinuousBatcher, SequenceEvent
+from ..generate.constrain import Grammars
 from ..generate.sampling import SamplingConfig
 from ..generate.text import StopText
+from ..generate.tool_calls import prepare_messages, tool_syntax
 from .protocol import ApiError
 
 #: OpenAI's ``finish_reason`` of each way a sequence ends with a reply
@@ -104,6 +107,13 @@ class Service:
         # no text of more characters than this can fit in a row, whatever it says: the cheap check that comes
         # before a tokenizer is handed megabytes it would hold the interpreter and a gigabyte of memory for
         self.max_prompt_chars = self.capacity * _longest_token(self.tokenizer)
+        # response_format and forced tool calls: the grammar library is loaded on the first such request
+        self.grammars = Grammars(self.tokenizer, self.engine.vocab_size, self.tokenizer.eos_ids)
+        vocabulary = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.tool_syntax = tool_syntax(vocabulary)
+        special = {t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values() if t.special}
+        # the text of a reply read for calls keeps the syntax's tokens where they are special tokens
+        self.calls_need_special = self.tool_syntax.start in special
         # tokenizing runs here, off the event loop, two prompts at a time at most
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="mla-deploy-tokenize")
         self.metrics = None  # set by the app (mla_deploy.serve.metrics.Metrics)
@@ -180,15 +190,34 @@ class Service:
             raise ApiError(400, f"token id {outside} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         return list(prompt)
 
-    async def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+    async def chat_ids(self, messages: Sequence[dict], tools: list | None = None) -> list[int]:
         """The ids of a conversation through the artifact's chat template, with the generation prompt (rendered and
-        tokenized off the event loop). Raises: ApiError: 400 no template, a conversation too long for a row."""
-        # every string a message holds counts (a template may render a name or a tool call id too)
-        self._check_length(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)), "messages")
+        tokenized off the event loop); ``tools`` (OpenAI's function definitions) are handed to the template, or
+        told in the system message where it does not render them
+        (:func:`~mla_deploy.generate.tool_calls.prepare_messages`). Raises: ApiError: 400 no template, a
+        conversation too long for a row."""
+        # every string a message holds counts (a template may render a name or a tool call id too), and the tools
+        self._check_length(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)) +
+                           len(json.dumps(tools or [], ensure_ascii=False)) +
+                           sum(len(json.dumps(m.get("tool_calls") or [])) for m in messages), "messages")
+        template = self.tokenizer.chat_template or ""
+        messages = prepare_messages(messages, tools, self.tool_syntax, self.tokenizer.template_reads("tools"),
+                                    "tool_calls" in template)
         try:
-            return await self._off_loop(self.tokenizer.chat_ids, messages, release_gil=True)
+            return await self._off_loop(self.tokenizer.chat_ids, messages, release_gil=True, tools=tools)
         except InputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+
+    async def constraint(self, schema: dict | None, param: str):
+        """A new :class:`~mla_deploy.generate.constrain.Constraint` holding a reply to JSON valid under ``schema``
+        (None: any JSON object), compiled off the event loop (once per schema).
+
+        Raises: ApiError: 400 the grammar library is not installed, or the schema cannot be used."""
+        try:
+            grammar = await self._off_loop(self.grammars.compile, schema)
+        except (InputError, RuntimeMissingError) as exc:
+            raise ApiError(400, str(exc), param=param) from None
+        return grammar.start()
 
     def _check_length(self, characters: int, param: str) -> None:
         if characters > self.max_prompt_chars:
@@ -222,9 +251,10 @@ class Service:
         return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def generate(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
-                 stops: Sequence[str]) -> "TextRequest":
+                 stops: Sequence[str], constraint=None, keep_special: bool = False) -> "TextRequest":
         """Submit one request now (so a refusal comes before any reply is sent); iterate the returned
-        :class:`TextRequest` for its text. Call from the event loop's thread.
+        :class:`TextRequest` for its text. Call from the event loop's thread. ``constraint``: its token mask
+        (:meth:`constraint`); ``keep_special``: its text keeps special tokens (not its end-of-sequence).
 
         Raises: ApiError: 400 a bad prompt, 429 the queue is full, 503 shutting down.
         """
@@ -234,13 +264,13 @@ class Service:
             raise ApiError(503, "the server is shutting down", type="server_error")
         try:
             ticket = self.batcher.submit(ids, max_new_tokens, sampling, self.tokenizer.eos_ids,
-                                         lambda event: _deliver(loop, events, event))
+                                         lambda event: _deliver(loop, events, event), constraint)
         except BusyError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
         except (InputError, CacheCapacityError) as exc:
             raise ApiError(400, str(exc)) from None
-        return TextRequest(self, ticket, events, stops)
+        return TextRequest(self, ticket, events, stops, keep_special)
 
 
 def _tokenizer(artifact: str | Path):
@@ -277,8 +307,10 @@ class TextRequest:
     Raises (while iterated): ApiError: 408 past the request timeout, 500 the engine failed, 503 shutting down.
     """
 
-    def __init__(self, service: Service, ticket, events: asyncio.Queue, stops: Sequence[str]):
+    def __init__(self, service: Service, ticket, events: asyncio.Queue, stops: Sequence[str],
+                 keep_special: bool = False):
         self.service, self.ticket, self.events, self.stops = service, ticket, events, stops
+        self.keep_special = keep_special
         self.prompt_tokens, self.tokens = ticket.prompt_length, 0
 
     def cancel(self) -> None:
@@ -287,7 +319,7 @@ class TextRequest:
     async def __aiter__(self) -> AsyncIterator[Piece]:
         service, ticket = self.service, self.ticket
         loop = asyncio.get_running_loop()
-        detokenizer, stop = service.tokenizer.detokenizer(), StopText(self.stops)
+        detokenizer, stop = service.tokenizer.detokenizer(not self.keep_special), StopText(self.stops)
         timeout = service.options.request_timeout
         deadline, done = ticket.submitted - time.perf_counter() + loop.time() + timeout, False
         last = ticket.submitted  # the time of the previous token (the submission before the first)
@@ -307,7 +339,9 @@ class TextRequest:
                 if service.metrics is not None:
                     service.metrics.token(now - last, first=self.tokens == 1)
                 last = now
-                text = detokenizer.push(event.token) + (detokenizer.flush() if event.finished else "")
+                shown_token = not (self.keep_special and event.token in ticket.eos_ids)
+                text = (detokenizer.push(event.token) if shown_token else "") + \
+                    (detokenizer.flush() if event.finished else "")
                 shown, hit = stop.feed(text)
                 if hit:
                     ticket.cancel("stop")
