@@ -163,6 +163,10 @@ class ContinuousBatcher:
         rows = min(capacity or engine.capacity or 1, engine.capacity or capacity or 1)
         check_cache_memory(int(max_batch), rows, engine.config,
                            np.dtype(getattr(engine, "dtype", np.float32)).itemsize)
+        if prefix_cache_bytes:
+            from ..memory import check_fits_memory
+
+            check_fits_memory(prefix_cache_bytes, f"a prefix cache of {prefix_cache_bytes >> 20} MiB (--prefix-cache-mb)")
         self.state = engine.new_state(int(max_batch), rows=capacity)
         engine.rows(self.state, 0, 1)  # refuses a cache that is not in place, before anything is submitted
         self.capacity = int(self.state.capacity)

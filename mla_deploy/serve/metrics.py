@@ -64,7 +64,7 @@ class _BatcherCollector:
                                          stats.generated_tokens / stats.step_seconds if stats.step_seconds else 0.0),
         }
         counters = {
-            "prompt_tokens": ("prompt tokens prefilled", stats.prompt_tokens),
+            "prompt_tokens": ("prompt tokens of the requests admitted (once per request)", stats.prompt_tokens),
             "generated_tokens": ("tokens generated", stats.generated_tokens),
             "decode_steps": ("decode steps run", stats.decode_steps),
             "decode_rows": ("running sequences summed over decode steps", stats.decode_rows),
