@@ -6,7 +6,7 @@ concurrencies, and run the same prompts through `mla-deploy run` as one batch (n
         [--max-tokens 48] [--threads N] [--max-cache-length N] [--llama-server BIN --gguf FILE] [--no-run]
         [--json FILE]
     python benchmarks/serve_bench.py ARTIFACT --features [--system-length 1000] [--hits 5] [--long-prompt 2000]
-        [--long-count 3] [--streams 4] [--prefill-chunk 512] [--threads N] [--json FILE]
+        [--long-count 3] [--streams 4] [--prefill-chunk 64] [--threads N] [--json FILE]
 
 Each of ``c`` clients sends ``--requests`` streamed completions one after another (token-id prompts of ``--prompt-
 length`` ids drawn from the tokenizer's vocabulary, seeded, the same for every server; greedy; exactly ``--max-
@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt", type=positive, default=2000, help="--features: the prompt arriving mid-stream")
     p.add_argument("--long-count", type=positive, default=3, help="--features: long prompts, one after another")
     p.add_argument("--streams", type=positive, default=4, help="--features: streams running while they arrive")
-    p.add_argument("--prefill-chunk", type=positive, default=512, help="--features: the chunked server's chunk")
+    p.add_argument("--prefill-chunk", type=positive, default=64, help="--features: the chunked server's chunk")
     return p
 
 

@@ -35,7 +35,7 @@ from .options import Int, Positive
 @click.option("--client-timeout", default=15.0, show_default=True, type=Positive(),
               help="Seconds a client has to send a request's headers, then its body (408 past it), and that an idle "
                    "connection is kept open.")
-@click.option("--prefill-chunk", default=512, show_default=True, type=Int(minimum=0),
+@click.option("--prefill-chunk", default=64, show_default=True, type=Int(minimum=0),
               help="Prompt tokens prefilled between two decode steps of the running batch: a long prompt is prefilled "
                    "in chunks so running streams keep their pace (0: each prompt whole, holding the batch).")
 @click.option("--prefix-cache-mb", default=512, show_default=True, type=Int(minimum=0),

@@ -69,7 +69,7 @@ class ServeOptions:
     grace: float = 30.0
     client_timeout: float = 15.0
     max_header_bytes: int = 64 << 10
-    prefill_chunk: int = 512
+    prefill_chunk: int = 64
     prefix_cache_mb: int = 512
 
 
