@@ -153,3 +153,20 @@ def test_logprobs_are_the_log_softmax_of_the_engines_logits(engine):
     np.testing.assert_allclose([e.logprob for e in prompt], [reference[p, LONG[p + 1]] for p in range(19)],
                                atol=1e-5, rtol=0)
     assert events[1].prompt_logprobs is None
+
+
+def test_choices_cancelled_while_their_prompt_is_prefilled(engine):
+    batcher = ContinuousBatcher(engine, max_batch=3, capacity=56, prefill_chunk=8)
+    events = [[] for _ in range(2)]
+    both = batcher.submit_choices(LONG, 4, [SamplingConfig()] * 2, (), [e.append for e in events])
+    batcher.step()  # admitted, its first chunk prefilled
+    assert batcher.stats.active == 2 and not events[0]
+    both[1].cancel()
+    batcher.step()  # one choice left: the prefill goes on
+    assert batcher.stats.active == 2 and not events[1]
+    both[0].cancel()
+    batcher.step()
+    assert batcher.idle and [e[-1].finished for e in events] == ["cancelled", "cancelled"]
+    assert batcher.state.lengths.tolist() == [0, 0, 0]
+    ticket, _ = run(batcher, LONG, 4)  # the rows serve the next request as before
+    assert ticket.tokens == generate_tokens(engine, [LONG], 4).tokens[0]

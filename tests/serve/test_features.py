@@ -56,6 +56,9 @@ def greedy_reference(engine, ids: list[int], new: int, eos=()) -> tuple[list[int
 
 def check_chat_content(content, tokens, steps, tokenizer):
     assert len(content) == len(tokens)
+    # the entries' bytes are the tokens' own: joined, they are the text the tokenizer decodes
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert joined == tokenizer.decode(tokens, skip_special_tokens=False)
     for entry, token, expected in zip(content, tokens, steps):
         assert bytes(entry.bytes) == tokenizer.token_bytes(token)
         assert abs(entry.logprob - expected[token]) < 1e-5
