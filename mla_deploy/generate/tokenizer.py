@@ -78,6 +78,7 @@ class ArtifactTokenizer:
         self.chat_template = _chat_template(folder, config, present)
         generation = _json(folder, "generation_config.json", present)
         self.eos_ids = _eos_ids(generation.get("eos_token_id"), self.special_tokens.get("eos_token"), self.backend)
+        self._byte_decoder: dict | None = None  # token_bytes' map, made on first use
 
     def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
         """The ids of ``text`` (``add_special_tokens``: as the post-processor adds them, e.g. a BOS).
@@ -119,6 +120,21 @@ class ArtifactTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False,
                            release_gil=release_gil)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for (a byte-level vocabulary's part of a UTF-8 character included, which
+        decoding it alone would turn into U+FFFD); a special token's own text. What a log probability entry names."""
+        if self._byte_decoder is None:
+            from tokenizers import decoders
+
+            level = isinstance(self.backend.decoder, decoders.ByteLevel)
+            self._byte_decoder = _byte_level_decoder() if level else {}
+        piece = self.backend.id_to_token(int(token))
+        if piece is None:
+            return b""
+        if self._byte_decoder and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        return self.backend.decode([int(token)], skip_special_tokens=False).encode("utf-8")
+
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """A new :class:`IncrementalDetokenizer` over this tokenizer."""
         return IncrementalDetokenizer(self.backend, skip_special_tokens)
@@ -155,6 +171,20 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix):]
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``) read backwards: each of its 256 characters to the
+    byte it spells (printable bytes spell themselves, the others are shifted past U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, shifted = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def _json(folder: Path, name: str, present: set) -> dict:

@@ -2,7 +2,7 @@
 ``/v1/chat/completions`` bodies, and :class:`ApiError`, the ``{"error": {...}}`` reply with its HTTP status.
 
 A body field that the API defines and this server does not implement is refused when it asks for something
-(``n > 1``, ``logprobs``, ``echo``, non-zero penalties, a ``logit_bias``), never silently ignored; a field the API
+(non-zero penalties, a ``logit_bias``, ``best_of``, ``suffix``), never silently ignored; a field the API
 does not define is refused as the API refuses it ("Unrecognized request argument"). Types are strict (pydantic's
 strict mode): ``max_tokens: true``, ``"16"`` or ``16.0`` are refused, not coerced; a string holding a lone UTF-16
 surrogate (``"\\ud800"``, which JSON can spell but no UTF-8 text holds, and no tokenizer takes) is refused too.
@@ -13,6 +13,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from ..generate.batching import MAX_CHOICES
+from ..generate.logprobs import MAX_TOP_LOGPROBS
 
 #: a function's name as OpenAI allows it
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -102,7 +105,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)  # not in OpenAI's API; vLLM and llama-server take it
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice a row of the batch: also at most --max-batch
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = Field(None, validate_default=True)
@@ -134,8 +137,6 @@ class _Sampling(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """``(field, why)`` of each field that asks for what this server does not do."""
         out = []
-        if self.n != 1:
-            out.append(("n", "n > 1 is not supported: send the request n times (with different seeds)"))
         if self.presence_penalty or self.frequency_penalty:
             out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
                         "presence and frequency penalties are not supported"))
@@ -150,16 +151,12 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
     echo: StrictBool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", "best_of > 1 is not supported"))
         if self.suffix:
@@ -237,7 +234,7 @@ class ChatRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
@@ -270,11 +267,11 @@ class ChatRequest(_Sampling):
         """The tools as the chat template takes them (OpenAI's shape), None without tools."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
-        return out
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (content as text; ``developer`` as ``system``; calls as

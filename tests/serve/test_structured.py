@@ -292,3 +292,29 @@ def test_without_the_grammar_library_a_constrained_request_gets_a_one_line_400(a
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         assert bare.stop() == 0
+
+
+def test_n_choices_each_hold_their_own_grammar_and_carry_log_probabilities(server):
+    """``n`` constrained choices share one prefill but each its own grammar state: every one validates; a forced
+    call's log probabilities come with its deltas, the same entries streamed as not."""
+    client = server.client()
+    reply = client.chat.completions.create(model=server.model, messages=USER, n=3, temperature=1.1, seed=11,
+                                           response_format=_schema_format(PERSON), logprobs=True, top_logprobs=2)
+    assert len(reply.choices) == 3 and reply.usage.prompt_tokens > 0
+    texts = []
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        entries = choice.logprobs.content
+        assert bytes(b for e in entries for b in e.bytes).decode() == choice.message.content
+        assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
+        texts.append(choice.message.content)
+    assert len(set(texts)) > 1  # sampled choices are independent
+    asked = dict(model=server.model, messages=USER, tools=[WEATHER], temperature=0, logprobs=True,
+                 tool_choice={"type": "function", "function": {"name": "weather"}})
+    whole = client.chat.completions.create(**asked).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.logprobs.content
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.logprobs.content]
+    assert bytes(b for e in streamed for b in e.bytes).decode() == whole.message.tool_calls[0].function.arguments
