@@ -1408,14 +1408,32 @@ def row_by_row(libraries, avx2, tmp_path_factory) -> dict[str, cpu_ops.Library]:
     return built
 
 
-def _tiles_equal_row_by_row(model, feeds: list[dict], libraries, avx2, row_by_row) -> None:
-    """``model``'s outputs for each of ``feeds``: the tiles' (this source) equal the row-by-row operators' bit for bit,
-    on each instruction path built here, and AVX2's equal AVX-512 VNNI's."""
+@pytest.fixture(scope="module")
+def all_tiles(row_by_row, tmp_path_factory) -> dict[str, cpu_ops.Library]:
+    """This source with every product of several tokens in tiles (``TILE_MIN_K`` 0: the build takes them only for
+    rows over 4096 values), for the instruction sets of :func:`row_by_row`: the tiles' every path on small shapes."""
+    source = cpu_ops.source_path().read_text()
+    old = "#define TILE_MIN_K 4096"
+    assert source.count(old) == 1
+    folder = tmp_path_factory.mktemp("all_tiles")
+    (folder / "cpu_ops.c").write_text(source.replace(old, "#define TILE_MIN_K 0"))
+    built = {}
+    for name in row_by_row:
+        (folder / name).mkdir()
+        built[name] = cpu_ops.compile_library(folder / name, cpu_ops.isa_named(name), source=folder / "cpu_ops.c")
+        assert built[name].path is not None, built[name].why_not
+    return built
+
+
+def _tiles_equal_row_by_row(model, feeds: list[dict], libraries, avx2, row_by_row, all_tiles) -> None:
+    """``model``'s outputs for each of ``feeds``: this source's (as built, and with every product in tiles) equal the
+    row-by-row operators' bit for bit, on each instruction path built here, and AVX2's equal AVX-512 VNNI's."""
     new = {"avx2": avx2}
     if "avx512-vnni" in row_by_row:
         new["avx512-vnni"] = libraries["native"]
     runs = {}
     for name, library in [*((f"new {n}", lib) for n, lib in new.items()),
+                          *((f"tiles {n}", lib) for n, lib in all_tiles.items()),
                           *((f"old {n}", lib) for n, lib in row_by_row.items())]:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 2
@@ -1423,36 +1441,39 @@ def _tiles_equal_row_by_row(model, feeds: list[dict], libraries, avx2, row_by_ro
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         runs[name] = [session.run(None, f) for f in feeds]
     for name in new:
-        for feed, got, want in zip(feeds, runs[f"new {name}"], runs[f"old {name}"]):
-            for mine, ref in zip(got, want):
-                rows = next(iter(feed.values())).shape
-                assert np.abs(ref).max() > 0, rows
-                assert _bit_equal(mine, ref), (name, rows, np.abs(mine - ref).max() / np.abs(ref).max())
+        for which in ("new", "tiles"):
+            for feed, got, want in zip(feeds, runs[f"{which} {name}"], runs[f"old {name}"]):
+                for mine, ref in zip(got, want):
+                    rows = next(iter(feed.values())).shape
+                    assert np.abs(ref).max() > 0, rows
+                    assert _bit_equal(mine, ref), (which, name, rows, np.abs(mine - ref).max() / np.abs(ref).max())
     if "avx512-vnni" in new:
         for got, want in zip(runs["new avx2"], runs["new avx512-vnni"]):
             assert all(_bit_equal(mine, ref) for mine, ref in zip(got, want))
 
 
 # K: 3 blocks (all left over), 4, 16 (one group, or 4 rows of a decode step at a time), 20 (a group and 4), 44 (an
-# expert's 1408: 2 groups and 12), 65 (4 groups and one block alone); 75 rows: tiles and rows over
+# expert's 1408: 2 groups and 12), 65 (4 groups and one block alone); over 4096 values (the build's tiles): 132 (8
+# groups and 4), 145 (9 groups and one); 75 rows: tiles and rows over
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("K", [96, 128, 512, 640, 1408, 2080])
-def test_blockwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, bits, K):
+@pytest.mark.parametrize("K", [96, 128, 512, 640, 1408, 2080, 4224, 4640])
+def test_blockwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits, K):
     """BlockwiseMatMul over 1 to 33 tokens, both weight layouts, float32 and float16 scales: the tiles of rows x
     tokens give the row-by-row operators' outputs bit for bit, on AVX-512 VNNI and on AVX2."""
     N, rng = 75, np.random.default_rng(K + bits)
     weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
     scales = _half_values(rng.random(N * K // 32, dtype=np.float32) * 0.02 + 0.005)
     feeds = [{"a": rng.standard_normal((t, K), dtype=np.float32)} for t in TOKEN_COUNTS]
-    _tiles_equal_row_by_row(_blockwise_model(K, N, bits, weights, scales), feeds, libraries, avx2, row_by_row)
+    _tiles_equal_row_by_row(_blockwise_model(K, N, bits, weights, scales), feeds, libraries, avx2, row_by_row,
+                            all_tiles)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("K", [96, 640, 2080])
+@pytest.mark.parametrize("K", [96, 640, 2080, 4640])
 def test_a_prefill_product_equals_each_token_alone(libraries, avx2, bits, K):
-    """33 tokens in one BlockwiseMatMul call (tiles) equal each token's own call (a decode step's product) bit for
-    bit, where a decode step sums each row as the row-by-row products did (rows over 512 values, or of a block
-    count the 4-row decode path does not take): no git history needed."""
+    """33 tokens in one BlockwiseMatMul call (4 tokens a row, or tiles over 4096 values) equal each token's own call
+    (a decode step's product) bit for bit, where a decode step sums each row as the row-by-row products did (rows
+    over 512 values, or of a block count the 4-row decode path does not take): no git history needed."""
     N, rng = 75, np.random.default_rng(K * bits)
     weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
     scales = _half_values(rng.random(N * K // 32, dtype=np.float32) * 0.02 + 0.005)
@@ -1501,7 +1522,7 @@ def _routed_experts_model(bits: int):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_routed_experts_grouped_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, bits):
+def test_routed_experts_grouped_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits):
     """RoutedExperts over 1 to 33 tokens (each expert's tokens gathered, its products in tiles over them): the
     row-by-row operators' outputs bit for bit, and each token computed alone gives the same (the routing weights
     and the experts' sums per token are the same whatever else the call holds)."""
@@ -1509,7 +1530,7 @@ def test_routed_experts_grouped_tiles_equal_the_row_by_row_products(libraries, a
     feeds = [{"x": rng.standard_normal((t, D), dtype=np.float32), "r": rng.standard_normal((t, E), dtype=np.float32)}
              for t in TOKEN_COUNTS]
     model = _routed_experts_model(bits)
-    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row)
+    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row, all_tiles)
     session, last = _open_model(model, avx2.path), feeds[-1]
     together = session.run(None, last)
     alone = [session.run(None, {n: v[t:t + 1] for n, v in last.items()}) for t in range(len(last["x"]))]
@@ -1518,7 +1539,7 @@ def test_routed_experts_grouped_tiles_equal_the_row_by_row_products(libraries, a
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_shared_experts_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, bits):
+def test_shared_experts_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits):
     """The shared experts folded into RoutedExperts (their gate, up and down products in tiles over every token):
     the row-by-row operators' outputs bit for bit for 1 to 33 tokens."""
     model = _shared_experts_model(bits)
@@ -1527,12 +1548,12 @@ def test_shared_experts_tiles_equal_the_row_by_row_products(libraries, avx2, row
     rng = np.random.default_rng(bits + 1)
     feeds = [{"h": rng.standard_normal((1, t, D), dtype=np.float32), "r": rng.standard_normal((t, E), dtype=np.float32)}
              for t in TOKEN_COUNTS]
-    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row)
+    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row, all_tiles)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("K", [128, 512])
-def test_headwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, bits, K):
+def test_headwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits, K):
     """HeadwiseMatMul (the absorbed attention's W_UK over 128 values and W_UV over 512, signed weights) over 1 to 33
     rows per head, as a prefill computes them: the row-by-row operators' outputs bit for bit."""
     q, scales = _signed(bits, (HEADS, HN, K), seed=bits + K)
@@ -1540,7 +1561,7 @@ def test_headwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, ro
     assert own_ops.swap_headwise(model) == 1
     rng = np.random.default_rng(K)
     feeds = [{"a": rng.standard_normal((HEADS, t, K), dtype=np.float32)} for t in TOKEN_COUNTS]
-    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row)
+    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row, all_tiles)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -752,13 +752,23 @@ AI vi vn_dot(vi acc, vn w, vi even, vi odd) {
 }
 #endif
 
-/* weight rows per tile: 16 integer sums in AVX-512's 32 registers; AVX2's 16 registers hold a quarter as many lanes */
-#if VNNI
-#define TILE_ROWS 4
-#else
+/* weight rows and tokens per tile: 2 x 4 was the fastest on AVX-512 VNNI over V2-Lite's shapes (K 1408, 2048 and
+ * 10944, int4 and int8; a timed copy of the kernel, one thread, CPU time, on a busy machine): 4 x 4 spilled its float
+ * sums (0.7-0.9x of 2 x 4 at K 2048), 1 x 4 (the row-by-row products' shape) and 2 x 2 were level at K 2048 and
+ * slower at K 10944. On AVX2 every shape tried (1, 2 x 2, 4) was within the noise of the others. */
+#ifndef TILE_ROWS
 #define TILE_ROWS 2
 #endif
-#define TILE_TOKENS 4 /* tokens per tile (the callers' chunks of rows of A) */
+/* rows up to this many values go row by row (dot_row, 4 tokens a row): there 4 tokens' quantized rows (16 KiB) stay
+ * in the L1 cache while each weight row meets them, and the tiles were level with dot_row (K 2048 to 4096: 0.9-1.05x,
+ * the same timed copy); over it each row read the tokens from L2 again and the tiles were 1.4-1.5x as fast (K 7168,
+ * DeepSeek-V3's hidden size, int4 and int8) */
+#ifndef TILE_MIN_K
+#define TILE_MIN_K 4096
+#endif
+#ifndef TILE_TOKENS
+#define TILE_TOKENS 4
+#endif
 
 /* R rows (row r at w + r * row_step bytes, its scales r * scale_step values from s) x N tokens (quantize_row's q, d,
  * corr): out[t * out_tok + r * out_row] = row_r . x_t, computed as dot_rows computes it */
@@ -907,7 +917,15 @@ static void tile_of(const uint8_t *w, size_t row_step, const void *s, size_t sca
     case 100 * B + 10 * R_ + N_:                                                                                   \
         tile(w, row_step, s, scale_step, half, K, B, R_, N_, q, d, corr, out, out_row, out_tok, flip, lane);        \
         break;
+#if TILE_TOKENS == 4
 #define CASES(B, R_) CASE(B, R_, 1) CASE(B, R_, 2) CASE(B, R_, 3) CASE(B, R_, 4)
+#elif TILE_TOKENS == 3
+#define CASES(B, R_) CASE(B, R_, 1) CASE(B, R_, 2) CASE(B, R_, 3)
+#elif TILE_TOKENS == 2
+#define CASES(B, R_) CASE(B, R_, 1) CASE(B, R_, 2)
+#else
+#define CASES(B, R_) CASE(B, R_, 1)
+#endif
     switch (100 * bits + 10 * R + N) {
         CASES(4, TILE_ROWS) CASES(8, TILE_ROWS)
 #if TILE_ROWS != 1
@@ -927,12 +945,18 @@ static void tile_rows(const uint8_t *w, size_t row_step, const void *s, size_t s
                       float *out, size_t out_row, size_t out_tok, uint8_t flip, int lane) {
     int i = 0;
 #if SIMD
-    for (; i + TILE_ROWS <= count; i += TILE_ROWS)
-        tile_of(w + (size_t)i * row_step, row_step, scale_row(s, half, (size_t)i * scale_step), scale_step, half, K,
-                bits, TILE_ROWS, n, q, d, corr, out + (size_t)i * out_row, out_row, out_tok, flip, lane);
-    for (; i < count; i++)
-        tile_of(w + (size_t)i * row_step, row_step, scale_row(s, half, (size_t)i * scale_step), scale_step, half, K,
-                bits, 1, n, q, d, corr, out + (size_t)i * out_row, out_row, out_tok, flip, lane);
+    for (int t = 0; K > TILE_MIN_K && t < n; t += TILE_TOKENS) {
+        const int m = n - t < TILE_TOKENS ? n - t : TILE_TOKENS;
+        for (i = 0; i + TILE_ROWS <= count; i += TILE_ROWS)
+            tile_of(w + (size_t)i * row_step, row_step, scale_row(s, half, (size_t)i * scale_step), scale_step, half, K,
+                    bits, TILE_ROWS, m, q + t, d + t, corr + t, out + (size_t)i * out_row + t * out_tok, out_row,
+                    out_tok, flip, lane);
+        for (; i < count; i++)
+            tile_of(w + (size_t)i * row_step, row_step, scale_row(s, half, (size_t)i * scale_step), scale_step, half, K,
+                    bits, 1, m, q + t, d + t, corr + t, out + (size_t)i * out_row + t * out_tok, out_row, out_tok, flip,
+                    lane);
+    }
+    if (K > TILE_MIN_K) i = count;
 #endif
     for (; i < count; i++)
         dot_row(w + (size_t)i * row_step, scale_row(s, half, (size_t)i * scale_step), half, K, bits, n, q, d, corr,
@@ -1111,7 +1135,10 @@ static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, 
             dot_rows_of(gate, step, gs, scale_step, w->half, D, w->bits, q[0], d[0], c[0], h[0], 2, BLOCK, 0, w->x.lane);
             dot_rows_of(up, step, us, scale_step, w->half, D, w->bits, q[0], d[0], c[0], h[0] + 1, 2, BLOCK, 0,
                         w->x.lane);
-        } else { /* the 32 gate rows, then the 32 up rows, in tiles of rows x these tokens */
+        } else if (up == gate + step / 2 && us == scale_row(gs, w->half, scale_step / 2)) /* gate, up, gate, ... */
+            tile_rows(gate, step / 2, gs, scale_step / 2, w->half, D, w->bits, 2 * BLOCK, m, q, d, c, h[0], 1,
+                      2 * BLOCK, 0, w->x.lane);
+        else { /* the 32 gate rows, then the 32 up rows, in tiles of rows x these tokens */
             tile_rows(gate, step, gs, scale_step, w->half, D, w->bits, BLOCK, m, q, d, c, h[0], 2, 2 * BLOCK, 0,
                       w->x.lane);
             tile_rows(up, step, us, scale_step, w->half, D, w->bits, BLOCK, m, q, d, c, h[0] + 1, 2, 2 * BLOCK, 0,
