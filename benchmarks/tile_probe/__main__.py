@@ -9,7 +9,8 @@ each product's CPU time (the process's, threads not spinning: less moved by othe
 alternating rounds (old, new, old, new, ...), so that both see the same machine; the outputs are
 checked bit for bit equal. Prints each product's median milliseconds and new / old.
 
-``--once --library PATH`` instead runs each product once with the library at ``PATH`` (for an instruction counter:
+``--engine ART`` times a prefill of ``--tokens`` tokens through the artifact's CPU engine graph instead (its logits
+and caches checked bit for bit equal). ``--once --library PATH`` instead runs each product once with the library at ``PATH`` (for an instruction counter:
 ``valgrind --tool=callgrind --toggle-collect='*compute*' python benchmarks/tile_probe --once --library X.so --isa avx2``;
 valgrind runs no AVX-512)."""
 
@@ -85,17 +86,63 @@ def _models(bits: int, only: str | None, experts: int = EXPERTS):
     return out
 
 
-def _session(model, library: Path, threads: int):
+def _session(model, library: Path, threads: int, entries: dict | None = None, profile: Path | None = None):
     import onnxruntime as ort
 
     from mla_deploy.ort import operators as cpu_ops
 
     options = ort.SessionOptions()
+    if profile is not None:
+        options.enable_profiling, options.profile_file_prefix = True, str(profile)
     options.intra_op_num_threads = threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # an engine graph: built already
+    for key, value in (entries or {}).items():
+        options.add_session_config_entry(key, value)
     # threads that spin between calls would count their waiting as CPU time
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     cpu_ops.register(options, library)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _engine_product(art: Path, tokens: int):
+    """(name, model, feeds maker, session options entries) for a prefill of ``tokens`` tokens through ``art``'s CPU
+    engine graph (``mla-deploy build ART --target cpu``), its operators from the library each session is given."""
+    import onnx
+
+    from mla_deploy.quant.formats import EXTERNAL_FOLDER_ENTRY
+
+    model = onnx.load(str(art / "cpu" / "model.onnx"), load_external_data=False)
+    names = {i.name: i for i in model.graph.input}
+    width = next(i for i in model.graph.input if i.name.startswith("past_latent.")).type.tensor_type.shape.dim[-1]
+    rng = np.random.default_rng(1)
+
+    def feeds(t: int):
+        feed = {"input_ids": rng.integers(0, 1000, size=(1, t), dtype=np.int64),
+                "position_ids": np.arange(t, dtype=np.int64)[None], "logits_index": np.full((1, 1), t - 1, np.int64),
+                "attention_mask": np.ones((1, t), np.int64)}
+        static = "write_indices" in names  # a static cache of t slots, written from slot 0; else a concatenated one
+        feed["write_indices"] = np.zeros(1, np.int64)
+        shape = (1, 1, t, width.dim_value) if static else (1, 0, width.dim_value)
+        feed.update({n: np.zeros(shape, np.float32) for n in names if n.startswith("past_latent.")})
+        return {n: v for n, v in feed.items() if n in names}
+
+    return (f"engine prefill of {tokens} tokens ({art})", model, feeds, {EXTERNAL_FOLDER_ENTRY: str(art / "cpu")})
+
+
+def _profile(model, library: Path, threads: int, entries: dict | None, feed: dict, into: Path) -> None:
+    """One more run with ONNX Runtime's profiler on ``library``: each operator type's wall milliseconds, largest first."""
+    import json
+    from collections import Counter
+
+    profiled = _session(model, library, threads, entries, profile=into / "profile")
+    profiled.run(None, feed)  # the first run: its operators' one-time work (LatentAttention's panels) counts too
+    profiled.run(None, feed)
+    events = json.loads(Path(profiled.end_profiling()).read_text())
+    totals = Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            totals[event["args"]["op_name"]] += event["dur"] / 1e3
+    print("  new, by operator (ms, wall, one run): " + ", ".join(f"{op} {ms:.1f}" for op, ms in totals.most_common()))
 
 
 def main() -> None:
@@ -110,13 +157,17 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=EXPERTS, help="routed experts (fewer: less to generate)")
     parser.add_argument("--once", action="store_true", help="run each product once with --library (for valgrind)")
     parser.add_argument("--library", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="also print the new operators' time by operator type")
+    parser.add_argument("--engine", type=Path, default=None,
+                        help="an artifact with a CPU engine: time its prefill of --tokens tokens instead")
     args = parser.parse_args()
-    products = _models(args.bits, args.only, args.experts)
+    products = ([(*_engine_product(args.engine, args.tokens),)] if args.engine
+                else [(*p, None) for p in _models(args.bits, args.only, args.experts)])
     if args.once:
         if args.library is None:
             sys.exit("tile_probe: --once needs --library")
-        for _, model, feeds in products:
-            _session(model, args.library, args.threads).run(None, feeds(args.tokens))
+        for _, model, feeds, entries in products:
+            _session(model, args.library, args.threads, entries).run(None, feeds(args.tokens))
         return
     from mla_deploy.ort import operators as cpu_ops
 
@@ -132,11 +183,11 @@ def main() -> None:
                      "new": _library(Path(tmp) / "new", args.isa, None)}
         print(f"{args.tokens} tokens, int{args.bits}, {args.threads} threads, {cpu_ops.library_isa(libraries['new'])}; "
               f"old: {args.against}, new: this checkout")
-        for name, model, feeds in products:
-            sessions = {k: _session(model, lib, args.threads) for k, lib in libraries.items()}
+        for name, model, feeds, entries in products:
+            sessions = {k: _session(model, lib, args.threads, entries) for k, lib in libraries.items()}
             feed = feeds(args.tokens)
-            outs = {k: s.run(None, feed)[0] for k, s in sessions.items()}  # also the first, untimed, run
-            equal = np.array_equal(outs["old"].view(np.uint32), outs["new"].view(np.uint32))
+            outs = {k: s.run(None, feed) for k, s in sessions.items()}  # also the first, untimed, run
+            equal = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(outs["old"], outs["new"]))
             times = {"old": [], "new": []}
             for _ in range(args.rounds):
                 for k, s in sessions.items():
@@ -144,6 +195,8 @@ def main() -> None:
                     s.run(None, feed)
                     times[k].append(time.process_time() - start)
             old, new = (float(np.median(times[k])) * 1e3 for k in ("old", "new"))
+            if args.profile:
+                _profile(model, libraries["new"], args.threads, entries, feed, Path(tmp))
             print(f"{name}: CPU time old {old:.1f} ms, new {new:.1f} ms, new/old {new / old:.2f}, "
                   f"bit-equal {'yes' if equal else 'NO'}")
 
