@@ -1,18 +1,20 @@
-"""python benchmarks/tile_probe [--against REV] [--isa NAME] [--tokens 64] [--bits 4|8] [--rounds 5] [--threads 2]
-[--only linear|experts]: mla-deploy's CPU operators over many tokens (a prefill's products) from this checkout's
-source beside the same operators from another revision (``--against``, default ``main``), on the shapes of
-DeepSeek-V2-Lite (int4 or int8, the engine's layout: rows over 512 values interleaved, float16 scales):
-``BlockwiseMatMul`` 2048 -> 2048 (o_proj), 2048 -> 10944 (the dense MLP's gate) and 10944 -> 2048 (its down), and
-``RoutedExperts`` (64 experts, 6 per token, intermediate 1408, routed by random scores). Both libraries are compiled
-for one instruction set (``--isa``, by default the best this CPU has), their sessions opened in this process, and
-each product's CPU time (the process's, threads not spinning: less moved by other jobs than wall time) taken in
-alternating rounds (old, new, old, new, ...), so that both see the same machine; the outputs are
-checked bit for bit equal. Prints each product's median milliseconds and new / old.
+"""python benchmarks/tile_probe [--against REV] [--isa NAME] [--shapes v2-lite|v3] [--tokens 64] [--bits 4|8]
+[--rounds 5] [--threads 2] [--only linear|experts] [--engine ART] [--profile]: mla-deploy's CPU operators over many
+tokens (a prefill's products) from this checkout's source beside the same operators from another revision
+(``--against``, default ``main``), on the shapes of DeepSeek-V2-Lite (int4 or int8, the engine's layout: rows over 512
+values interleaved, float16 scales): ``BlockwiseMatMul`` 2048 -> 2048 (o_proj), 2048 -> 10944 (the dense MLP's gate)
+and 10944 -> 2048 (its down), and ``RoutedExperts`` (64 experts, 6 per token, intermediate 1408, routed by random
+scores). Both libraries are compiled for one instruction set (``--isa``, by default the best this CPU has), their
+sessions opened in this process, and each product's CPU time (the process's, threads not spinning: less moved by
+other jobs than wall time) taken in alternating rounds (old, new, old, new, ...), so that both see the same machine;
+the outputs are checked bit for bit equal. Prints each product's median milliseconds and new / old.
 
-``--engine ART`` times a prefill of ``--tokens`` tokens through the artifact's CPU engine graph instead (its logits
-and caches checked bit for bit equal). ``--once --library PATH`` instead runs each product once with the library at ``PATH`` (for an instruction counter:
-``valgrind --tool=callgrind --toggle-collect='*compute*' python benchmarks/tile_probe --once --library X.so --isa avx2``;
-valgrind runs no AVX-512)."""
+``--shapes v3``: DeepSeek-V3's shapes instead (7168 -> 7168, 7168 -> 18432, 18432 -> 7168, experts of 2048 of
+which 8 per token; ``--experts 16`` keeps their weights in memory). ``--engine ART`` times a prefill of ``--tokens``
+tokens through the artifact's CPU engine graph (``mla-deploy build ART --target cpu``) instead, its logits and caches
+checked bit for bit equal; ``--profile`` adds the new operators' time by operator type. ``--once --library PATH``
+runs each product once with the library at ``PATH`` (for an instruction counter; valgrind runs no AVX-512, so an
+``--isa avx2`` library). ``kernel.c`` beside this file times the kernel alone, without ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-HIDDEN, DENSE, EXPERTS, CHOSEN, EXPERT_WIDTH = 2048, 10944, 64, 6, 1408
+#: hidden size, dense MLP width, routed experts, experts per token, expert width
+SHAPES = {"v2-lite": (2048, 10944, 64, 6, 1408), "v3": (7168, 18432, 256, 8, 2048)}
 
 
 def _library(into: Path, isa: str | None, source: Path | None):
@@ -37,12 +40,14 @@ def _library(into: Path, isa: str | None, source: Path | None):
     return built.path
 
 
-def _models(bits: int, only: str | None, experts: int = EXPERTS):
+def _models(bits: int, only: str | None, shapes: str, experts: int | None = None):
     """(name, model, feeds maker) for each product."""
     from onnx import TensorProto, helper, numpy_helper
 
     from mla_deploy.ort import swaps as own_ops
 
+    HIDDEN, DENSE, EXPERTS, CHOSEN, EXPERT_WIDTH = SHAPES[shapes]
+    experts = experts or EXPERTS
     rng = np.random.default_rng(0)
 
     def rows(n: int, k: int):
@@ -80,7 +85,7 @@ def _models(bits: int, only: str | None, experts: int = EXPERTS):
         m = model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", HIDDEN]),
                            helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", experts])],
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", HIDDEN])], inits)
-        out.append((f"RoutedExperts {experts} x (2048 -> 2x1408 -> 2048), 6 per token", m,
+        out.append((f"RoutedExperts {experts} x ({HIDDEN} -> 2x{EXPERT_WIDTH} -> {HIDDEN}), {CHOSEN} per token", m,
                     lambda t: {"x": rng.standard_normal((t, HIDDEN), np.float32),
                                "r": rng.standard_normal((t, experts), np.float32)}))
     return out
@@ -154,7 +159,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=("linear", "experts"), default=None)
-    parser.add_argument("--experts", type=int, default=EXPERTS, help="routed experts (fewer: less to generate)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="v2-lite", help="whose products (default v2-lite)")
+    parser.add_argument("--experts", type=int, default=None, help="routed experts (fewer than the model's: less memory)")
     parser.add_argument("--once", action="store_true", help="run each product once with --library (for valgrind)")
     parser.add_argument("--library", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="also print the new operators' time by operator type")
@@ -162,7 +168,7 @@ def main() -> None:
                         help="an artifact with a CPU engine: time its prefill of --tokens tokens instead")
     args = parser.parse_args()
     products = ([(*_engine_product(args.engine, args.tokens),)] if args.engine
-                else [(*p, None) for p in _models(args.bits, args.only, args.experts)])
+                else [(*p, None) for p in _models(args.bits, args.only, args.shapes, args.experts)])
     if args.once:
         if args.library is None:
             sys.exit("tile_probe: --once needs --library")
