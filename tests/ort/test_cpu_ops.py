@@ -1375,6 +1375,195 @@ def test_blockwise_matmul_avx2_equals_vnni_bit_for_bit(libraries, avx2, bits, K,
     _vector_paths_agree(_each_build(_blockwise_model(K, N, bits, weights, scales), {"a": a}, libraries, avx2))
 
 
+# ---- multi-token tiles: a product of several tokens equals the row-by-row products of before, bit for bit -------
+
+#: main before the tiles: its operators computed a product of several tokens one weight row at a time (4 tokens
+#: against a row); the tiles (rows x tokens) must give its outputs bit for bit
+ROW_BY_ROW = "92f770efd8cfeaed45b6159098d7f2ca632312d4"
+#: a decode step (1), a few rows of a batch (2, 3), whole tiles and a token over (7 = 4 + 3, 33 = 8 x 4 + 1), 16
+TOKEN_COUNTS = (1, 2, 3, 7, 16, 33)
+
+
+@pytest.fixture(scope="module")
+def row_by_row(libraries, avx2, tmp_path_factory) -> dict[str, cpu_ops.Library]:
+    """The operators at :data:`ROW_BY_ROW` (their source read from this checkout's git history), compiled for AVX2 and,
+    where this CPU has it, AVX-512 VNNI."""
+    import subprocess
+
+    git, root = shutil.which("git"), cpu_ops.source_path().parents[3]
+    done = subprocess.run([git or "git", "-C", str(root), "show", f"{ROW_BY_ROW}:mla_deploy/ort/csrc/cpu_ops.c"],
+                          capture_output=True) if git else None
+    if done is None or done.returncode != 0:
+        pytest.skip("no git history holding the row-by-row operators here")
+    folder = tmp_path_factory.mktemp("row_by_row")
+    source = folder / "cpu_ops.c"
+    source.write_bytes(done.stdout)
+    built = {}
+    for name in ("avx512-vnni", "avx2"):
+        if name == "avx512-vnni" and libraries["native"].isa != name:
+            continue
+        (folder / name).mkdir()
+        built[name] = cpu_ops.compile_library(folder / name, cpu_ops.isa_named(name), source=source)
+        assert built[name].path is not None, built[name].why_not
+    return built
+
+
+@pytest.fixture(scope="module")
+def all_tiles(row_by_row, tmp_path_factory) -> dict[str, cpu_ops.Library]:
+    """This source with every product of several tokens in tiles (``TILE_MIN_K`` 0: the build takes them only for
+    rows over 4096 values), for the instruction sets of :func:`row_by_row`: the tiles' every path on small shapes."""
+    source = cpu_ops.source_path().read_text()
+    old = "#define TILE_MIN_K 4096"
+    assert source.count(old) == 1
+    folder = tmp_path_factory.mktemp("all_tiles")
+    (folder / "cpu_ops.c").write_text(source.replace(old, "#define TILE_MIN_K 0"))
+    built = {}
+    for name in row_by_row:
+        (folder / name).mkdir()
+        built[name] = cpu_ops.compile_library(folder / name, cpu_ops.isa_named(name), source=folder / "cpu_ops.c")
+        assert built[name].path is not None, built[name].why_not
+    return built
+
+
+def _tiles_equal_row_by_row(model, feeds: list[dict], libraries, avx2, row_by_row, all_tiles) -> None:
+    """``model``'s outputs for each of ``feeds``: this source's (as built, and with every product in tiles) equal the
+    row-by-row operators' bit for bit, on each instruction path built here, and AVX2's equal AVX-512 VNNI's."""
+    new = {"avx2": avx2}
+    if "avx512-vnni" in row_by_row:
+        new["avx512-vnni"] = libraries["native"]
+    runs = {}
+    for name, library in [*((f"new {n}", lib) for n, lib in new.items()),
+                          *((f"tiles {n}", lib) for n, lib in all_tiles.items()),
+                          *((f"old {n}", lib) for n, lib in row_by_row.items())]:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        cpu_ops.register(options, library.path)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        runs[name] = [session.run(None, f) for f in feeds]
+    for name in new:
+        for which in ("new", "tiles"):
+            for feed, got, want in zip(feeds, runs[f"{which} {name}"], runs[f"old {name}"]):
+                for mine, ref in zip(got, want):
+                    rows = next(iter(feed.values())).shape
+                    assert np.abs(ref).max() > 0, rows
+                    assert _bit_equal(mine, ref), (which, name, rows, np.abs(mine - ref).max() / np.abs(ref).max())
+    if "avx512-vnni" in new:
+        for got, want in zip(runs["new avx2"], runs["new avx512-vnni"]):
+            assert all(_bit_equal(mine, ref) for mine, ref in zip(got, want))
+
+
+# K: 3 blocks (all left over), 4, 16 (one group, or 4 rows of a decode step at a time), 20 (a group and 4), 44 (an
+# expert's 1408: 2 groups and 12), 65 (4 groups and one block alone); over 4096 values (the build's tiles): 132 (8
+# groups and 4), 145 (9 groups and one); 75 rows: tiles and rows over
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("K", [96, 128, 512, 640, 1408, 2080, 4224, 4640])
+def test_blockwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits, K):
+    """BlockwiseMatMul over 1 to 33 tokens, both weight layouts, float32 and float16 scales: the tiles of rows x
+    tokens give the row-by-row operators' outputs bit for bit, on AVX-512 VNNI and on AVX2."""
+    N, rng = 75, np.random.default_rng(K + bits)
+    weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = _half_values(rng.random(N * K // 32, dtype=np.float32) * 0.02 + 0.005)
+    feeds = [{"a": rng.standard_normal((t, K), dtype=np.float32)} for t in TOKEN_COUNTS]
+    _tiles_equal_row_by_row(_blockwise_model(K, N, bits, weights, scales), feeds, libraries, avx2, row_by_row,
+                            all_tiles)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("K", [96, 640, 2080, 4640])
+def test_a_prefill_product_equals_each_token_alone(libraries, avx2, bits, K):
+    """33 tokens in one BlockwiseMatMul call (4 tokens a row, or tiles over 4096 values) equal each token's own call
+    (a decode step's product) bit for bit, where a decode step sums each row as the row-by-row products did (rows
+    over 512 values, or of a block count the 4-row decode path does not take): no git history needed."""
+    N, rng = 75, np.random.default_rng(K * bits)
+    weights = rng.integers(0, 256, size=(N, K // 32, 32 * bits // 8), dtype=np.uint8)
+    scales = _half_values(rng.random(N * K // 32, dtype=np.float32) * 0.02 + 0.005)
+    a = rng.standard_normal((33, K), dtype=np.float32)
+    model = _blockwise_model(K, N, bits, weights, scales)
+    builds = {"native": libraries["native"], "avx2": avx2}
+    for name, library in builds.items():
+        if library.path is None:
+            continue
+        session = _open_model(model, library.path)
+        together = session.run(None, {"a": a})
+        alone = [session.run(None, {"a": a[t:t + 1]}) for t in range(len(a))]
+        for i, got in enumerate(together):
+            want = np.concatenate([one[i] for one in alone])
+            assert _bit_equal(got, want), (name, i, np.abs(got - want).max())
+
+
+def _open_model(model, library: Path):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    cpu_ops.register(options, library)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _routed_experts_model(bits: int):
+    """RoutedExperts four times (both layouts, float32 and float16 scales) on the QMoE tests' weights (fc1 of 20
+    blocks, fc2 of 5), routed by the scores ``r``."""
+    nodes, inits, outputs = [], [], []
+    for layout in ("source", "interleaved"):
+        for stored in ("float", "float16"):
+            name = f"{layout}_{stored}"
+            weights = _as_half(_weights(bits)) if stored == "float16" else _weights(bits)
+            extra = {}
+            if layout == "interleaved":
+                weights, extra = _interleaved(weights, bits), {"interleaved": 1}
+            names = [f"{n}_{name}" for n in ("w1", "s1", "w2", "s2")]
+            inits += [numpy_helper.from_array(w, n) for w, n in zip(weights, names)]
+            nodes.append(helper.make_node(own_ops.OP_TYPE, ["x", "r", *names], [name], domain=own_ops.DOMAIN, k=K,
+                                          expert_weight_bits=bits, block_size=32, normalize_routing_weights=1,
+                                          **extra))
+            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", D]))
+    graph = helper.make_graph(nodes, "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
+                              outputs, inits)
+    return _model(graph, own_ops.DOMAIN)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_routed_experts_grouped_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits):
+    """RoutedExperts over 1 to 33 tokens (each expert's tokens gathered, its products in tiles over them): the
+    row-by-row operators' outputs bit for bit, and each token computed alone gives the same (the routing weights
+    and the experts' sums per token are the same whatever else the call holds)."""
+    rng = np.random.default_rng(bits)
+    feeds = [{"x": rng.standard_normal((t, D), dtype=np.float32), "r": rng.standard_normal((t, E), dtype=np.float32)}
+             for t in TOKEN_COUNTS]
+    model = _routed_experts_model(bits)
+    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row, all_tiles)
+    session, last = _open_model(model, avx2.path), feeds[-1]
+    together = session.run(None, last)
+    alone = [session.run(None, {n: v[t:t + 1] for n, v in last.items()}) for t in range(len(last["x"]))]
+    for i, got in enumerate(together):
+        assert _bit_equal(got, np.concatenate([one[i] for one in alone]))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_shared_experts_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits):
+    """The shared experts folded into RoutedExperts (their gate, up and down products in tiles over every token):
+    the row-by-row operators' outputs bit for bit for 1 to 33 tokens."""
+    model = _shared_experts_model(bits)
+    assert own_ops.swap_experts(model) == 1 and own_ops.swap_linear(model) == 3
+    assert own_ops.fold_shared_experts(model) == 1
+    rng = np.random.default_rng(bits + 1)
+    feeds = [{"h": rng.standard_normal((1, t, D), dtype=np.float32), "r": rng.standard_normal((t, E), dtype=np.float32)}
+             for t in TOKEN_COUNTS]
+    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row, all_tiles)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("K", [128, 512])
+def test_headwise_matmul_tiles_equal_the_row_by_row_products(libraries, avx2, row_by_row, all_tiles, bits, K):
+    """HeadwiseMatMul (the absorbed attention's W_UK over 128 values and W_UV over 512, signed weights) over 1 to 33
+    rows per head, as a prefill computes them: the row-by-row operators' outputs bit for bit."""
+    q, scales = _signed(bits, (HEADS, HN, K), seed=bits + K)
+    model = _per_head_graph(q, scales, bits)
+    assert own_ops.swap_headwise(model) == 1
+    rng = np.random.default_rng(K)
+    feeds = [{"a": rng.standard_normal((HEADS, t, K), dtype=np.float32)} for t in TOKEN_COUNTS]
+    _tiles_equal_row_by_row(model, feeds, libraries, avx2, row_by_row, all_tiles)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("K", [96, 640])
 @pytest.mark.parametrize("tokens", [1, 6])

@@ -697,6 +697,272 @@ static void dot_rows_of(const uint8_t *w, size_t row_step, const void *s, size_t
 #undef EACH
 }
 
+/* ---- multi-token tiles: R weight rows x N tokens at once --------------------------------------------------------
+ * A product over several tokens (a prefill, a batch's decode step, the tokens a routed expert was chosen for) runs
+ * in tiles of R weight rows and N tokens: each 64 bytes of a row are loaded (and split into nibbles) once for the N
+ * tokens, each 64 bytes of a token's quantized row once for the R rows, and the R x N integer sums of a group stay in
+ * registers. Each output gets the very float operations dot_rows gives it (the same scale products, the same
+ * multiply-adds in the same order, the same sum of its 16 lanes, the same leftover blocks): the integer sums are
+ * exact whatever their order, so a tile's outputs equal dot_rows' (and so today's row-by-row products) bit for bit. */
+#if SIMD
+/* int4: 64 bytes of weights as their low and high nibbles (unsigned bytes up to 15) */
+typedef struct {
+    vi lo, hi;
+} vn;
+#if VNNI
+AI vn vn_of(vi packed) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    return (vn){_mm512_and_si512(packed, low), _mm512_and_si512(_mm512_srli_epi16(packed, 4), low)};
+}
+/* acc + per lane the sum of the 4 low nibbles' products with even and the 4 high nibbles' with odd */
+AI vi vn_dot(vi acc, vn w, vi even, vi odd) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w.lo, even), w.hi, odd);
+}
+typedef vi vw; /* int8: a weight vector as the byte products take it */
+AI vw vw_of(vi packed) { return packed; }
+AI vi vw_dot(vi acc, vw w, vi s) { return _mm512_dpbusd_epi32(acc, w, s); }
+#else
+AI vn vn_of(vi packed) {
+    return (vn){(vi){low_nibbles(packed.l), low_nibbles(packed.h)}, (vi){high_nibbles(packed.l), high_nibbles(packed.h)}};
+}
+#if defined(__AVXVNNI__)
+AI __m256i nibbles_dot8(__m256i acc, __m256i lo, __m256i hi, __m256i even, __m256i odd) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, even), hi, odd);
+}
+typedef vi vw;
+AI vw vw_of(vi packed) { return packed; }
+AI vi vw_dot(vi acc, vw w, vi s) { return vi_dot(acc, w, s); }
+#else
+/* nibble_dot8's sums from nibbles split once per tile row: at most 2 x 15 x 127 twice in 16 bits */
+AI __m256i nibbles_dot8(__m256i acc, __m256i lo, __m256i hi, __m256i even, __m256i odd) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+typedef vn vw; /* int8 on AVX2: the bytes' nibbles, split once per tile row (dot8's split) */
+AI vw vw_of(vi packed) { return vn_of(packed); }
+AI __m256i split_dot8(__m256i acc, __m256i lo, __m256i hi, __m256i s) { /* dot8's sums */
+    const __m256i low = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, s), _mm256_set1_epi16(1));
+    const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, s), _mm256_set1_epi16(16));
+    return _mm256_add_epi32(acc, _mm256_add_epi32(low, high));
+}
+AI vi vw_dot(vi acc, vw w, vi s) { return (vi){split_dot8(acc.l, w.lo.l, w.hi.l, s.l), split_dot8(acc.h, w.lo.h, w.hi.h, s.h)}; }
+#endif
+AI vi vn_dot(vi acc, vn w, vi even, vi odd) {
+    return (vi){nibbles_dot8(acc.l, w.lo.l, w.hi.l, even.l, odd.l), nibbles_dot8(acc.h, w.lo.h, w.hi.h, even.h, odd.h)};
+}
+#endif
+
+/* weight rows and tokens per tile: 2 x 4 was the fastest on AVX-512 VNNI over V2-Lite's shapes (K 1408, 2048 and
+ * 10944, int4 and int8; a timed copy of the kernel, one thread, CPU time, on a busy machine): 4 x 4 spilled its float
+ * sums (0.7-0.9x of 2 x 4 at K 2048), 1 x 4 (the row-by-row products' shape) and 2 x 2 were level at K 2048 and
+ * slower at K 10944. On AVX2 every shape tried (1, 2 x 2, 4) was within the noise of the others. */
+#ifndef TILE_ROWS
+#define TILE_ROWS 2
+#endif
+/* rows up to this many values go row by row (dot_row, 4 tokens a row): there 4 tokens' quantized rows (16 KiB) stay
+ * in the L1 cache while each weight row meets them, and the tiles were level with dot_row (K 2048 to 4096: 0.9-1.05x,
+ * the same timed copy); over it each row read the tokens from L2 again and the tiles were 1.4-1.5x as fast (K 7168,
+ * DeepSeek-V3's hidden size, int4 and int8) */
+#ifndef TILE_MIN_K
+#define TILE_MIN_K 4096
+#endif
+#ifndef TILE_TOKENS
+#define TILE_TOKENS 4
+#endif
+
+/* R rows (row r at w + r * row_step bytes, its scales r * scale_step values from s) x N tokens (quantize_row's q, d,
+ * corr): out[t * out_tok + r * out_row] = row_r . x_t, computed as dot_rows computes it */
+AI void tile(const uint8_t *w, size_t row_step, const void *s, size_t scale_step, int half, int K, const int bits,
+             const int R, const int N, const int8_t *const *q, const float *const *d, const float *const *corr,
+             float *out, size_t out_row, size_t out_tok, uint8_t flip, int lane) {
+    const int blocks = K / BLOCK;
+    const vi flips = vi_bytes(flip);
+    const uint8_t *wr[TILE_ROWS];
+    const void *sr[TILE_ROWS];
+    vf acc[TILE_ROWS][TILE_TOKENS], acc2[TILE_ROWS][TILE_TOKENS], zp[TILE_ROWS][TILE_TOKENS];
+    for (int r = 0; r < R; r++) {
+        wr[r] = w + (size_t)r * row_step, sr[r] = scale_row(s, half, (size_t)r * scale_step);
+        for (int t = 0; t < N; t++) acc[r][t] = acc2[r][t] = zp[r][t] = vf_zero();
+    }
+    int b = 0;
+    for (; lane && b + 16 <= blocks; b += 16) { /* the interleaved layout: lane j is block j in every load */
+        vi sum[TILE_ROWS][TILE_TOKENS];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < N; t++) sum[r][t] = vi_zero();
+        if (bits == 4) {
+            for (int g = 0; g < 4; g++) {
+                const int at = 16 * b + 64 * g;
+                vn wn[TILE_ROWS];
+                for (int r = 0; r < R; r++) wn[r] = vn_of(vi_xor(vi_load(wr[r] + at), flips));
+                for (int t = 0; t < N; t++) {
+                    const vi even = vi_load(q[t] + at), odd = vi_load(q[t] + K / 2 + at);
+                    for (int r = 0; r < R; r++) sum[r][t] = vn_dot(sum[r][t], wn[r], even, odd);
+                }
+            }
+        } else {
+            for (int g = 0; g < 8; g++) {
+                const int at = BLOCK * b + 64 * g;
+                vw ww[TILE_ROWS];
+                for (int r = 0; r < R; r++) {
+                    _mm_prefetch((const char *)wr[r] + at + INT8_AHEAD, _MM_HINT_T0);
+                    ww[r] = vw_of(vi_xor(vi_load(wr[r] + at), flips));
+                }
+                for (int t = 0; t < N; t++) {
+                    const vi x = vi_load(q[t] + at);
+                    for (int r = 0; r < R; r++) sum[r][t] = vw_dot(sum[r][t], ww[r], x);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const vf sw = scales16(sr[r], half, b);
+            for (int t = 0; t < N; t++) {
+                acc[r][t] = vf_fmadd(vf_float(sum[r][t]), vf_mul(sw, vf_load(d[t] + b)), acc[r][t]);
+                zp[r][t] = vf_fmadd(sw, vf_load(corr[t] + b), zp[r][t]);
+            }
+        }
+    }
+    for (; b + 16 <= blocks; b += 16) { /* 16 blocks in order: dot_rows' scale product per block pair or quad */
+        vf scale[TILE_ROWS][TILE_TOKENS];
+        for (int r = 0; r < R; r++) {
+            const vf sw = scales16(sr[r], half, b);
+            for (int t = 0; t < N; t++) {
+                scale[r][t] = vf_mul(sw, vf_load(d[t] + b));
+                zp[r][t] = vf_fmadd(sw, vf_load(corr[t] + b), zp[r][t]);
+            }
+        }
+        if (bits == 4) {
+            for (int g = 0; g < 4; g++) {
+                const int at = 16 * (b + 4 * g);
+                vn wn[TILE_ROWS];
+                for (int r = 0; r < R; r++) wn[r] = vn_of(vi_xor(vi_load(wr[r] + at), flips));
+                for (int t = 0; t < N; t++) {
+                    const vi even = vi_load(q[t] + at), odd = vi_load(q[t] + K / 2 + at);
+                    for (int r = 0; r < R; r++) {
+                        const vi dot = vn_dot(vi_zero(), wn[r], even, odd);
+                        if (g & 1)
+                            acc2[r][t] = scaled4(acc2[r][t], dot, g, scale[r][t]);
+                        else
+                            acc[r][t] = scaled4(acc[r][t], dot, g, scale[r][t]);
+                    }
+                }
+            }
+        } else {
+            for (int g = 0; g < 8; g++) {
+                const int at = BLOCK * (b + 2 * g);
+                vw ww[TILE_ROWS];
+                for (int r = 0; r < R; r++) ww[r] = vw_of(vi_xor(vi_load(wr[r] + at), flips));
+                for (int t = 0; t < N; t++) {
+                    const vi x = vi_load(q[t] + at);
+                    for (int r = 0; r < R; r++) acc[r][t] = scaled2(acc[r][t], vw_dot(vi_zero(), ww[r], x), g, scale[r][t]);
+                }
+            }
+        }
+    }
+    for (; bits == 4 && b + 4 <= blocks; b += 4) { /* int4: 4 blocks left at a time */
+        vf sw[TILE_ROWS];
+        vn wn[TILE_ROWS];
+        for (int r = 0; r < R; r++)
+            sw[r] = scales4(sr[r], half, b), wn[r] = vn_of(vi_xor(vi_load(wr[r] + 16 * b), flips));
+        for (int t = 0; t < N; t++) {
+            const vi even = vi_load(q[t] + 16 * b), odd = vi_load(q[t] + K / 2 + 16 * b);
+            const vf dx = vf_load4(d[t] + b), cx = vf_load4(corr[t] + b);
+            for (int r = 0; r < R; r++) {
+                acc[r][t] = scaled4(acc[r][t], vn_dot(vi_zero(), wn[r], even, odd), 0, vf_mul(sw[r], dx));
+                zp[r][t] = vf_fmadd(sw[r], cx, zp[r][t]);
+            }
+        }
+    }
+    for (; bits == 8 && b + 2 <= blocks; b += 2) { /* int8: 2 blocks left at a time */
+        vf sw[TILE_ROWS];
+        vw ww[TILE_ROWS];
+        for (int r = 0; r < R; r++)
+            sw[r] = scales2(sr[r], half, b), ww[r] = vw_of(vi_xor(vi_load(wr[r] + BLOCK * b), flips));
+        for (int t = 0; t < N; t++) {
+            const vi x = vi_load(q[t] + BLOCK * b);
+            const vf dx = vf_load2(d[t] + b), cx = vf_load2(corr[t] + b);
+            for (int r = 0; r < R; r++) {
+                acc[r][t] = scaled2(acc[r][t], vw_dot(vi_zero(), ww[r], x), 0, vf_mul(sw[r], dx));
+                zp[r][t] = vf_fmadd(sw[r], cx, zp[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < N; t++) {
+            float total = vf_sum(vf_add(vf_add(acc[r][t], acc2[r][t]), zp[r][t]));
+            for (int c = b; c < blocks; c++) { /* the blocks left over, as dot_rows sums them */
+                int dot = 0;
+                if (bits == 4) {
+                    for (int j = 0; j < 16; j++) {
+                        const size_t at = lane ? lane_byte(c, j, 16, blocks) : (size_t)16 * c + j;
+                        const uint8_t v = wr[r][at] ^ flip;
+                        dot += (v & 15) * q[t][at] + (v >> 4) * q[t][K / 2 + at];
+                    }
+                } else {
+                    for (int j = 0; j < BLOCK; j++) {
+                        const size_t at = lane ? lane_byte(c, j, BLOCK, blocks) : (size_t)BLOCK * c + j;
+                        dot += (uint8_t)(wr[r][at] ^ flip) * q[t][at];
+                    }
+                }
+                total += scale_at(sr[r], half, c) * ((float)dot * d[t][c] + corr[t][c]);
+            }
+            out[t * out_tok + r * out_row] = total;
+        }
+}
+
+/* tile with bits, R and N constant in each call, so that its loops unroll into registers */
+static void tile_of(const uint8_t *w, size_t row_step, const void *s, size_t scale_step, int half, int K, int bits,
+                    int R, int N, const int8_t *const *q, const float *const *d, const float *const *corr, float *out,
+                    size_t out_row, size_t out_tok, uint8_t flip, int lane) {
+#define CASE(B, R_, N_)                                                                                             \
+    case 100 * B + 10 * R_ + N_:                                                                                   \
+        tile(w, row_step, s, scale_step, half, K, B, R_, N_, q, d, corr, out, out_row, out_tok, flip, lane);        \
+        break;
+#if TILE_TOKENS == 4
+#define CASES(B, R_) CASE(B, R_, 1) CASE(B, R_, 2) CASE(B, R_, 3) CASE(B, R_, 4)
+#elif TILE_TOKENS == 3
+#define CASES(B, R_) CASE(B, R_, 1) CASE(B, R_, 2) CASE(B, R_, 3)
+#elif TILE_TOKENS == 2
+#define CASES(B, R_) CASE(B, R_, 1) CASE(B, R_, 2)
+#else
+#define CASES(B, R_) CASE(B, R_, 1)
+#endif
+    switch (100 * bits + 10 * R + N) {
+        CASES(4, TILE_ROWS) CASES(8, TILE_ROWS)
+#if TILE_ROWS != 1
+        CASES(4, 1) CASES(8, 1)
+#endif
+    }
+#undef CASES
+#undef CASE
+}
+#endif
+
+/* `count` weight rows (row i at w + i * row_step bytes, its scales i * scale_step values from s) against n (<= 4)
+ * tokens (quantize_row's q, d, corr): out[t * out_tok + i * out_row] = row_i . x_t, in tiles of TILE_ROWS rows; the
+ * same outputs as dot_row row by row, bit for bit (portable C: dot_row itself) */
+static void tile_rows(const uint8_t *w, size_t row_step, const void *s, size_t scale_step, int half, int K, int bits,
+                      int count, int n, const int8_t *const *q, const float *const *d, const float *const *corr,
+                      float *out, size_t out_row, size_t out_tok, uint8_t flip, int lane) {
+    int i = 0;
+#if SIMD
+    for (int t = 0; K > TILE_MIN_K && t < n; t += TILE_TOKENS) {
+        const int m = n - t < TILE_TOKENS ? n - t : TILE_TOKENS;
+        for (i = 0; i + TILE_ROWS <= count; i += TILE_ROWS)
+            tile_of(w + (size_t)i * row_step, row_step, scale_row(s, half, (size_t)i * scale_step), scale_step, half, K,
+                    bits, TILE_ROWS, m, q + t, d + t, corr + t, out + (size_t)i * out_row + t * out_tok, out_row,
+                    out_tok, flip, lane);
+        for (; i < count; i++)
+            tile_of(w + (size_t)i * row_step, row_step, scale_row(s, half, (size_t)i * scale_step), scale_step, half, K,
+                    bits, 1, m, q + t, d + t, corr + t, out + (size_t)i * out_row + t * out_tok, out_row, out_tok, flip,
+                    lane);
+    }
+    if (K > TILE_MIN_K) i = count;
+#endif
+    for (; i < count; i++)
+        dot_row(w + (size_t)i * row_step, scale_row(s, half, (size_t)i * scale_step), half, K, bits, n, q, d, corr,
+                out + (size_t)i * out_row, out_tok, flip, lane);
+}
+
 #if SIMD
 /* the sums of 4 vectors' lanes: [sum a, sum b, sum c, sum d] */
 AI __m128 sums4(vf a, vf b, vf c, vf d) {
@@ -869,13 +1135,15 @@ static void swiglu_block(const Work *w, const uint8_t *gate, const uint8_t *up, 
             dot_rows_of(gate, step, gs, scale_step, w->half, D, w->bits, q[0], d[0], c[0], h[0], 2, BLOCK, 0, w->x.lane);
             dot_rows_of(up, step, us, scale_step, w->half, D, w->bits, q[0], d[0], c[0], h[0] + 1, 2, BLOCK, 0,
                         w->x.lane);
-        } else
-            for (int i = 0; i < BLOCK; i++) {
-                dot_row(gate + (size_t)i * step, scale_row(gs, w->half, (size_t)i * scale_step), w->half, D, w->bits, m,
-                        q, d, c, &h[0][2 * i], 2 * BLOCK, 0, w->x.lane);
-                dot_row(up + (size_t)i * step, scale_row(us, w->half, (size_t)i * scale_step), w->half, D, w->bits, m,
-                        q, d, c, &h[0][2 * i + 1], 2 * BLOCK, 0, w->x.lane);
-            }
+        } else if (up == gate + step / 2 && us == scale_row(gs, w->half, scale_step / 2)) /* gate, up, gate, ... */
+            tile_rows(gate, step / 2, gs, scale_step / 2, w->half, D, w->bits, 2 * BLOCK, m, q, d, c, h[0], 1,
+                      2 * BLOCK, 0, w->x.lane);
+        else { /* the 32 gate rows, then the 32 up rows, in tiles of rows x these tokens */
+            tile_rows(gate, step, gs, scale_step, w->half, D, w->bits, BLOCK, m, q, d, c, h[0], 2, 2 * BLOCK, 0,
+                      w->x.lane);
+            tile_rows(up, step, us, scale_step, w->half, D, w->bits, BLOCK, m, q, d, c, h[0] + 1, 2, 2 * BLOCK, 0,
+                      w->x.lane);
+        }
         for (int j = 0; j < m; j++) {
             const size_t row = (size_t)(first + p + j);
             for (int i = 0; i < BLOCK; i++) {
@@ -905,9 +1173,9 @@ static void down_rows(const Work *w, const uint8_t *weights, const void *scales,
                         r1 - r0, 0, act->lane);
             continue;
         }
-        for (int r = r0; r < r1; r++)
-            dot_row(weights + (size_t)r * row_bytes, scale_row(scales, w->half, (size_t)r * (K / BLOCK)), w->half, K,
-                    w->bits, m, q, d, c, o + (size_t)(first + p) * D + r, (size_t)D, 0, act->lane);
+        tile_rows(weights + (size_t)r0 * row_bytes, row_bytes, scale_row(scales, w->half, (size_t)r0 * (K / BLOCK)),
+                  (size_t)(K / BLOCK), w->half, K, w->bits, r1 - r0, m, q, d, c, o + (size_t)(first + p) * D + r0, 1,
+                  (size_t)D, 0, act->lane);
     }
 }
 
@@ -1328,10 +1596,9 @@ static void run_linear(void *data, size_t item) {
         const int8_t *q[4];
         const float *d[4], *c[4];
         for (int j = 0; j < m; j++) row_of(&w->a, (size_t)h * w->M + (size_t)(p + j), &q[j], &d[j], &c[j]);
-        for (int r = r0; r < r1; r++)
-            dot_row(w->w + (head + r) * w->row_bytes, scale_row(w->s, w->half, (head + r) * (K / BLOCK)), w->half, K,
-                    w->a.bits, m, q, d, c,
-                    out + (size_t)p * N + r, (size_t)N, w->flip, w->a.lane);
+        tile_rows(w->w + (head + r0) * w->row_bytes, w->row_bytes, scale_row(w->s, w->half, (head + r0) * (K / BLOCK)),
+                  (size_t)(K / BLOCK), w->half, K, w->a.bits, r1 - r0, m, q, d, c, out + (size_t)p * N + r0, 1,
+                  (size_t)N, w->flip, w->a.lane);
     }
 }
 
