@@ -178,17 +178,21 @@ CASES = ("deepseek_v3-tied", "deepseek_v3-half-rope", "kimi_k2", "sarvam_mla", "
 
 
 @torch.no_grad()
-def write(case: str, folder: Path, seed: int = 0, std: float = 0.15, released: bool = True):
-    """Write the tiny checkpoint of ``case`` (one of :data:`CASES`) into ``folder``.
+def write(case: str, folder: Path, seed: int = 0, std: float = 0.15, released: bool = True,
+          vocab_size: int | None = None):
+    """Write the tiny checkpoint of ``case`` (one of :data:`CASES` or :data:`SPARSE_CASES`) into ``folder``.
 
     Args:
         released: rewrite the folder into the released layout (where the case has one); False: as transformers
             saved it.
+        vocab_size: another vocabulary size (e.g. a tokenizer's), for a case with a top-level config.
     Returns: the transformers model (float32, eval) that computes what the folder holds.
     """
     import transformers
 
     cls, cfg, rewrite = _build(case)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     rewrite = rewrite if released else None
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
