@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import MLAConfig
+from ..errors import ConfigError
 from .cache import ConcatCache
 from .layers import MLP, MoE, RMSNorm
 from .mla import ABSORBED_FORMS, FORMS, AbsorbedMLAttention, MLAttention
@@ -140,6 +141,10 @@ class AttentionStack(nn.Module):
 
     def __init__(self, config: MLAConfig, layers: int, form: str = "CC"):
         super().__init__()
+        if config.is_sparse:
+            raise ConfigError(f"{config.name}: the attention stack times dense MLA over one latent cache per layer; "
+                              "DeepSeek Sparse Attention's indexer and its key cache are not part of it (bench the "
+                              "whole model instead)")
         self.config = config
         self.layers = nn.ModuleList(AttentionSublayer(config, form) for _ in range(layers))
         self.rotary_emb = RotaryEmbedding(config)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..config import MLAConfig
+from ..errors import ConfigError
 from .dsa import Indexer
 from .layers import RMSNorm
 from .rope import apply_rope
@@ -141,7 +142,8 @@ class MLAttention(MLABase):
         if form not in ORIGINAL_FORMS:
             raise ValueError(f"MLAttention form must be one of {ORIGINAL_FORMS}, got {form!r}")
         if form == "CD" and config.is_sparse:
-            raise ValueError("sparse attention selects latent rows: the CD form (per-head K/V cache) has none")
+            raise ConfigError(f"{config.name}: sparse attention selects latent rows; the CD form (a per-head K/V "
+                              "cache) has none")
         self.form = form
         c = config
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)

@@ -211,3 +211,19 @@ def test_bad_sparse_checkpoint_is_one_line(checkpoints, tmp_path, case, change, 
     change(ckpt)
     line = _one_line_failure(cli("export", "--hf", ckpt, "--out", tmp_path / "out"), tmp_path / "out")
     assert message in line
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32-sparse", "glm_moe_dsa-sparse"])
+def test_in_memory_transformers_model(checkpoints, case):
+    """``from_hf_model`` on the transformers model itself: DeepSeek-V3.2's half-rotated indexer rows permuted into new
+    tensors; the logits of a prompt past index_topk are transformers'."""
+    import torch
+
+    from mla_deploy.model.hf import from_hf_model
+
+    hf, _ = checkpoints[case]
+    model = from_hf_model(hf).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        logits, _ = model(ids, torch.arange(ids.shape[1])[None], model.empty_cache(1))
+        assert (logits - hf(ids).logits).abs().max() <= 1e-4
