@@ -170,6 +170,24 @@ def test_sparse_model_is_refused_where_it_cannot_run(checkpoints, tmp_path):
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "DeepSeek Sparse Attention (index_topk) is not supported by `build --target cpu`" in done.stderr
     assert not (tmp_path / "onnx" / "cpu").exists()
+    line = _one_line_failure(cli("bench", "attention", "--preset", "deepseek-v3.2", "--layers", 1, "--context", 16,
+                                 "--out", tmp_path / "bench"), tmp_path / "bench")
+    assert "DeepSeek Sparse Attention's indexer and its key cache are not part of them (use `bench model`)" in line
+
+
+def test_decode_plugin_refuses_sparse_attention():
+    """The TensorRT MlaDecode plugin attends to every slot: swapping it into a DeepSeek-V3.2 layer is refused."""
+    import torch
+
+    from mla_deploy.errors import ConfigError
+    from mla_deploy.exporter.decode_plugin import use_decode_plugin
+    from mla_deploy.model import MLAForCausalLM
+    from mla_deploy.recipe import load_recipe
+
+    with torch.device("meta"):
+        model = MLAForCausalLM(load_recipe("deepseek-v3.2").model.first_layers(1), "A_CC")
+    with pytest.raises(ConfigError, match="DeepSeek Sparse Attention \\(index_topk\\) needs decode_attention"):
+        use_decode_plugin(model)
 
 
 def _edit(folder, change):
