@@ -5,6 +5,8 @@ concurrencies, and run the same prompts through `mla-deploy run` as one batch (n
     python benchmarks/serve_bench.py ARTIFACT [--concurrency 1,4,16,64] [--requests 3] [--prompt-length 16]
         [--max-tokens 48] [--threads N] [--max-cache-length N] [--llama-server BIN --gguf FILE] [--no-run]
         [--json FILE]
+    python benchmarks/serve_bench.py ARTIFACT --features [--system-length 1000] [--hits 5] [--long-prompt 2000]
+        [--long-count 3] [--streams 4] [--prefill-chunk 64] [--threads N] [--json FILE]
 
 Each of ``c`` clients sends ``--requests`` streamed completions one after another (token-id prompts of ``--prompt-
 length`` ids drawn from the tokenizer's vocabulary, seeded, the same for every server; greedy; exactly ``--max-
@@ -18,6 +20,20 @@ deploy also the mean rows per decode step and, at concurrency 1, the server's ow
 time not spent in engine steps (HTTP, tokenization, scheduling, the client's turn-around). Each server has as many
 rows (``--max-batch``; llama-server's ``-np`` slots) as the largest concurrency, each row ``--prompt-length + --max-
 tokens + 8`` tokens unless --max-cache-length says otherwise; both get ``--threads``.
+
+With ``--features`` it measures the prefix cache and chunked prefill instead, two servers of each kind side by side
+(token-id prompts drawn from the vocabulary, seeded; greedy):
+
+* prefix cache: a shared system prompt of ``--system-length`` tokens followed by a distinct 16-token question,
+  ``--hits`` + 1 requests of one new token each, sent to a server with ``--prefix-cache-mb 0`` and one with the
+  prefix cache in turn; the time to first token as the client sees it, the cached server's first request (its miss)
+  apart, and the ratio of the uncached server's mean to the cached server's mean over its hits;
+* chunked prefill: ``--streams`` clients stream from short prompts; once each has its first tokens (and 0.2 s of
+  steady state), ``--long-count`` prompts of ``--long-prompt`` tokens arrive one after another (each 0.2 s after
+  the previous one's first token), then the streams close. The gaps between the running streams' chunks as the
+  client sees them while the long prompts arrive (p50, p99, the largest; and the steady state's p50 before), on a
+  server with ``--prefill-chunk 0`` (a prompt whole) and one with ``--prefill-chunk`` (default the server's), and
+  the long prompts' mean time to first token on each.
 
 The ``mla-deploy run`` rows are the engine alone: each client's first prompt, all ``c`` of them as one static
 batch (one prefill, then decode steps over every row), timed by ``run --json`` from its prefill to its last token:
@@ -78,6 +94,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-run", action="store_true", help="leave out the `mla-deploy run` rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--features", action="store_true",
+                   help="measure the prefix cache and chunked prefill instead of the concurrency table")
+    p.add_argument("--system-length", type=positive, default=1000, help="--features: the shared system prompt")
+    p.add_argument("--hits", type=positive, default=5, help="--features: requests after the prefix cache's miss")
+    p.add_argument("--long-prompt", type=positive, default=2000, help="--features: the prompt arriving mid-stream")
+    p.add_argument("--long-count", type=positive, default=3, help="--features: long prompts, one after another")
+    p.add_argument("--streams", type=positive, default=4, help="--features: streams running while they arrive")
+    p.add_argument("--prefill-chunk", type=positive, default=64, help="--features: the chunked server's chunk")
     return p
 
 
@@ -92,10 +116,11 @@ class MlaServer:
 
     name = "mla-deploy"
 
-    def __init__(self, args):
+    def __init__(self, args, rows: int | None = None, tokens: int | None = None, extra: tuple = ()):
+        rows = rows or max(args.concurrency)
         argv = [sys.executable, "-m", "mla_deploy", "serve", args.artifact, "--port", "0",
-                "--max-batch", str(max(args.concurrency)), "--max-queue", str(4 * max(args.concurrency)),
-                "--max-cache-length", str(row_tokens(args))]
+                "--max-batch", str(rows), "--max-queue", str(4 * rows),
+                "--max-cache-length", str(tokens or row_tokens(args)), *extra]
         argv += ["--threads", str(args.threads)] if args.threads else []
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         seen = []  # the announcement, after whatever a library printed before it
@@ -109,8 +134,11 @@ class MlaServer:
         self.model, self.base = match.group(1), match.group(2)
 
     def metrics(self) -> dict[str, float]:
+        return {name: self.counter(name) for name in COUNTERS}
+
+    def counter(self, name: str) -> float:
         text = urllib.request.urlopen(self.base[: -len("/v1")] + "/metrics", timeout=60).read().decode()
-        return {name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)) for name in COUNTERS}
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
     def stop(self) -> int:
         self.process.terminate()
@@ -305,6 +333,139 @@ def run_batch(args, prompts: list) -> dict:
             "latency_p50_s": seconds, "latency_p90_s": seconds}
 
 
+def first_token(server, prompt: list[int], max_tokens: int = 1) -> float:
+    """Seconds from sending a streamed completion of ``prompt`` (one new token by default) to its first event, over
+    plain HTTP: the `openai` client's own handling of a body of a thousand ids takes tens of milliseconds here, which
+    would hide what the server does."""
+    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(server.base + "/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=3600) as reply:
+        reply.readline()  # the first event's line
+        first = time.perf_counter() - start
+        reply.read()
+    return first
+
+
+def prefix_rows(args, vocabulary: int) -> dict:
+    """The prefix cache's time to first token on a shared system prompt (see the module docstring)."""
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(0, vocabulary, args.system_length).tolist()
+    questions = rng.integers(0, vocabulary, (args.hits + 2, 16)).tolist()
+    warm = rng.integers(0, vocabulary, args.system_length + 16).tolist()
+    tokens = args.system_length + 16 + 2
+    servers = {"off": MlaServer(args, 1, tokens, ("--prefix-cache-mb", "0")), "on": MlaServer(args, 1, tokens)}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for server in servers.values():  # the shapes' first runs, on a prompt that shares nothing with the others
+            first_token(server, warm)
+        for question in questions[: args.hits + 1]:  # in turn, so that a drift of the machine falls on both
+            for name, server in servers.items():
+                times[name].append(first_token(server, system + question))
+        hits = servers["on"].counter("mla_deploy_prefix_cache_hits_total")
+    finally:
+        for server in servers.values():
+            server.stop()
+    off, miss, hit = mean(times["off"][1:]), times["on"][0], mean(times["on"][1:])
+    return {"system_tokens": args.system_length, "requests": args.hits, "ttft_off_ms": 1e3 * off,
+            "ttft_miss_ms": 1e3 * miss, "ttft_hit_ms": 1e3 * hit, "speedup": off / hit, "tokens_reused": hits}
+
+
+def chunk_rows(args, vocabulary: int) -> dict:
+    """The running streams' chunk gaps while long prompts arrive, with and without chunked prefill."""
+    import threading
+
+    from openai import OpenAI
+
+    rng = np.random.default_rng(args.seed + 1)
+    shorts = rng.integers(0, vocabulary, (args.streams, 8)).tolist()
+    longs = rng.integers(0, vocabulary, (args.long_count + 1, args.long_prompt)).tolist()
+    tokens = args.long_prompt + 8
+    servers = {"whole": MlaServer(args, args.streams + 1, tokens, ("--prefill-chunk", "0")),
+               "chunked": MlaServer(args, args.streams + 1, tokens, ("--prefill-chunk", str(args.prefill_chunk)))}
+    out = {}
+    try:
+        for server in servers.values():
+            first_token(server, longs[-1])  # the long prompt's shapes, once
+            first_token(server, shorts[0], 4)
+        for name, server in servers.items():
+            gaps, steady, lock, begun = [], [], threading.Lock(), [0]
+            started, done = threading.Event(), threading.Event()
+
+            def begin() -> None:
+                with lock:
+                    begun[0] += 1
+                    if begun[0] == args.streams:
+                        started.set()
+
+            def stream(prompt) -> None:
+                # request after request (one may end at an end-of-sequence id) until the long prompts are in; the
+                # gaps are those within a request's stream
+                api = OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=3600)
+                seen = 0
+                while not done.is_set():
+                    last = None
+                    for chunk in api.completions.create(model=server.model, prompt=prompt, max_tokens=tokens - 8,
+                                                        temperature=0, stream=True):
+                        now = time.perf_counter()
+                        if last is not None:
+                            with lock:
+                                (gaps if arriving.is_set() else steady).append(now - last)
+                        last, seen = now, seen + 1
+                        if seen == 8:
+                            begin()
+                        if done.is_set():
+                            break
+
+            arriving = threading.Event()
+            threads = [threading.Thread(target=stream, args=(p,)) for p in shorts]
+            for thread in threads:
+                thread.start()
+            started.wait(600)  # every stream has its first chunks: the long prompts arrive now, one after another
+            time.sleep(0.2)  # the steady state's gaps
+            arriving.set()
+            ttfts = []
+            for prompt in longs[: args.long_count]:
+                ttfts.append(first_token(server, prompt))
+                time.sleep(0.2)
+            done.set()
+            for thread in threads:
+                thread.join()
+            out[name] = {"steady_p50_ms": 1e3 * percentile(steady, 50), "p50_ms": 1e3 * percentile(gaps, 50),
+                         "p99_ms": 1e3 * percentile(gaps, 99), "max_ms": 1e3 * max(gaps), "gaps": len(gaps),
+                         "long_ttft_ms": 1e3 * mean(ttfts)}
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {"long_prompt": args.long_prompt, "long_count": args.long_count, "streams": args.streams,
+            "chunk": args.prefill_chunk, **out,
+            "p99_ratio": out["whole"]["p99_ms"] / out["chunked"]["p99_ms"],
+            "max_ratio": out["whole"]["max_ms"] / out["chunked"]["max_ms"]}
+
+
+def features_table(prefix: dict, chunks: dict) -> str:
+    lines = [f"## prefix cache: {prefix['system_tokens']}-token shared system prompt, {prefix['requests']} requests",
+             "", "| server | mean TTFT ms |", "|---|---|",
+             f"| --prefix-cache-mb 0 | {prefix['ttft_off_ms']:.1f} |",
+             f"| prefix cache, first request (a miss) | {prefix['ttft_miss_ms']:.1f} |",
+             f"| prefix cache, later requests (hits) | {prefix['ttft_hit_ms']:.1f} |", "",
+             f"a hit's time to first token is {prefix['speedup']:.1f}x faster than without the prefix cache "
+             f"({prefix['tokens_reused']:.0f} prompt tokens reused)", "",
+             f"## chunked prefill: {chunks['long_count']} prompts of {chunks['long_prompt']} tokens arriving one after "
+             f"another while {chunks['streams']} streams run", "",
+             "| server | steady gap p50 ms | gap p50 ms | p99 ms | largest ms | long prompts' mean TTFT ms |",
+             "|---|---|---|---|---|---|"]
+    for name, label in (("whole", "--prefill-chunk 0"), ("chunked", f"--prefill-chunk {chunks['chunk']}")):
+        r = chunks[name]
+        lines.append(f"| {label} | {r['steady_p50_ms']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                     f"{r['max_ms']:.1f} | {r['long_ttft_ms']:.0f} |")
+    lines += ["", f"the running streams' gaps while the long prompts arrive, without chunks / with: p99 "
+                  f"{chunks['p99_ratio']:.1f}x, largest {chunks['max_ratio']:.1f}x"]
+    return "\n".join(lines)
+
+
 def check(args) -> None:
     """Refuse in one line, before anything starts, what would fail later: a row too short for a request, a
     llama-server or GGUF that is not there, a --json file that cannot be written."""
@@ -341,6 +502,13 @@ def main(argv=None) -> int:
     if tokenizer is None:
         sys.exit(f"serve_bench: {args.artifact} has no tokenizer files (mla-deploy serve needs them)")
     vocabulary = min(tokenizer.backend.get_vocab_size(), manifest.config.vocab_size)
+    if args.features:
+        prefix, chunks = prefix_rows(args, vocabulary), chunk_rows(args, vocabulary)
+        print(features_table(prefix, chunks))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"prefix_cache": prefix, "chunked_prefill": chunks}, out, indent=2)
+        return 0
     warmup, prompts = draw_prompts(args, vocabulary)
     rows, statuses = bench(args, warmup, prompts)
     print(table(rows))

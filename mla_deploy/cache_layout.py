@@ -311,13 +311,24 @@ class CacheLayout:
         return CacheState(state.lengths[start:stop], [view(cache, start, stop) for cache in state.caches],
                           capacity=state.capacity)
 
-    def clear(self, state: CacheState, row: int) -> None:
-        """Empty sequence ``row`` of an in-place ``state`` for a new sequence: it holds no rows, and what its slots
-        still hold is never attended (a query sees only the slots below its write index plus its own step's)."""
+    def clear(self, state: CacheState, row: int, keep: int = 0) -> None:
+        """Empty sequence ``row`` of an in-place ``state`` for a new sequence (``keep`` 0), or cut it back to its first
+        ``keep`` rows: what its slots still hold past them is never attended (a query sees only the slots below its
+        write index plus its own step's), and the next step writes over it."""
         if not self.in_place:
             raise CacheCapacityError(f"the {self.mode} cache cannot empty one of its sequences; export with "
                                      f"--cache-mode static")
-        state.lengths[row] = 0
+        assert 0 <= keep <= state.lengths[row], (keep, state.lengths[row])
+        state.lengths[row] = keep
+
+    def slots(self, array, row: int, start: int, stop: int):
+        """Slots ``start .. stop - 1`` of sequence ``row`` of one layer's cache ``array`` (a host NumPy array or a
+        view of the engine's buffer) as ``[stop - start, C]``, the same memory: what copying cache rows between
+        sequences, or to and from the host, reads and writes. Only an in-place layout's slots stay put.
+
+        Raises: CacheCapacityError: a growing layout.
+        """
+        raise CacheCapacityError(f"the {self.mode} cache has no fixed slots to copy; export with --cache-mode static")
 
 
 class ConcatLayout(CacheLayout):
@@ -447,6 +458,9 @@ class StaticLayout(CacheLayout):
 
     def held(self, cache, state):
         return cache[:, 0, : int(state.lengths.max(initial=0))]
+
+    def slots(self, array, row, start, stop):
+        return array[row, 0, start:stop]
 
     def slot_valid(self, state, slots):
         return np.arange(slots)[None, :] < np.asarray(state.lengths)[:, None]

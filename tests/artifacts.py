@@ -88,17 +88,19 @@ def reference_model(artifact: Path):
     return load_reference_model(artifact, load_manifest(artifact))
 
 
-def text_artifact(cache_mode: str = "static") -> Path:
+def text_artifact(cache_mode: str = "static", capacity: int = 256) -> Path:
     """An export (``mla-deploy export --hf``) of a transformers-written tiny DeepSeek-V2 checkpoint saved with its
-    tokenizer (tests/hf_oracle.py's ``text_checkpoint``), made once per run per cache mode."""
-    return made_once(f"text-v2-{cache_mode}", functools.partial(_export_text, cache_mode=cache_mode))
+    tokenizer (tests/hf_oracle.py's ``text_checkpoint``), made once per run per cache mode and capacity (the
+    serving tests are written for 256 tokens: a prompt of 400 words is past it; the model has 512 positions)."""
+    name = f"text-v2-{cache_mode}" + ("" if capacity == 256 else f"-{capacity}")
+    return made_once(name, functools.partial(_export_text, cache_mode=cache_mode, capacity=capacity))
 
 
-def _export_text(out: Path, cache_mode: str) -> None:
+def _export_text(out: Path, cache_mode: str, capacity: int) -> None:
     from cli_run import cli, ok
     from hf_oracle import text_checkpoint
 
     checkpoint = out.parent / f"{out.name}-checkpoint"
     text_checkpoint(checkpoint, 2, "post_processor")
-    # the capacity the serving tests are written for (a prompt of 400 words is past it)
-    ok(cli("export", "--hf", checkpoint, "--out", out, "--cache-mode", cache_mode, "--max-cache-length", "256"))
+    ok(cli("export", "--hf", checkpoint, "--out", out, "--cache-mode", cache_mode, "--max-cache-length",
+           str(capacity)))

@@ -35,6 +35,12 @@ from .options import Int, Positive
 @click.option("--client-timeout", default=15.0, show_default=True, type=Positive(),
               help="Seconds a client has to send a request's headers, then its body (408 past it), and that an idle "
                    "connection is kept open.")
+@click.option("--prefill-chunk", default=64, show_default=True, type=Int(minimum=0),
+              help="Prompt tokens prefilled between two decode steps of the running batch: a long prompt is prefilled "
+                   "in chunks so running streams keep their pace (0: each prompt whole, holding the batch).")
+@click.option("--prefix-cache-mb", default=512, show_default=True, type=Int(minimum=0),
+              help="Host memory (MiB) for the prefix cache: prompts sharing a prefix with an earlier one (a system "
+                   "prompt, earlier turns) reuse its latent cache rows instead of prefilling them (0: off).")
 @click.option("--replicas", type=Int(),
               help="Serve N copies of the model on Ray Serve behind its HTTP proxy (a local Ray cluster, or the one "
                    "at --ray-address), each with its own engine and rows. Needs `pip install 'mla-deploy[ray]'`.")

@@ -219,9 +219,56 @@ class Engine:
         """
         return self.layout.rows(state, start, stop, self._rows)
 
-    def clear(self, state: CacheState, row: int) -> None:
-        """Empty sequence ``row`` of an in-place ``state`` for a new sequence (nothing is zeroed or copied)."""
-        self.layout.clear(state, row)
+    def clear(self, state: CacheState, row: int, keep: int = 0) -> None:
+        """Empty sequence ``row`` of an in-place ``state`` for a new sequence, or cut it back to its first ``keep``
+        rows (nothing is zeroed or copied)."""
+        self.layout.clear(state, row, keep)
+
+    def _host_view(self, cache) -> np.ndarray:
+        """One layer's whole cache as a host NumPy array sharing its memory (writes go to the cache): what
+        :meth:`copy_rows`, :meth:`read_rows` and :meth:`write_rows` work through. Raises RuntimeMissingError where
+        the runtime's cache is not in host memory."""
+        raise RuntimeMissingError(f"{type(self).__name__} cannot copy cache rows (its cache is not in host memory)")
+
+    def _check_row(self, state: CacheState, row: int, stop: int) -> None:
+        if not 0 <= row < len(state.lengths):
+            raise InputError(f"row {row} is not a row of a batch of {len(state.lengths)}")
+        if not 0 <= stop <= (state.capacity or 0):
+            raise InputError(f"slot {stop} is outside a row of {state.capacity} slots")
+
+    def copy_rows(self, state: CacheState, source: int, targets: Sequence[int], count: int) -> None:
+        """Give sequences ``targets`` of an in-place ``state`` the first ``count`` cache rows of sequence ``source``
+        (its latent rows copied; each target then holds ``count`` rows): ``n`` sequences sharing one prompt's
+        prefill. Raises: CacheCapacityError: a growing cache. RuntimeMissingError: a cache off the host.
+        InputError: rows outside the batch or the row's slots."""
+        self._check_row(state, source, count)
+        for target in targets:
+            self._check_row(state, target, count)
+        for cache in state.caches:
+            array = self._host_view(cache)
+            held = self.layout.slots(array, source, 0, count)
+            for target in targets:
+                self.layout.slots(array, target, 0, count)[...] = held
+        for target in targets:
+            state.lengths[target] = count
+
+    def read_rows(self, state: CacheState, row: int, start: int, stop: int) -> np.ndarray:
+        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer: ``[layers, stop - start, C]`` on the host
+        (a copy). What a prefix cache keeps of a prompt. Raises: as :meth:`copy_rows`."""
+        self._check_row(state, row, stop)
+        return np.stack([self.layout.slots(self._host_view(cache), row, start, stop) for cache in state.caches])
+
+    def write_rows(self, state: CacheState, row: int, start: int, rows: np.ndarray) -> None:
+        """Write ``rows [layers, T, C]`` (from :meth:`read_rows`) into sequence ``row`` at slots ``start ..``; the
+        sequence then holds ``start + T`` rows. Raises: as :meth:`copy_rows`; ShapeError: ``rows`` of another shape."""
+        rows = np.asarray(rows)
+        self._check_row(state, row, start + rows.shape[1] if rows.ndim == 3 else 0)
+        if rows.ndim != 3 or rows.shape[0] != len(state.caches) or rows.shape[2] != self.config.latent_dim:
+            raise ShapeError(f"cache rows {list(rows.shape)} must be [{len(state.caches)}, T, "
+                             f"{self.config.latent_dim}]")
+        for cache, layer in zip(state.caches, rows):
+            self.layout.slots(self._host_view(cache), row, start, start + len(layer))[...] = layer
+        state.lengths[row] = start + rows.shape[1]
 
     def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
         """Refuse a request of prompts ``prompt_length`` wide and ``max_new_tokens`` that the cache cannot hold.
@@ -286,17 +333,22 @@ class Engine:
         limit = self._prefill_limit()
         return max(1, min(chunk, width, limit or width))
 
-    def prefill(self, ids, lengths, state: CacheState):
-        """The ``prefill`` graph over right-padded prompts, into an empty ``state``: in one call, or, past
-        :meth:`prefill_chunk_for` tokens, in chunks (:func:`prefill_chunks`), each attending to the rows the
-        earlier ones cached, so that a long prompt needs the scores of one chunk at a time.
+    def prefill(self, ids, lengths, state: CacheState, every: bool = False):
+        """The ``prefill`` graph over right-padded prompts, into ``state`` after the rows each sequence already holds
+        (``state.lengths[b]``, 0 in an empty state: the rest of a prompt whose start is cached, one chunk of a prompt
+        prefilled in several calls): in one call, or, past :meth:`prefill_chunk_for` tokens, in chunks
+        (:func:`prefill_chunks`), each attending to the rows the earlier ones cached, so that a long prompt needs the
+        scores of one chunk at a time.
 
         Args:
-            ids: ``[B, S]`` int64; row b's real tokens are its first ``lengths[b]``, at positions ``0 ..
-                lengths[b] - 1``.
+            ids: ``[B, S]`` int64; row b's real tokens are its first ``lengths[b]``, at positions ``state.lengths[b]
+                ..``.
             lengths: ``[B]`` int64, each in ``[1, S]``.
+            every: return the logits of every position, ``[B, S, V]`` on the host (a prompt's own log
+                probabilities), instead of each row's last real token's.
         Returns:
-            ``logits [B, V]`` of each row's last real token, in the runtime's memory.
+            ``logits [B, V]`` of each row's last real token, in the runtime's memory (``every``: ``[B, S, V]`` host
+            float32, what a padded position holds unspecified).
         Raises:
             ShapeError: ``lengths`` not ``[B]`` or outside ``[1, S]``; as :meth:`step`.
         """
@@ -306,21 +358,30 @@ class Engine:
         if lengths.shape != ids.shape[:1] or not ((lengths >= 1) & (lengths <= width)).all():
             raise ShapeError(f"prefill takes ids [B, S] and lengths [B], each in [1, S]; got ids {list(ids.shape)}, "
                              f"lengths {lengths.tolist()}")
+        held = state.lengths.copy()[:, None]  # where each row's new tokens begin
         chunk = self.prefill_chunk_for(len(lengths), width)
         if chunk >= width:
-            positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)
-            valid = (positions < lengths[:, None]).astype(np.int64)
-            return self.step("prefill", ids, positions, state, valid, logits_index=(lengths - 1)[:, None])[:, 0]
+            positions = held + np.arange(width, dtype=np.int64)
+            valid = (positions - held < lengths[:, None]).astype(np.int64)
+            logits = self.step("prefill", ids, positions, state, valid,
+                               logits_index=None if every else (lengths - 1)[:, None])
+            return np.asarray(self.to_host(logits), dtype=np.float32) if every else logits[:, 0]
         check_ids(ids, self.config.vocab_size)  # every id, before the first chunk writes the cache
         offsets = np.arange(chunk, dtype=np.int64)
-        logits = None
+        logits, out = None, None
         for start, count in prefill_chunks(lengths, chunk):
             valid = offsets[None, :] < count[:, None]
             positions = start[:, None] + offsets
             part = np.where(valid, np.take_along_axis(ids, np.minimum(positions, width - 1), axis=1), 0)
-            logits = self.step("prefill", part, positions, state, valid.astype(np.int64),
-                               logits_index=np.maximum(count - 1, 0)[:, None])
-        return logits[:, 0]
+            logits = self.step("prefill", part, held + positions, state, valid.astype(np.int64),
+                               logits_index=None if every else np.maximum(count - 1, 0)[:, None])
+            if every:
+                host = np.asarray(self.to_host(logits), dtype=np.float32)
+                if out is None:
+                    out = np.zeros((len(lengths), width, host.shape[-1]), dtype=np.float32)
+                for b in np.flatnonzero(count):
+                    out[b, start[b]: start[b] + count[b]] = host[b, : count[b]]
+        return out if every else logits[:, 0]
 
     def decode(self, tokens, state: CacheState):
         """The ``decode`` graph over one new token per row, ``tokens [B]`` int64, each at its row's own next

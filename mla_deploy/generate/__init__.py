@@ -5,7 +5,9 @@
 * :mod:`~mla_deploy.generate.loop`: the loop (:func:`stream_tokens`, :func:`generate_tokens`), and its steps
   (:func:`prefill_step`, :func:`decode_step`: one decode step over a batch of cache rows).
 * :mod:`~mla_deploy.generate.batching`: continuous batching (:class:`ContinuousBatcher`): requests join and leave
-  one running batch between decode steps, each in its own row of an in-place cache (what ``mla-deploy serve`` runs).
+  one running batch between decode steps, each in its own row of an in-place cache (what ``mla-deploy serve`` runs),
+  with ``n`` choices sharing a prefill, chunked prefill and a prefix cache (:mod:`~mla_deploy.generate.prefix_cache`).
+* :mod:`~mla_deploy.generate.logprobs`: log probabilities of chosen tokens, as OpenAI's ``logprobs`` report them.
 * :mod:`~mla_deploy.generate.request`: a request's checks and its right-padded batch.
 * :mod:`~mla_deploy.generate.sampling`: greedy, temperature, top-k, top-p; seeded.
 * :mod:`~mla_deploy.generate.tokenizer` and :mod:`~mla_deploy.generate.chat_template`: an artifact's tokenizer
@@ -27,6 +29,8 @@ _LAZY = {
     "ContinuousBatcher": ".batching",
     "SequenceEvent": ".batching",
     "Ticket": ".batching",
+    "PrefixCache": ".prefix_cache",
+    "TokenLogprob": ".logprobs",
     "FINISH_REASONS": ".loop",
     "Generation": ".loop",
     "GenerationStream": ".loop",

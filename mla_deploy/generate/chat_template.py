@@ -43,6 +43,20 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], special_to
 
 
 @functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset:
+    """The variables a template reads from its context (``messages``, ``tools``, ...): what it renders of a request.
+
+    Raises: InputError: the template is not valid Jinja."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateSyntaxError as exc:
+        raise InputError(f"the chat template is not valid Jinja: {exc} (line {exc.lineno})") from None
+
+
+@functools.lru_cache(maxsize=8)
 def _compile(template: str):
     import jinja2
     import jinja2.ext

@@ -10,7 +10,7 @@ tokens are host ``int64`` arrays; logits stay in the runtime's memory (a NumPy a
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -34,9 +34,11 @@ class GenerationEngine(Protocol):
         The loop passes it back to :meth:`prefill` and :meth:`decode`, which update it in place; its
         ``lengths [B]`` is the number of tokens each row holds."""
 
-    def prefill(self, ids: np.ndarray, lengths: np.ndarray, state: Any) -> Any:
-        """Run the prompts ``ids [B, S]`` (row b's real tokens are its first ``lengths[b]``, at positions
-        ``0 .. lengths[b] - 1``) into the empty ``state``. Returns ``logits [B, V]`` of each row's last real token."""
+    def prefill(self, ids: np.ndarray, lengths: np.ndarray, state: Any, every: bool = False) -> Any:
+        """Run the prompts ``ids [B, S]`` (row b's real tokens are its first ``lengths[b]``) into ``state`` after the
+        rows each sequence already holds (``state.lengths[b]``: 0 in an empty state, so positions ``0 ..
+        lengths[b] - 1``). Returns ``logits [B, V]`` of each row's last real token (``every``: ``[B, S, V]`` of
+        every position, on the host)."""
 
     def decode(self, tokens: np.ndarray, state: Any) -> Any:
         """One new token per row, ``tokens [B]``, at each row's own next position (``state.lengths[b]``).
@@ -76,5 +78,14 @@ class BatchingEngine(GenerationEngine, Protocol):
         """Sequences ``start .. stop - 1`` of ``state`` as a state sharing its memory (prefill and decode on it
         write them in place). Raises CacheCapacityError for a growing cache."""
 
-    def clear(self, state: Any, row: int) -> None:
-        """Empty sequence ``row`` of ``state`` for a new sequence."""
+    def clear(self, state: Any, row: int, keep: int = 0) -> None:
+        """Empty sequence ``row`` of ``state`` for a new sequence, or cut it back to its first ``keep`` rows."""
+
+    def copy_rows(self, state: Any, source: int, targets: Sequence[int], count: int) -> None:
+        """Give sequences ``targets`` the first ``count`` cache rows of sequence ``source`` (a shared prefill)."""
+
+    def read_rows(self, state: Any, row: int, start: int, stop: int) -> np.ndarray:
+        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer, ``[layers, T, C]`` on the host."""
+
+    def write_rows(self, state: Any, row: int, start: int, rows: np.ndarray) -> None:
+        """Write :meth:`read_rows`' ``rows`` into sequence ``row`` at slot ``start``; it then holds ``start + T``."""

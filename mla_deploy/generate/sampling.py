@@ -58,6 +58,17 @@ class SamplingConfig:
         """Temperature 0: the argmax, no randomness."""
         return self.temperature == 0
 
+    def choice(self, index: int) -> "SamplingConfig":
+        """The config of choice ``index`` of a request of several (OpenAI's ``n``): choice 0 is this one, each other
+        the same with its own seed derived from :attr:`seed` and ``index`` (None stays None: fresh entropy), so
+        seeded choices are reproducible and differ from one another."""
+        if index == 0 or self.seed is None or self.greedy:
+            return self
+        import dataclasses
+
+        derived = int(np.random.SeedSequence([int(self.seed), int(index)]).generate_state(1, np.uint64)[0] >> 1)
+        return dataclasses.replace(self, seed=derived)
+
     def generator(self) -> np.random.Generator:
         """A NumPy generator seeded with :attr:`seed`."""
         return np.random.default_rng(self.seed)

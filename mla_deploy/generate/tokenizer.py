@@ -78,6 +78,7 @@ class ArtifactTokenizer:
         self.chat_template = _chat_template(folder, config, present)
         generation = _json(folder, "generation_config.json", present)
         self.eos_ids = _eos_ids(generation.get("eos_token_id"), self.special_tokens.get("eos_token"), self.backend)
+        self._byte_decoder: dict | None = None  # token_bytes' map, made on first use
 
     def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
         """The ids of ``text`` (``add_special_tokens``: as the post-processor adds them, e.g. a BOS).
@@ -95,21 +96,44 @@ class ArtifactTokenizer:
         """The text of ``ids``."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by the chat template. Raises: InputError when there is no template."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: list | None = None) -> str:
+        """The conversation rendered by the chat template (``tools``: OpenAI's function definitions, as
+        ``apply_chat_template(tools=...)`` hands them to it). Raises: InputError when there is no template."""
         from .chat_template import render_chat
 
         if self.chat_template is None:
             raise InputError("this tokenizer has no chat template (no chat_template.jinja, none in "
                              "tokenizer_config.json)")
-        return render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt)
+        return render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt, tools=tools)
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable ``name`` (``tools``: it renders function definitions)."""
+        from .chat_template import template_variables
+
+        return self.chat_template is not None and name in template_variables(self.chat_template)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                 release_gil: bool = False) -> list[int]:
+                 release_gil: bool = False, tools: list | None = None) -> list[int]:
         """The ids of the rendered conversation (the template writes the special tokens; none are added);
-        ``release_gil`` as :meth:`encode`."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False,
+        ``release_gil`` as :meth:`encode`; ``tools`` as :meth:`render_chat`."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False,
                            release_gil=release_gil)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for (a byte-level vocabulary's part of a UTF-8 character included, which
+        decoding it alone would turn into U+FFFD); a special token's own text. What a log probability entry names."""
+        if self._byte_decoder is None:
+            from tokenizers import decoders
+
+            level = isinstance(self.backend.decoder, decoders.ByteLevel)
+            self._byte_decoder = _byte_level_decoder() if level else {}
+        piece = self.backend.id_to_token(int(token))
+        if piece is None:
+            return b""
+        if self._byte_decoder and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        return self.backend.decode([int(token)], skip_special_tokens=False).encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """A new :class:`IncrementalDetokenizer` over this tokenizer."""
@@ -147,6 +171,20 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix):]
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``) read backwards: each of its 256 characters to the
+    byte it spells (printable bytes spell themselves, the others are shifted past U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, shifted = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def _json(folder: Path, name: str, present: set) -> dict:

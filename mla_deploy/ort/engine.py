@@ -484,6 +484,15 @@ class OrtEngine(Engine):
     def _rows(self, cache, start, stop):
         return _Rows(cache, start, stop)
 
+    def _host_view(self, cache) -> np.ndarray:
+        # an in-place cache on the CPU is host memory: NumPy's view of the OrtValue writes it
+        if self.device != "cpu" or not self.layout.in_place or element_type(self.dtype) == BF16_ELEMENT:
+            raise RuntimeMissingError(f"copying latent cache rows (n > 1, the prefix cache) runs on the CPU "
+                                      f"provider; this engine's cache is on {self.device}")
+        if isinstance(cache, _Rows):
+            return host_array(self.ort, cache.value, copy=False)[cache.start: cache.stop]
+        return host_array(self.ort, cache, copy=False)
+
     def _run(self, role, ids, positions, logits_index, control, state):
         session = self.sessions[role]
         if not self.layout.in_place:

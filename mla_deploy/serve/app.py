@@ -25,9 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..generate.tool_calls import forced_schema
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, validation_error
-from .service import Service, TextRequest
+from .service import Piece, Service, TextRequest
+from .tool_replies import Calls
 
 
 def create_app(service: Service):
@@ -98,12 +100,22 @@ def create_app(service: Service):
                                 f"requests this server queues (--max-queue): send fewer per request", param="prompt",
                            code="too_many_prompts")
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
+        constrained, schema = body.output_schema()
+        # choice i * n + j is prompt i's choice j (OpenAI's order); echoes[k]: its prompt's text and ids, if echoed
         requests: list[TextRequest] = []
+        echoes: list = []
         try:
             for prompt in prompts:
                 ids = await service.prompt_ids(prompt)
-                requests.append(service.generate(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
-                                                 body.stop))
+                constraints = [await service.constraint(schema, "response_format") for _ in range(body.n)] \
+                    if constrained else None
+                requests += service.generate_choices(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
+                                                     body.stop, body.n, body.logprobs,
+                                                     prompt_logprobs=body.echo and body.logprobs is not None,
+                                                     constraints=constraints)
+                echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids), ids) if body.echo \
+                    else None
+                echoes += [echo] * body.n
         except BaseException:  # refused, or the client left: what was submitted is withdrawn
             for started in requests:
                 started.cancel()
@@ -111,28 +123,48 @@ def create_app(service: Service):
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": service.model_name}
         if body.stream:
-            return _sse(_completion_chunks(head, requests[0], _usage_wanted(body)), requests, request)
+            return _sse(_completion_chunks(service, head, requests, echoes, body.logprobs is not None,
+                                           _usage_wanted(body)), requests, request)
         results = await _collect(requests, request)
-        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                   for i, (text, reason) in enumerate(results)]
+        choices = []
+        for i, ((text, reason, entries), echo, text_request) in enumerate(zip(results, echoes, requests)):
+            lead, before = _echoed(service, echo, text_request, body.logprobs is not None)
+            logprobs = _completion_logprobs(before + list(entries), len(echo[0]) if echo else 0, len(before)) \
+                if body.logprobs is not None else None
+            choices.append({"index": i, "text": lead + text, "logprobs": logprobs, "finish_reason": reason})
         return {**head, "choices": choices, "usage": _usage(requests)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check(service, body)
-        ids = await service.chat_ids(body.template_messages())
+        tools = body.tool_dicts()
+        ids = await service.chat_ids(body.template_messages(), tools)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = service.sampling(body.temperature, body.top_p, body.top_k, body.seed)
-        text_request = service.generate(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop)
+        constrained, schema = body.output_schema()
+        forced, name = body.forced_call()
+        calls = Calls([t["function"]["name"] for t in tools or ()],
+                      service.tool_syntax if body.calls_parsed() else None, forced, name)
+        if forced:  # the call's JSON is the whole reply
+            constrained, schema = True, forced_schema(tools, name, body.parallel_tool_calls is not False)
+        # each choice its own grammar state (the grammar itself is compiled once per schema)
+        constraints = [await service.constraint(schema, "tools" if forced else "response_format")
+                       for _ in range(body.n)] if constrained else None
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        requests = service.generate_choices(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop, body.n,
+                                            top, constraints=constraints,
+                                            keep_special=calls.syntax is not None and service.calls_need_special)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": service.model_name}
         if body.stream:
-            return _sse(_chat_chunks({**head, "object": "chat.completion.chunk"}, text_request, _usage_wanted(body)),
-                        [text_request], request)
-        (text, reason), = await _collect([text_request], request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
-        return {**head, "choices": [choice], "usage": _usage([text_request])}
+            return _sse(_chat_chunks({**head, "object": "chat.completion.chunk"}, requests, calls, body.logprobs,
+                                     _usage_wanted(body)), requests, request)
+        choices = []
+        for i, (text, reason, entries) in enumerate(await _collect(requests, request)):
+            message, reason = calls.message(text, reason)
+            choices.append({"index": i, "message": message,
+                            "logprobs": _chat_logprobs(entries) if body.logprobs else None, "finish_reason": reason})
+        return {**head, "choices": choices, "usage": _usage(requests)}
 
     def _sse(chunks: AsyncIterator[dict], requests: list[TextRequest], request: Request):
         # the client leaving cancels the request at once, even while it waits for a row or a long prefill and no
@@ -180,6 +212,9 @@ def _check(service: Service, body) -> None:
     if unsupported:
         field, why = unsupported[0]
         raise ApiError(400, why, param=field, code="unsupported_parameter")
+    if body.n > service.options.max_batch:
+        raise ApiError(400, f"n = {body.n} choices need as many rows; this server decodes {service.options.max_batch} "
+                            f"sequences together (--max-batch)", param="n")
 
 
 def _prompts(prompt) -> list:
@@ -218,16 +253,17 @@ def _cancel_when_gone(request: Request, requests: list[TextRequest]) -> asyncio.
     return asyncio.ensure_future(watch())
 
 
-async def _collect(requests: list[TextRequest], request: Request) -> list[tuple[str, str]]:
-    """Each request's whole text and finish reason; a client that disconnects first cancels them all (499, which
-    nobody reads: it is for the request metrics)."""
+async def _collect(requests: list[TextRequest], request: Request) -> list[tuple[str, str, tuple]]:
+    """Each request's whole text, finish reason and log probability entries; a client that disconnects first
+    cancels them all (499, which nobody reads: it is for the request metrics)."""
 
-    async def one(text_request: TextRequest) -> tuple[str, str]:
-        text, reason = [], None
+    async def one(text_request: TextRequest) -> tuple[str, str, tuple]:
+        text, reason, entries = [], None, []
         async for piece in text_request:
             text.append(piece.text)
+            entries += piece.logprobs
             reason = piece.finish_reason
-        return "".join(text), reason
+        return "".join(text), reason, tuple(entries)
 
     work = asyncio.ensure_future(asyncio.gather(*(one(r) for r in requests)))
     gone = asyncio.ensure_future(request.scope[GONE].wait())
@@ -244,23 +280,107 @@ async def _collect(requests: list[TextRequest], request: Request) -> list[tuple[
                 text_request.cancel()
 
 
-async def _completion_chunks(head: dict, text_request: TextRequest, usage: bool) -> AsyncIterator[dict]:
-    async for piece in text_request:
-        yield {**head, "choices": [{"index": 0, "text": piece.text, "logprobs": None,
-                                    "finish_reason": piece.finish_reason}]}
-    if usage:
-        yield {**head, "choices": [], "usage": _usage([text_request])}
+async def _merged(requests: list) -> AsyncIterator[tuple[int, Any]]:
+    """``(choice, item)`` of several streams (a request's ``n`` choices: :class:`TextRequest` s' pieces, or their
+    :func:`_call_deltas`) as their items come."""
+    if len(requests) == 1:
+        async for piece in requests[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, text_request: TextRequest) -> None:
+        try:
+            async for piece in text_request:
+                await queue.put((index, piece, None))
+        except Exception as error:  # the stream's error event, after what the other choices sent
+            await queue.put((index, None, error))
+            return
+        await queue.put((index, None, None))
+
+    pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            index, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            if piece is None:
+                left -= 1
+                continue
+            yield index, piece
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
-async def _chat_chunks(head: dict, text_request: TextRequest, usage: bool) -> AsyncIterator[dict]:
-    yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}]}
-    async for piece in text_request:
-        delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
-        yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                    "finish_reason": piece.finish_reason}]}
+async def _call_deltas(calls: Calls, text_request: TextRequest) -> AsyncIterator[tuple[dict, str | None, list]]:
+    """``(delta, finish_reason, entries)`` of one chat choice: :meth:`Calls.deltas` of its pieces, each delta with
+    the log probability entries of the tokens read since the previous one (text a call parser holds back carries its
+    entries on to the delta that shows it)."""
+    pending: list = []
+
+    async def pieces() -> AsyncIterator[Piece]:
+        async for piece in text_request:
+            pending.extend(piece.logprobs)
+            yield piece
+
+    async for delta, reason in calls.deltas(pieces()):
+        entries = list(pending)
+        pending.clear()
+        yield delta, reason, entries
+
+
+def _chat_logprobs(entries) -> dict:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``."""
+    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, b, v in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def _completion_logprobs(entries, shift: int, echoed: int) -> dict:
+    """The completions API's legacy ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict of the
+    most likely tokens' texts, None for the prompt's first token), ``text_offset`` (the first ``echoed`` entries are
+    the prompt's, offset in it; the others are shifted past the echoed prompt's ``shift`` characters)."""
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {t: v for t, _, v in e.top} for e in entries],
+            "text_offset": [e.offset + (0 if i < echoed else shift) for i, e in enumerate(entries)]}
+
+
+def _echoed(service: Service, echo, text_request: TextRequest, logprobs: bool) -> tuple[str, list]:
+    """What a completion's choice begins with under ``echo``: the prompt's text and, with ``logprobs``, its
+    entries."""
+    if echo is None:
+        return "", []
+    text, ids = echo
+    return text, service.prompt_entries(ids, text_request.prompt_logprobs or ()) if logprobs else []
+
+
+async def _completion_chunks(service: Service, head: dict, requests: list[TextRequest], echoes: list,
+                             logprobs: bool, usage: bool) -> AsyncIterator[dict]:
+    started = [False] * len(requests)
+    async for i, piece in _merged(requests):
+        lead, before = ("", []) if started[i] else _echoed(service, echoes[i], requests[i], logprobs)
+        shift = len(echoes[i][0]) if echoes[i] else 0
+        started[i] = True
+        yield {**head, "choices": [{"index": i, "text": lead + piece.text,
+                                    "logprobs": _completion_logprobs(before + list(piece.logprobs), shift, len(before))
+                                    if logprobs else None, "finish_reason": piece.finish_reason}]}
     if usage:
-        yield {**head, "choices": [], "usage": _usage([text_request])}
+        yield {**head, "choices": [], "usage": _usage(requests)}
+
+
+async def _chat_chunks(head: dict, requests: list[TextRequest], calls: Calls, logprobs: bool,
+                       usage: bool) -> AsyncIterator[dict]:
+    for i in range(len(requests)):
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}]}
+    async for i, (delta, reason, entries) in _merged([_call_deltas(calls, r) for r in requests]):
+        yield {**head, "choices": [{"index": i, "delta": delta,
+                                    "logprobs": _chat_logprobs(entries) if logprobs and entries else None,
+                                    "finish_reason": reason}]}
+    if usage:
+        yield {**head, "choices": [], "usage": _usage(requests)}
 
 
 class _Gate:

@@ -4,7 +4,9 @@ Requests by endpoint and status; time to first token and inter-token latency his
 request as its tokens reach the server); and, read from the batcher's :class:`~mla_deploy.generate.batching.BatchStats`
 when scraped: the queue depth, rows in use, latent cache rows held, prompt and generated tokens, decode steps and
 the rows they carried (their ratio: mean batch occupancy), the seconds spent in engine steps and the engine's
-generated tokens per second of that time.
+generated tokens per second of that time; the prefill's calls and the prompt tokens it ran, and the prefix cache's
+counters under vLLM's names where they mean the same (``prefix_cache_queries``/``prefix_cache_hits``: prompt tokens
+looked up / found) and SGLang's hit rate (``cache_hit_rate``).
 """
 
 from __future__ import annotations
@@ -62,12 +64,33 @@ class _BatcherCollector:
                                          stats.generated_tokens / stats.step_seconds if stats.step_seconds else 0.0),
         }
         counters = {
-            "prompt_tokens": ("prompt tokens prefilled", stats.prompt_tokens),
+            "prompt_tokens": ("prompt tokens of the requests admitted (once per request)", stats.prompt_tokens),
             "generated_tokens": ("tokens generated", stats.generated_tokens),
             "decode_steps": ("decode steps run", stats.decode_steps),
             "decode_rows": ("running sequences summed over decode steps", stats.decode_rows),
             "engine_seconds": ("seconds in engine steps (prefill and decode)", stats.step_seconds),
         }
+        counters["prefill_tokens"] = ("prompt tokens run through prefill (the rest came from the prefix cache)",
+                                      stats.prefill_tokens)
+        counters["prefill_calls"] = ("prefill runs (a prompt in chunks is several: --prefill-chunk)",
+                                     stats.prefill_calls)
+        prefix = batcher.prefix.stats if batcher.prefix is not None else None
+        if prefix is not None:
+            counters.update({
+                "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", prefix.queries),
+                "prefix_cache_hits": ("prompt tokens found in the prefix cache: cache rows reused, not prefilled",
+                                      prefix.hits),
+                "prefix_cache_hit_requests": ("requests that reused a stored prefix", prefix.hit_requests),
+                "prefix_cache_evicted_blocks": ("prefix cache blocks evicted (least recently used first)",
+                                                prefix.evicted),
+            })
+            gauges.update({
+                "prefix_cache_bytes": ("bytes of latent cache rows the prefix cache holds", prefix.bytes),
+                "prefix_cache_budget_bytes": ("the prefix cache's byte budget (--prefix-cache-mb)", prefix.budget),
+                "prefix_cache_blocks": ("blocks the prefix cache holds", prefix.blocks),
+                "cache_hit_rate": ("prompt tokens found in the prefix cache per token looked up",
+                                   prefix.hits / prefix.queries if prefix.queries else 0.0),
+            })
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mla_deploy_{name}", doc, value=value)
         for name, (doc, value) in counters.items():

@@ -2,7 +2,7 @@
 ``/v1/chat/completions`` bodies, and :class:`ApiError`, the ``{"error": {...}}`` reply with its HTTP status.
 
 A body field that the API defines and this server does not implement is refused when it asks for something
-(``n > 1``, ``logprobs``, ``echo``, non-zero penalties, a ``logit_bias``), never silently ignored; a field the API
+(non-zero penalties, a ``logit_bias``, ``best_of``, ``suffix``), never silently ignored; a field the API
 does not define is refused as the API refuses it ("Unrecognized request argument"). Types are strict (pydantic's
 strict mode): ``max_tokens: true``, ``"16"`` or ``16.0`` are refused, not coerced; a string holding a lone UTF-16
 surrogate (``"\\ud800"``, which JSON can spell but no UTF-8 text holds, and no tokenizer takes) is refused too.
@@ -10,9 +10,15 @@ surrogate (``"\\ud800"``, which JSON can spell but no UTF-8 text holds, and no t
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from ..generate.batching import MAX_CHOICES
+from ..generate.logprobs import MAX_TOP_LOGPROBS
+
+#: a function's name as OpenAI allows it
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class ApiError(Exception):
@@ -53,6 +59,35 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+#: ``response_format``: free text, any JSON object, or JSON valid under a schema
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+
+
 class _Sampling(BaseModel):
     """The fields both endpoints share."""
 
@@ -70,7 +105,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)  # not in OpenAI's API; vLLM and llama-server take it
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice a row of the batch: also at most --max-batch
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = Field(None, validate_default=True)
@@ -79,6 +114,15 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+
+    def output_schema(self) -> tuple[bool, dict | None]:
+        """``(constrained, schema)``: whether ``response_format`` holds the output to JSON, and its schema (None:
+        any JSON object)."""
+        form = self.response_format
+        if isinstance(form, JsonSchemaFormat):
+            return True, form.json_schema.json_schema
+        return isinstance(form, JsonObjectFormat), None
 
     @field_validator("stop")
     @classmethod
@@ -93,8 +137,6 @@ class _Sampling(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """``(field, why)`` of each field that asks for what this server does not do."""
         out = []
-        if self.n != 1:
-            out.append(("n", "n > 1 is not supported: send the request n times (with different seeds)"))
         if self.presence_penalty or self.frequency_penalty:
             out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
                         "presence and frequency penalties are not supported"))
@@ -109,16 +151,12 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
     echo: StrictBool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", "best_of > 1 is not supported"))
         if self.suffix:
@@ -126,11 +164,55 @@ class CompletionRequest(_Sampling):
         return out
 
 
+class FunctionCall(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """A call of an earlier assistant message, as the reply gave it."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Function(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
-    # extra: name, tool_call_id, ...: passed to the chat template as given
+    # extra: name, ...: passed to the chat template as given
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _calls(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message has tool_calls, not a {self.role} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         """The message's text: a string, or its ``text`` parts joined (other parts are refused)."""
@@ -152,21 +234,59 @@ class ChatRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
-        return out
+    @model_validator(mode="after")
+    def _tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"in tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.forced_call()[0] and self.output_schema()[0]:
+            raise ValueError("a forced tool call (tool_choice) and response_format cannot be combined")
+        return self
+
+    def forced_call(self) -> tuple[bool, str | None]:
+        """``(forced, name)``: whether ``tool_choice`` forces a call, and of which function (None: any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
+
+    def calls_parsed(self) -> bool:
+        """Whether the reply's text is read for calls (tools given, ``tool_choice`` ``auto`` or absent)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's shape), None without tools."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them (content as text; ``developer`` as ``system``)."""
+        """The messages as the chat template takes them (content as text; ``developer`` as ``system``; calls as
+        OpenAI gives them, arguments a JSON string)."""
         out = []
         for message in self.messages:
             extra = {k: v for k, v in (message.model_extra or {}).items()}
             role = "system" if message.role == "developer" else message.role
-            out.append({**extra, "role": role, "content": message.text()})
+            if message.tool_calls:
+                extra["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                extra["tool_call_id"] = message.tool_call_id
+            # an assistant message of calls alone keeps no content (templates test for it: DeepSeek-V3's)
+            text = None if message.content is None and message.tool_calls else message.text()
+            out.append({**extra, "role": role, "content": text})
         return out
 
 

@@ -8,6 +8,7 @@ The HTTP layer (:mod:`mla_deploy.serve.app`) knows nothing of engines; this modu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Sequence
 
-from ..errors import ArtifactError, BusyError, CacheCapacityError, InputError
+from ..errors import ArtifactError, BusyError, CacheCapacityError, InputError, RuntimeMissingError
 from ..generate.batching import ContinuousBatcher, SequenceEvent
+from ..generate.constrain import Grammars
 from ..generate.sampling import SamplingConfig
 from ..generate.text import StopText
+from ..generate.tool_calls import prepare_messages, tool_syntax
 from .protocol import ApiError
 
 #: OpenAI's ``finish_reason`` of each way a sequence ends with a reply
@@ -48,6 +51,9 @@ class ServeOptions:
         client_timeout: seconds a client has to send a request's headers, then its body, and that a connection may
             stay idle between requests.
         max_header_bytes: the largest request line and headers (the connection is answered 400 and closed past it).
+        prefill_chunk: the most prompt tokens prefilled between two decode steps of the running batch (0: a prompt
+            whole, holding the batch meanwhile).
+        prefix_cache_mb: the prefix cache's budget of host memory, in MiB (0: no prefix cache).
     """
 
     host: str = "127.0.0.1"
@@ -66,15 +72,33 @@ class ServeOptions:
     grace: float = 30.0
     client_timeout: float = 15.0
     max_header_bytes: int = 64 << 10
+    prefill_chunk: int = 64
+    prefix_cache_mb: int = 512
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    """One token's log probability as the API reports it: ``text`` (its bytes as UTF-8, a partial character's bytes
+    escaped as ``\\xNN``), ``bytes``, ``logprob`` (None: the prompt's first token, which nothing predicts), ``top``:
+    ``(text, bytes, logprob)`` of the most likely tokens at its position, most likely first, and ``offset``: where its
+    text begins in the reply's text, in characters."""
+
+    text: str
+    bytes: bytes
+    logprob: float | None
+    top: tuple = ()
+    offset: int = 0
 
 
 @dataclass(frozen=True)
 class Piece:
-    """New text of a request, the tokens made so far, and OpenAI's ``finish_reason`` on the last piece."""
+    """New text of a request, the tokens made so far, and OpenAI's ``finish_reason`` on the last piece;
+    ``logprobs``: the entries of the tokens since the previous piece, where the request asked for them."""
 
     text: str
     tokens: int
     finish_reason: str | None = None
+    logprobs: tuple[TokenEntry, ...] = ()
 
 
 class Service:
@@ -99,11 +123,20 @@ class Service:
         self.model_name = options.model_name or self.engine.manifest.name
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (/health), one of many
-        self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue)
+        self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue,
+                                         options.prefill_chunk or None, options.prefix_cache_mb << 20)
+        self._token_texts: dict[int, tuple[str, bytes]] = {}  # log probability entries' token texts, by id
         self.capacity = self.batcher.capacity
         # no text of more characters than this can fit in a row, whatever it says: the cheap check that comes
         # before a tokenizer is handed megabytes it would hold the interpreter and a gigabyte of memory for
         self.max_prompt_chars = self.capacity * _longest_token(self.tokenizer)
+        # response_format and forced tool calls: the grammar library is loaded on the first such request
+        self.grammars = Grammars(self.tokenizer, self.engine.vocab_size, self.tokenizer.eos_ids)
+        vocabulary = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.tool_syntax = tool_syntax(vocabulary)
+        special = {t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values() if t.special}
+        # the text of a reply read for calls keeps the syntax's tokens where they are special tokens
+        self.calls_need_special = self.tool_syntax.start in special
         # tokenizing runs here, off the event loop, two prompts at a time at most
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="mla-deploy-tokenize")
         self.metrics = None  # set by the app (mla_deploy.serve.metrics.Metrics)
@@ -127,6 +160,9 @@ class Service:
             raise CacheCapacityError(f"{artifact} has a {manifest.layout.mode} cache, which has no rows to batch in: "
                                      f"export it with --cache-mode static to serve it")
         capacity = manifest.capacity
+        if min(options.prefill_chunk, options.prefix_cache_mb) < 0:
+            raise InputError(f"--prefill-chunk and --prefix-cache-mb must be >= 0, got {options.prefill_chunk} and "
+                             f"{options.prefix_cache_mb}")
         if min(options.max_batch, options.max_queue) < 1 or (options.max_cache_length or 1) < 1:
             raise InputError(f"max_batch, max_queue and max_cache_length must be >= 1, got {options.max_batch}, "
                              f"{options.max_queue} and {options.max_cache_length}")
@@ -180,15 +216,34 @@ class Service:
             raise ApiError(400, f"token id {outside} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         return list(prompt)
 
-    async def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+    async def chat_ids(self, messages: Sequence[dict], tools: list | None = None) -> list[int]:
         """The ids of a conversation through the artifact's chat template, with the generation prompt (rendered and
-        tokenized off the event loop). Raises: ApiError: 400 no template, a conversation too long for a row."""
-        # every string a message holds counts (a template may render a name or a tool call id too)
-        self._check_length(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)), "messages")
+        tokenized off the event loop); ``tools`` (OpenAI's function definitions) are handed to the template, or
+        told in the system message where it does not render them
+        (:func:`~mla_deploy.generate.tool_calls.prepare_messages`). Raises: ApiError: 400 no template, a
+        conversation too long for a row."""
+        # every string a message holds counts (a template may render a name or a tool call id too), and the tools
+        self._check_length(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)) +
+                           len(json.dumps(tools or [], ensure_ascii=False)) +
+                           sum(len(json.dumps(m.get("tool_calls") or [])) for m in messages), "messages")
+        template = self.tokenizer.chat_template or ""
+        messages = prepare_messages(messages, tools, self.tool_syntax, self.tokenizer.template_reads("tools"),
+                                    "tool_calls" in template)
         try:
-            return await self._off_loop(self.tokenizer.chat_ids, messages, release_gil=True)
+            return await self._off_loop(self.tokenizer.chat_ids, messages, release_gil=True, tools=tools)
         except InputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+
+    async def constraint(self, schema: dict | None, param: str):
+        """A new :class:`~mla_deploy.generate.constrain.Constraint` holding a reply to JSON valid under ``schema``
+        (None: any JSON object), compiled off the event loop (once per schema).
+
+        Raises: ApiError: 400 the grammar library is not installed, or the schema cannot be used."""
+        try:
+            grammar = await self._off_loop(self.grammars.compile, schema)
+        except (InputError, RuntimeMissingError) as exc:
+            raise ApiError(400, str(exc), param=param) from None
+        return grammar.start()
 
     def _check_length(self, characters: int, param: str) -> None:
         if characters > self.max_prompt_chars:
@@ -222,25 +277,71 @@ class Service:
         return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def generate(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
-                 stops: Sequence[str]) -> "TextRequest":
+                 stops: Sequence[str], constraint=None, keep_special: bool = False) -> "TextRequest":
         """Submit one request now (so a refusal comes before any reply is sent); iterate the returned
-        :class:`TextRequest` for its text. Call from the event loop's thread.
+        :class:`TextRequest` for its text. Call from the event loop's thread. ``constraint``: its token mask
+        (:meth:`constraint`); ``keep_special``: its text keeps special tokens (not its end-of-sequence).
 
         Raises: ApiError: 400 a bad prompt, 429 the queue is full, 503 shutting down.
         """
+        return self.generate_choices(ids, max_new_tokens, sampling, stops,
+                                     constraints=None if constraint is None else [constraint],
+                                     keep_special=keep_special)[0]
+
+    def generate_choices(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, stops: Sequence[str],
+                         n: int = 1, top_logprobs: int | None = None, prompt_logprobs: bool = False,
+                         constraints: Sequence | None = None, keep_special: bool = False) -> list["TextRequest"]:
+        """:meth:`generate` of ``n`` choices of one prompt, sharing its prefill (choice ``i`` samples with
+        ``sampling.choice(i)``: its own seed derived from the request's); ``top_logprobs``: each token's log
+        probability and that many most likely tokens (None: none); ``prompt_logprobs``: the prompt's too (the
+        first request's :attr:`TextRequest.prompt_entries`); ``constraints``: None, or each choice's token mask
+        (:meth:`constraint`, one per choice: each holds its own grammar state).
+
+        Raises: as :meth:`generate`; 400 ``n`` past the rows of the batch.
+        """
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[SequenceEvent] = asyncio.Queue()
+        queues: list[asyncio.Queue[SequenceEvent]] = [asyncio.Queue() for _ in range(n)]
         if self.stopping:
             raise ApiError(503, "the server is shutting down", type="server_error")
         try:
-            ticket = self.batcher.submit(ids, max_new_tokens, sampling, self.tokenizer.eos_ids,
-                                         lambda event: _deliver(loop, events, event))
+            tickets = self.batcher.submit_choices(
+                ids, max_new_tokens, [sampling.choice(i) for i in range(n)], self.tokenizer.eos_ids,
+                [lambda event, q=q: _deliver(loop, q, event) for q in queues], top_logprobs, prompt_logprobs,
+                constraints)
         except BusyError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
         except (InputError, CacheCapacityError) as exc:
-            raise ApiError(400, str(exc)) from None
-        return TextRequest(self, ticket, events, stops)
+            raise ApiError(400, str(exc), param="n" if n > 1 and str(exc).startswith("n ") else None) from None
+        return [TextRequest(self, ticket, queue, stops, keep_special, counts_prompt=i == 0)
+                for i, (ticket, queue) in enumerate(zip(tickets, queues))]
+
+    def token_text(self, token: int) -> tuple[str, bytes]:
+        """``(text, bytes)`` of ``token`` as a log probability entry names it (:class:`TokenEntry`)."""
+        known = self._token_texts.get(token)
+        if known is None:
+            raw = self.tokenizer.token_bytes(token)
+            known = self._token_texts[token] = (raw.decode("utf-8", errors="backslashreplace"), raw)
+        return known
+
+    def entry(self, logprob, offset: int) -> TokenEntry:
+        """The :class:`TokenEntry` of a batcher's :class:`~mla_deploy.generate.logprobs.TokenLogprob`."""
+        text, raw = self.token_text(logprob.token)
+        top = tuple((*self.token_text(i), value) for i, value in logprob.top)
+        return TokenEntry(text, raw, logprob.logprob, top, offset)
+
+    def prompt_entries(self, ids: Sequence[int], logprobs: Sequence) -> list[TokenEntry]:
+        """The entries of a prompt's tokens (``echo``): the first without a log probability, then ``logprobs`` (one
+        per later token); offsets in the prompt's decoded text."""
+        detokenizer, offset, out = self.tokenizer.detokenizer(), 0, []
+        for i, token in enumerate(ids):
+            if i == 0:
+                text, raw = self.token_text(int(token))
+                out.append(TokenEntry(text, raw, None, (), 0))
+            else:
+                out.append(self.entry(logprobs[i - 1], offset))
+            offset += len(detokenizer.push(int(token)))
+        return out
 
 
 def _tokenizer(artifact: str | Path):
@@ -277,9 +378,14 @@ class TextRequest:
     Raises (while iterated): ApiError: 408 past the request timeout, 500 the engine failed, 503 shutting down.
     """
 
-    def __init__(self, service: Service, ticket, events: asyncio.Queue, stops: Sequence[str]):
+    def __init__(self, service: Service, ticket, events: asyncio.Queue, stops: Sequence[str],
+                 keep_special: bool = False, counts_prompt: bool = True):
         self.service, self.ticket, self.events, self.stops = service, ticket, events, stops
-        self.prompt_tokens, self.tokens = ticket.prompt_length, 0
+        self.keep_special = keep_special
+        # the usage counts a prompt once, however many choices share it
+        self.prompt_tokens, self.tokens = ticket.prompt_length if counts_prompt else 0, 0
+        #: the prompt's log probabilities (as the batcher reports them with the first token), where asked
+        self.prompt_logprobs: tuple | None = None
 
     def cancel(self) -> None:
         self.ticket.cancel("cancelled")
@@ -287,10 +393,11 @@ class TextRequest:
     async def __aiter__(self) -> AsyncIterator[Piece]:
         service, ticket = self.service, self.ticket
         loop = asyncio.get_running_loop()
-        detokenizer, stop = service.tokenizer.detokenizer(), StopText(self.stops)
+        detokenizer, stop = service.tokenizer.detokenizer(not self.keep_special), StopText(self.stops)
         timeout = service.options.request_timeout
         deadline, done = ticket.submitted - time.perf_counter() + loop.time() + timeout, False
         last = ticket.submitted  # the time of the previous token (the submission before the first)
+        produced, entries = 0, []  # characters of text so far; log probability entries not yet in a piece
         try:
             while not done:
                 try:
@@ -307,17 +414,25 @@ class TextRequest:
                 if service.metrics is not None:
                     service.metrics.token(now - last, first=self.tokens == 1)
                 last = now
-                text = detokenizer.push(event.token) + (detokenizer.flush() if event.finished else "")
+                if event.prompt_logprobs is not None:
+                    self.prompt_logprobs = event.prompt_logprobs
+                if event.logprob is not None:
+                    entries.append(service.entry(event.logprob, produced))
+                shown_token = not (self.keep_special and event.token in ticket.eos_ids)
+                text = (detokenizer.push(event.token) if shown_token else "") + \
+                    (detokenizer.flush() if event.finished else "")
+                produced += len(text)
                 shown, hit = stop.feed(text)
                 if hit:
                     ticket.cancel("stop")
                     done = True
-                    yield Piece(shown, self.tokens, "stop")
+                    yield Piece(shown, self.tokens, "stop", tuple(entries))
                 elif event.finished:
                     done = True
-                    yield Piece(shown + stop.flush(), self.tokens, FINISH[event.finished])
+                    yield Piece(shown + stop.flush(), self.tokens, FINISH[event.finished], tuple(entries))
                 elif shown:
-                    yield Piece(shown, self.tokens)
+                    yield Piece(shown, self.tokens, logprobs=tuple(entries))
+                    entries = []
         finally:
             if not done:
                 ticket.cancel("cancelled")

@@ -40,6 +40,21 @@ def test_the_serving_bench_prints_one_row_per_concurrency(tmp_path):
     assert "| mla-deploy run | 3 |" in result.stdout
 
 
+def test_the_features_bench_measures_the_prefix_cache_and_chunked_prefill(tmp_path):
+    out = tmp_path / "features.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), str(text_artifact("static")), "--features",
+                             "--system-length", "100", "--hits", "2", "--long-prompt", "200", "--long-count", "1",
+                             "--streams", "2", "--prefill-chunk", "32", "--threads", "1", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "faster than without the prefix cache" in result.stdout and "| --prefill-chunk 32 |" in result.stdout
+    rows = json.loads(out.read_text())
+    prefix, chunks = rows["prefix_cache"], rows["chunked_prefill"]
+    assert prefix["tokens_reused"] == 2 * 96 and prefix["ttft_hit_ms"] > 0 and prefix["speedup"] > 0
+    for name in ("whole", "chunked"):
+        assert chunks[name]["gaps"] > 0 and chunks[name]["max_ms"] >= chunks[name]["p99_ms"] > 0
+
+
 def test_an_artifact_without_a_tokenizer_is_refused_in_one_line():
     from artifacts import tiny_artifact
 

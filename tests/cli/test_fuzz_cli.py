@@ -26,7 +26,7 @@ VALUES = st.one_of(
 COMMANDS = [
     (["serve", "/nonexistent/artifact"], ["--port", "--max-batch", "--max-cache-length", "--max-queue",
                                           "--request-timeout", "--grace", "--client-timeout", "--host", "--api-key",
-                                          "--threads", "--replicas"]),
+                                          "--threads", "--replicas", "--prefill-chunk", "--prefix-cache-mb"]),
     (["run", "/nonexistent/artifact", "--prompt-ids", "1,2"], ["--max-new-tokens", "--temperature", "--top-k",
                                                                "--top-p", "--seed", "--threads", "--prefill-chunk"]),
     (["export", "--preset", "tiny", "--dump-recipe"], ["--max-cache-length", "--layers", "--precision",

@@ -26,13 +26,14 @@ KEY = "sk-test-key"
 
 
 class Server:
-    """A `mla-deploy serve` process on a free port; :meth:`stop` sends a signal and returns its exit status."""
+    """A `mla-deploy serve` process on a free port (``env``: variables set for it); :meth:`stop` sends a signal and
+    returns its exit status."""
 
-    def __init__(self, artifact, *args, new_session: bool = False):
+    def __init__(self, artifact, *args, new_session: bool = False, env: dict | None = None):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "mla_deploy", "serve", str(artifact), "--port", "0", "--threads", "1", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=new_session)
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=new_session)
         seen = []  # the announcement, after whatever a library printed before it
         while not seen or not (match := re.search(r"serving .* at (http://127\.0\.0\.1:(\d+)/v1)", seen[-1])):
             seen.append(self.process.stderr.readline())

@@ -139,7 +139,9 @@ BAD = [
     ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "does not exist"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n > 1"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 5}, 400, "(--max-batch)"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "bogus": 1}, 400, "Unrecognized request argument"),
     ("/v1/completions", {"model": "M", "prompt": [1, 100000]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"model": "M", "prompt": []}, 400, "prompt is empty"),
@@ -147,8 +149,10 @@ BAD = [
     ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
-     "logprobs"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/nowhere", {"model": "M"}, 404, "Not Found"),
 ]
 
