@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import MLAConfig
-from .errors import CacheCapacityError, ConfigError, InputError
+from .errors import CacheCapacityError, ConfigError, InputError, ShapeError
 from .io_spec import (BATCH, CAPACITY, LOGITS, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, index_past_name,
                       index_present_name, past_name, present_name)
 
@@ -73,6 +73,34 @@ def cache_tensors(config: MLAConfig, layers: int | None = None) -> list[CacheTen
 def cache_elements_per_token(config: MLAConfig) -> int:
     """Cached numbers per token per layer: the latent row, plus the index keys with sparse attention."""
     return config.latent_dim + (config.index_head_dim if config.is_sparse else 0)
+
+
+def layer_rows(config: MLAConfig, per_tensor: Sequence[np.ndarray]) -> np.ndarray:
+    """Rows read from each cache tensor (:func:`cache_tensors`' order, each ``[T, width]``) as one array per layer,
+    ``[layers, T, W]`` with ``W`` = :func:`cache_elements_per_token`: a layer's latent row, then its index keys. What
+    a prefix cache keeps of a prompt."""
+    tensors = cache_tensors(config)
+    if len(per_tensor) != len(tensors):
+        raise ShapeError(f"{len(per_tensor)} cache tensors' rows, the model has {len(tensors)}")
+    layers: list[list[np.ndarray]] = [[] for _ in range(config.num_hidden_layers)]
+    for tensor, rows in zip(tensors, per_tensor):
+        layers[tensor.layer].append(np.asarray(rows))
+    return np.stack([np.concatenate(parts, axis=-1) for parts in layers])
+
+
+def tensor_rows(config: MLAConfig, rows: np.ndarray) -> list[np.ndarray]:
+    """The inverse of :func:`layer_rows`: ``rows [layers, T, W]`` as each cache tensor's ``[T, width]`` (views).
+
+    Raises: ShapeError: ``rows`` not ``[num_hidden_layers, T, cache_elements_per_token]``."""
+    rows, width = np.asarray(rows), cache_elements_per_token(config)
+    if rows.ndim != 3 or rows.shape[0] != config.num_hidden_layers or rows.shape[2] != width:
+        raise ShapeError(f"cache rows {list(rows.shape)} must be [{config.num_hidden_layers}, T, {width}]")
+    out, start = [], [0] * config.num_hidden_layers
+    for tensor in cache_tensors(config):
+        at = start[tensor.layer]
+        out.append(rows[tensor.layer, :, at: at + tensor.width])
+        start[tensor.layer] = at + tensor.width
+    return out
 
 Range = tuple[int, int, int]
 

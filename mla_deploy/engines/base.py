@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..artifact import Manifest
-from ..cache_layout import CacheState, cache_tensors
+from ..cache_layout import CacheState, cache_tensors, layer_rows, tensor_rows
 from ..errors import InputError, RuntimeMissingError, ShapeError
 from ..generate.loop import Generation, GenerationStream, generate_tokens, stream_tokens
 from ..generate.request import check_ids
@@ -253,21 +253,21 @@ class Engine:
             state.lengths[target] = count
 
     def read_rows(self, state: CacheState, row: int, start: int, stop: int) -> np.ndarray:
-        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer: ``[layers, stop - start, C]`` on the host
-        (a copy). What a prefix cache keeps of a prompt. Raises: as :meth:`copy_rows`."""
+        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer: ``[layers, stop - start, W]`` on the host
+        (a copy; ``W`` the latent row, with sparse attention followed by the index keys:
+        :func:`~mla_deploy.cache_layout.layer_rows`). What a prefix cache keeps of a prompt. Raises: as
+        :meth:`copy_rows`."""
         self._check_row(state, row, stop)
-        return np.stack([self.layout.slots(self._host_view(cache), row, start, stop) for cache in state.caches])
+        return layer_rows(self.config, [self.layout.slots(self._host_view(cache), row, start, stop)
+                                        for cache in state.caches])
 
     def write_rows(self, state: CacheState, row: int, start: int, rows: np.ndarray) -> None:
-        """Write ``rows [layers, T, C]`` (from :meth:`read_rows`) into sequence ``row`` at slots ``start ..``; the
+        """Write ``rows [layers, T, W]`` (from :meth:`read_rows`) into sequence ``row`` at slots ``start ..``; the
         sequence then holds ``start + T`` rows. Raises: as :meth:`copy_rows`; ShapeError: ``rows`` of another shape."""
         rows = np.asarray(rows)
         self._check_row(state, row, start + rows.shape[1] if rows.ndim == 3 else 0)
-        if rows.ndim != 3 or rows.shape[0] != len(state.caches) or rows.shape[2] != self.config.latent_dim:
-            raise ShapeError(f"cache rows {list(rows.shape)} must be [{len(state.caches)}, T, "
-                             f"{self.config.latent_dim}]")
-        for cache, layer in zip(state.caches, rows):
-            self.layout.slots(self._host_view(cache), row, start, start + len(layer))[...] = layer
+        for cache, part in zip(state.caches, tensor_rows(self.config, rows), strict=True):
+            self.layout.slots(self._host_view(cache), row, start, start + len(part))[...] = part
         state.lengths[row] = start + rows.shape[1]
 
     def check_request(self, prompt_length: int, max_new_tokens: int) -> None:

@@ -99,6 +99,36 @@ def test_validate_and_inspect(exported, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("exported", STATIC[:1], ids=[c for c, _ in STATIC[:1]], indirect=True)
+def test_cache_rows_copied_and_through_the_host_carry_the_index_keys(exported):
+    """What the server's prefix cache and `n` > 1 do: a prompt's rows copied to other sequences (``copy_rows``) and
+    through the host (``read_rows`` / ``write_rows``, each layer's latent row then its index keys), the rest of the
+    prompt prefilled after them: every copy decodes the logits of the sequence prefilled whole."""
+    import numpy as np
+
+    case, mode, hf, _, out = exported
+    engine, prompt = OrtEngine(out, threads=1, capacity=32), PROMPTS[0]
+    state = engine.new_state(4)
+    engine.prefill(np.array([prompt]), np.array([len(prompt)]), engine.rows(state, 0, 1))
+    engine.copy_rows(state, 0, [2, 3], len(prompt))
+    rows = engine.read_rows(state, 0, 0, len(prompt))
+    c = hf.config
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    assert rows.shape == (c.num_hidden_layers, len(prompt), latent + c.index_head_dim)
+    np.testing.assert_array_equal(engine.read_rows(state, 3, 0, len(prompt)), rows)
+    engine.write_rows(state, 1, 0, rows[:, :6])
+    engine.prefill(np.array([prompt[6:]]), np.array([len(prompt) - 6]), engine.rows(state, 1, 2))
+    assert state.lengths.tolist() == [len(prompt)] * 4
+    logits = engine.to_host(engine.decode(np.array([7, 7, 7, 7]), engine.rows(state, 0, 4)))
+    for row in (1, 2, 3):
+        np.testing.assert_allclose(logits[row], logits[0], atol=1e-5, rtol=0)
+    keys_lost = rows * np.r_[np.ones(latent), np.zeros(c.index_head_dim)]  # the indexer then chooses other tokens
+    engine.write_rows(state, 1, 0, keys_lost)
+    lost = engine.to_host(engine.decode(np.array([7]), engine.rows(state, 1, 2)))
+    assert np.abs(lost[0] - logits[0]).max() > 1e-3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["deepseek_v32-sparse", "glm_moe_dsa-sparse"])
 def test_without_the_selection_the_comparison_fails(checkpoints, case, tmp_path):
     """The mutation check: the same weights exported with index_topk past every context (no token ever left out)
