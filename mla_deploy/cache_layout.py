@@ -20,6 +20,10 @@ at the slot ``total - S`` of an ``attention_mask [B, total]`` whose zeros mark l
 no artifact cache mode (not in :data:`CACHE_MODES`): genai runs it, so it answers the graph and tracing
 questions and refuses the host-side ones.
 
+A model with DeepSeek Sparse Attention has a second cache per layer, its indexer's keys (``index_head_dim`` per
+token): :func:`cache_tensors` lists every cache tensor of a model (names, width), in graph order, and the layouts
+lay each out alike; engines carry ``CacheState.caches`` in that order without knowing what each holds.
+
 Everything else asks the layout (``get_layout(mode)``, or :data:`GENAI`) instead of comparing mode strings. The tensor names and
 axis names themselves are in :mod:`mla_deploy.io_spec`.
 
@@ -35,10 +39,68 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import MLAConfig
-from .errors import CacheCapacityError, ConfigError, InputError
-from .io_spec import BATCH, CAPACITY, LOGITS, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, past_name, present_name
+from .errors import CacheCapacityError, ConfigError, InputError, ShapeError
+from .io_spec import (BATCH, CAPACITY, LOGITS, PAST, PRECISIONS, SEQ, TOTAL, TensorSpec, index_past_name,
+                      index_present_name, past_name, present_name)
 
 CACHE_MODES = ("concat", "static")
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    """One cache of the graph: its input and output names, its channels and what it holds (``latent`` or
+    ``index``) of which layer."""
+
+    past: str
+    present: str
+    width: int
+    kind: str
+    layer: int
+
+
+def cache_tensors(config: MLAConfig, layers: int | None = None) -> list[CacheTensor]:
+    """Every cache tensor of ``config``'s graph, in graph order: ``past_latent.{i}`` of each layer, then with
+    DeepSeek Sparse Attention ``past_index.{i}`` (``index_head_dim`` wide) of each layer. ``layers``: how many
+    layers (default ``num_hidden_layers``)."""
+    layers = config.num_hidden_layers if layers is None else layers
+    out = [CacheTensor(past_name(i), present_name(i), config.latent_dim, "latent", i) for i in range(layers)]
+    if config.is_sparse:
+        out += [CacheTensor(index_past_name(i), index_present_name(i), config.index_head_dim, "index", i)
+                for i in range(layers)]
+    return out
+
+
+def cache_elements_per_token(config: MLAConfig) -> int:
+    """Cached numbers per token per layer: the latent row, plus the index keys with sparse attention."""
+    return config.latent_dim + (config.index_head_dim if config.is_sparse else 0)
+
+
+def layer_rows(config: MLAConfig, per_tensor: Sequence[np.ndarray]) -> np.ndarray:
+    """Rows read from each cache tensor (:func:`cache_tensors`' order, each ``[T, width]``) as one array per layer,
+    ``[layers, T, W]`` with ``W`` = :func:`cache_elements_per_token`: a layer's latent row, then its index keys. What
+    a prefix cache keeps of a prompt."""
+    tensors = cache_tensors(config)
+    if len(per_tensor) != len(tensors):
+        raise ShapeError(f"{len(per_tensor)} cache tensors' rows, the model has {len(tensors)}")
+    layers: list[list[np.ndarray]] = [[] for _ in range(config.num_hidden_layers)]
+    for tensor, rows in zip(tensors, per_tensor):
+        layers[tensor.layer].append(np.asarray(rows))
+    return np.stack([np.concatenate(parts, axis=-1) for parts in layers])
+
+
+def tensor_rows(config: MLAConfig, rows: np.ndarray) -> list[np.ndarray]:
+    """The inverse of :func:`layer_rows`: ``rows [layers, T, W]`` as each cache tensor's ``[T, width]`` (views).
+
+    Raises: ShapeError: ``rows`` not ``[num_hidden_layers, T, cache_elements_per_token]``."""
+    rows, width = np.asarray(rows), cache_elements_per_token(config)
+    if rows.ndim != 3 or rows.shape[0] != config.num_hidden_layers or rows.shape[2] != width:
+        raise ShapeError(f"cache rows {list(rows.shape)} must be [{config.num_hidden_layers}, T, {width}]")
+    out, start = [], [0] * config.num_hidden_layers
+    for tensor in cache_tensors(config):
+        at = start[tensor.layer]
+        out.append(rows[tensor.layer, :, at: at + tensor.width])
+        start[tensor.layer] = at + tensor.width
+    return out
 
 Range = tuple[int, int, int]
 
@@ -109,7 +171,8 @@ class CacheLayout:
             head_outputs: the outputs before the caches (default: ``logits [batch_size, logits_length, V]``).
             layers: caches (default: ``config.num_hidden_layers``).
         Returns:
-            ``(head_inputs + [control] + past_latent.{i}, head_outputs + present_latent.{i})``.
+            ``(head_inputs + [control] + past caches, head_outputs + present caches)``, the caches in
+            :func:`cache_tensors`' order.
         """
         if precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -120,14 +183,23 @@ class CacheLayout:
                            TensorSpec("logits_index", "int64", (BATCH, LOGITS))]
         if head_outputs is None:
             head_outputs = [TensorSpec("logits", dtype, (BATCH, LOGITS, config.vocab_size))]
-        past, present = self.cache_shapes(config.latent_dim)
-        inputs = [*head_inputs, self.control_spec(), *(TensorSpec(past_name(i), dtype, past) for i in range(layers))]
-        outputs = [*head_outputs, *(TensorSpec(present_name(i), dtype, present) for i in range(layers))]
+        tensors = cache_tensors(config, layers)
+        inputs = [*head_inputs, self.control_spec(),
+                  *(TensorSpec(t.past, dtype, self.cache_shapes(t.width)[0]) for t in tensors)]
+        outputs = [*head_outputs, *(TensorSpec(t.present, dtype, self.cache_shapes(t.width)[1]) for t in tensors)]
         return inputs, outputs
 
     def describe(self, config: MLAConfig) -> dict[str, Any]:
         """The manifest's ``cache`` entry: mode, width, channel split, per-layer tensor names, aliasing."""
         r, c = config.kv_lora_rank, config.latent_dim
+        index = {}
+        if config.is_sparse:
+            index = {"index": {
+                "width": config.index_head_dim, "index_topk": config.index_topk,
+                "holds": "each layer's lightning-indexer keys, LayerNorm(wk x) with the first qk_rope_head_dim channels "
+                         "rotated (interleaved pairs); each query attends to the index_topk tokens they score highest",
+                "layers": [{"past": index_past_name(i), "present": index_present_name(i)}
+                           for i in range(config.num_hidden_layers)]}}
         return {
             "mode": self.mode,
             "width": c,
@@ -137,6 +209,7 @@ class CacheLayout:
             "sequence_axis": -2,
             "layers": [{"past": past_name(i), "present": present_name(i)} for i in range(config.num_hidden_layers)],
             "aliased": self.in_place,
+            **index,
         }
 
     def manifest_capacity(self, max_cache_length: int | None) -> int | None:
@@ -161,6 +234,15 @@ class CacheLayout:
         """Tracing inputs: ``(control, [cache] * layers)`` for ``batch`` sequences holding ``past`` rows that add
         ``steps`` rows (every dynamic axis must be traced at >= 2: an axis traced at 1 is frozen)."""
         raise NotImplementedError
+
+    def example_caches(self, config: MLAConfig, batch: int, past: int, steps: int, capacity: int, dtype,
+                       layers: int | None = None):
+        """:meth:`example_state` for every cache of ``config`` (:func:`cache_tensors`): ``(control, caches)``."""
+        control, caches = None, []
+        for tensor in cache_tensors(config, layers):
+            control, (cache,) = self.example_state(batch, past, steps, tensor.width, 1, capacity, dtype)
+            caches.append(cache)
+        return control, caches
 
     def policy(self, control):
         """The PyTorch cache policy for one step, given the control tensor (mask or write indices)."""
@@ -205,9 +287,10 @@ class CacheLayout:
         """Concrete shape of one layer's cache: concat ``[B, length, C]``, static ``[B, 1, length, C]``."""
         raise NotImplementedError
 
-    def new_state(self, batch: int, width: int, layers: int, capacity: int | None,
+    def new_state(self, batch: int, widths: Sequence[int], capacity: int | None,
                   allocate: Callable[[tuple[int, ...]], Any]) -> CacheState:
-        """An empty cache for ``batch`` sequences; ``allocate(shape)`` makes one zeroed array of the engine's kind."""
+        """An empty cache for ``batch`` sequences: one array per entry of ``widths`` (the channels of each cache
+        tensor, :func:`cache_tensors`' order); ``allocate(shape)`` makes one zeroed array of the engine's kind."""
         raise NotImplementedError
 
     def room(self, prompt_length: int, capacity: int | None) -> int | None:
@@ -314,8 +397,8 @@ class ConcatLayout(CacheLayout):
     def cache_shape(self, batch, length, width):
         return (batch, length, width)
 
-    def new_state(self, batch, width, layers, capacity, allocate):
-        caches = [allocate(self.cache_shape(batch, 0, width)) for _ in range(layers)]
+    def new_state(self, batch, widths, capacity, allocate):
+        caches = [allocate(self.cache_shape(batch, 0, width)) for width in widths]
         return CacheState(np.zeros(batch, dtype=np.int64), caches, np.zeros((batch, 0), dtype=np.int64))
 
     def control_input(self, state, valid):
@@ -378,10 +461,10 @@ class StaticLayout(CacheLayout):
     def cache_shape(self, batch, length, width):
         return (batch, 1, length, width)
 
-    def new_state(self, batch, width, layers, capacity, allocate):
+    def new_state(self, batch, widths, capacity, allocate):
         if not capacity or capacity < 1:
             raise CacheCapacityError("a static cache needs a capacity (the manifest has none; pass capacity=)")
-        caches = [allocate(self.cache_shape(batch, capacity, width)) for _ in range(layers)]
+        caches = [allocate(self.cache_shape(batch, capacity, width)) for width in widths]
         return CacheState(np.zeros(batch, dtype=np.int64), caches, capacity=int(capacity))
 
     def room(self, prompt_length, capacity):
@@ -424,6 +507,13 @@ class GenaiLayout(CacheLayout):
     past_key_names, past_value_names = "past_key_values.%d.key", "past_key_values.%d.value"
     present_key_names, present_value_names = "present.%d.key", "present.%d.value"
 
+    def check_model(self, config: MLAConfig) -> None:
+        """Refuse a model whose cache genai cannot hold: DeepSeek Sparse Attention's index keys are a second cache
+        per layer, which genai's key/value contract has no place for."""
+        if config.is_sparse:
+            raise ConfigError(f"{config.name}: the genai target holds one key/value pair per layer; DeepSeek Sparse "
+                              "Attention's index-key cache has no place in it (export without --target genai)")
+
     def block_widths(self, latent_dim: int) -> tuple[int, int]:
         """The key and value halves of the latent row.
 
@@ -443,6 +533,7 @@ class GenaiLayout(CacheLayout):
 
     def io(self, config, precision, head_inputs=None, head_outputs=None, layers=None):
         """genai's inputs and outputs, in graph order (the heads are genai's: ``input_ids``; ``logits [B, S, V]``)."""
+        self.check_model(config)
         if precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         dtype, past = PRECISIONS[precision], self.cache_shapes(config.latent_dim)[0]

@@ -3,6 +3,8 @@
 * ``MHA``: textbook multi-head attention with the same heads: ``2 * H * v_head_dim`` (K and V per head).
 * ``CD``: MLA with the decompressed per-head cache: ``H * (qk_nope + qk_rope + v_head_dim)``.
 * ``latent``: MLA's cache: ``kv_lora_rank + qk_rope_head_dim`` (``c_kv`` and the shared ``k_pe``).
+* ``index``: with DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5), the lightning indexer's keys each layer caches
+  beside the latent row: ``index_head_dim``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def cache_rows(config: MLAConfig) -> list[CacheRow]:
         CacheRow("CD", f"H*(qk_nope+qk_rope+v) = {h}*({c.qk_nope_head_dim}+{c.qk_rope_head_dim}+{c.v_head_dim})",
                  cd, cd / latent),
         CacheRow("latent", f"kv_lora_rank+qk_rope = {c.kv_lora_rank}+{c.qk_rope_head_dim}", latent, 1.0),
-    ]
+    ] + ([CacheRow("index", f"index_head_dim = {c.index_head_dim} (sparse attention's indexer keys, beside the latent)",
+                   c.index_head_dim, c.index_head_dim / latent)] if c.is_sparse else [])
 
 
 def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
@@ -78,6 +81,9 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
                                "dense layer(s) " + ", ".join(str(i) for i, t in enumerate(c.mlp_layer_types)
                                                              if t == "dense"))
                             + (", post_mlp_layernorm" if c.post_mlp_layernorm else "")))
+    if c.is_sparse:
+        dims.append(("sparse attention", f"each query attends to the index_topk={c.index_topk} tokens its indexer "
+                                         f"scores highest ({c.index_n_heads} heads of {c.index_head_dim})"))
     dims += [("qk_head_dim", c.qk_head_dim), ("absorbed query / latent row width", c.latent_dim),
              ("softmax_scale", f"{c.softmax_scale:.8f}")]
     width = max(len(k) for k, _ in dims)
@@ -87,9 +93,17 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
     for row in cache_rows(c):
         lines.append(f"  {row.kind:<7} {row.elements:>9} {row.bytes('fp32'):>9} {row.bytes('bf16'):>9} "
                      f"{row.ratio_to_latent:>9.2f}  {row.formula}")
-    latent = cache_rows(c)[-1]
-    per_tok = latent.bytes("bf16") * c.num_hidden_layers
-    lines += ["", f"latent cache, all {c.num_hidden_layers} layers: {per_tok / 1024:.1f} KiB/token (bf16); "
-                  f"{per_tok * c.max_position_embeddings / 2**30:.2f} GiB for one sequence of "
-                  f"{c.max_position_embeddings} tokens"]
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + _totals(c))
+
+
+def _totals(config: MLAConfig) -> list[str]:
+    """The whole model's cache per token and per longest sequence: the latent, and with sparse attention the latent
+    plus the index keys."""
+    c, per_tok, out = config, 0, []
+    for row in cache_rows(c)[2:]:
+        per_tok += row.bytes("bf16") * c.num_hidden_layers
+        kind = "latent" if row.kind == "latent" else "latent + index"
+        out.append(f"{kind} cache, all {c.num_hidden_layers} layers: {per_tok / 1024:.1f} KiB/token (bf16); "
+                   f"{per_tok * c.max_position_embeddings / 2**30:.2f} GiB for one sequence of "
+                   f"{c.max_position_embeddings} tokens")
+    return out

@@ -43,6 +43,7 @@ from .artifact.files import require_regular_file
 from .config import HFLayout, MLAConfig, read_hf_config
 from .errors import CheckpointError, ConfigError, name_list
 from .model.hf import from_hf_model  # noqa: F401  (re-exported: the in-memory counterpart of load_checkpoint)
+from .model.dsa import interleave_index_rows
 from .model.rope import interleave_rope_rows
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,8 @@ class CheckpointTensors:
             self._copy(src, slot, out if slot.expert is None else out[slot.expert])
         if not self.layout.rope_interleave:
             out = interleave_rope_rows(key, out, self.config)
+        if not self.layout.index_rope_interleave:
+            out = interleave_index_rows(key, out, self.config)
         return out
 
     def expert(self, key: str, index: int) -> torch.Tensor:

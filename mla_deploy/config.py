@@ -180,6 +180,13 @@ class MLAConfig:
             ``hidden_size / dim_model_base`` before lm_head (:attr:`logits_scaling`; None: 1).
         llama_4_scaling_beta: Mistral 4's position-dependent query scale ``1 + beta * ln(1 + floor(p / n))`` at
             position ``p``, ``n`` the YaRN ``original_max_position_embeddings`` (1 below ``n``); None: none.
+        index_topk: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each query attends only to the
+            ``index_topk`` cached tokens its layer's lightning indexer scores highest (every token while the context
+            is at most ``index_topk``); None: dense MLA. Needs ``q_lora_rank`` (the indexer reads the compressed
+            query).
+        index_head_dim: the indexer's key width: what each layer caches per token beside the latent row (its first
+            ``qk_rope_head_dim`` channels rotated).
+        index_n_heads: the indexer's query heads.
     """
 
     name: str
@@ -217,6 +224,9 @@ class MLAConfig:
     scale_depth: float | None = None
     dim_model_base: int | None = None
     llama_4_scaling_beta: float | None = None
+    index_topk: int | None = None
+    index_head_dim: int | None = None
+    index_n_heads: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -244,6 +254,8 @@ class MLAConfig:
         if self.llama_4_scaling_beta is not None and not isinstance(self.rope_scaling, YarnScaling):
             raise ConfigError(f"{self.name}: llama_4_scaling_beta scales queries by their position over YaRN's "
                               "original_max_position_embeddings, and the rope has no YaRN scaling")
+        if self.index_topk is not None or self.index_head_dim is not None or self.index_n_heads is not None:
+            self._check_sparse()
         if isinstance(self.rope_scaling, LongRopeScaling):
             long = self.rope_scaling
             if len(long.short_factor) != self.qk_rope_head_dim // 2:
@@ -254,6 +266,19 @@ class MLAConfig:
                                   f"({long.original_max_position_embeddings} < max_position_embeddings "
                                   f"{self.max_position_embeddings}) switches to long_factor with the sequence length; "
                                   "only static longrope is supported")
+
+    def _check_sparse(self) -> None:
+        for f in ("index_topk", "index_head_dim", "index_n_heads"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{self.name}: {f} must be a positive integer (DeepSeek Sparse Attention), "
+                                  f"got {value!r}")
+        if self.q_lora_rank is None:
+            raise ConfigError(f"{self.name}: DeepSeek Sparse Attention's indexer reads the compressed query, and "
+                              "q_lora_rank is absent")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ConfigError(f"{self.name}: index_head_dim ({self.index_head_dim}) is narrower than the rope slice "
+                              f"it rotates (qk_rope_head_dim {self.qk_rope_head_dim})")
 
     def _check_schedule(self) -> None:
         types = self._check_schedule_of(self.mlp_layer_types, self.num_hidden_layers, self.name)
@@ -324,6 +349,12 @@ class MLAConfig:
         if self.rope_scaling is not None:
             scale *= self.rope_scaling.softmax_mscale
         return scale
+
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek Sparse Attention: every layer has a lightning indexer and caches its keys (``index_head_dim``
+        per token) beside the latent row."""
+        return self.index_topk is not None
 
     @property
     def residual_scale(self) -> float:
@@ -399,7 +430,8 @@ class MLAConfig:
             out["mlp_layer_types"] = list(out["mlp_layer_types"])
         if not out["post_mlp_layernorm"]:
             del out["post_mlp_layernorm"]
-        for key in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta"):
+        for key in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta", "index_topk",
+                    "index_head_dim", "index_n_heads"):
             if out[key] is None:
                 del out[key]
         return out
@@ -504,13 +536,15 @@ _HF_JSON_TYPES: dict[str, tuple[type, ...]] = {
                            "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "moe_intermediate_size",
                            "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
                            "n_group", "topk_group", "moe_layer_freq", "num_nextn_predict_layers",
-                           "num_mtp_layers", "num_key_value_heads", "head_dim")},
+                           "num_mtp_layers", "num_key_value_heads", "head_dim", "index_topk", "index_head_dim",
+                           "index_n_heads")},
     **{k: (int, float) for k in ("rms_norm_eps", "routed_scaling_factor", "rope_theta", "scale_emb", "scale_depth")},
     "dim_model_base": (int,),
     **{k: (str,) for k in ("topk_method", "scoring_func", "model_type")},
     **{k: (bool,) for k in ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")},
     **{k: (dict,) for k in ("rope_scaling", "rope_parameters", "quantization_config", "text_config")},
     "mlp_layer_types": (list,),
+    "indexer_types": (list,),
 }
 # Keys whose value we check, because a value other than the expected one changes the math.
 _HF_EXPECTED = {
@@ -533,6 +567,8 @@ _HF_IGNORED = {
     "cross_attention_hidden_size", "layer_types", "max_window_layers",
     "sliding_window", "use_sliding_window", "bos_token", "eos_token", "rope_type", "index_topk",
     "q_head_dim", "embedding_initializer_range", "rope_interleave", "moe_layer_freq", "mlp_layer_types",
+    "index_head_dim", "index_n_heads", "indexer_types", "index_topk_freq", "index_skip_topk_offset",
+    "index_topk_pattern",
 }
 # Other spellings of DeepSeek's keys, as the types' config classes map them (``attribute_map``).
 _HF_ALIASES = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
@@ -562,6 +598,8 @@ class HFModelType:
             ``partial_rotary_factor`` of it), or ``any`` (Sarvam's own configs wrote kv_lora_rank + rope).
         query_scale: its rope block may hold ``llama_4_scaling_beta`` (Mistral 4's position-dependent query scale).
         zero_if_missing: name endings of tensors its releases may lack, which transformers then makes zero.
+        index_rope_interleave: DeepSeek Sparse Attention's indexer rotates its rope channels in interleaved pairs
+            (GLM-5) rather than half-rotated (DeepSeek-V3.2, whose rows the loader permutes); None: no indexer.
     """
 
     family: str
@@ -576,7 +614,10 @@ class HFModelType:
     head_dim: str = "rope"
     query_scale: bool = False
     zero_if_missing: tuple[str, ...] = ()
+    index_rope_interleave: bool | None = None
 
+
+_SPARSE_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
 
 #: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
 HF_MODEL_TYPES: dict[str, HFModelType] = {
@@ -604,11 +645,18 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
                                             "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
                                             "topk_group": 1, "first_k_dense_replace": 0},
                             head_dim="qk", query_scale=True),
+    # DeepSeek-V3.2: DeepSeek-V3 with a lightning indexer per layer (half-rotated rope on its keys), one MTP layer
+    "deepseek_v32": HFModelType("deepseek_v3", {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+                                                "first_k_dense_replace": 3},
+                                mtp_layers=1, extra_keys=_SPARSE_KEYS, index_rope_interleave=False),
+    # GLM-5: DeepSeek-V3.2's sparse attention with an interleaved indexer rope, one MTP layer
+    "glm_moe_dsa": HFModelType("deepseek_v3", {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+                                               "first_k_dense_replace": 3, "rms_norm_eps": 1e-5, "n_group": 1,
+                                               "topk_group": 1},
+                               mtp_layers=1, extra_keys=_SPARSE_KEYS, index_rope_interleave=True),
 }
 #: MLA model types of transformers that mla-deploy refuses, with the mechanism it lacks
 HF_REFUSED_TYPES: dict[str, str] = {
-    "deepseek_v32": "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet",
-    "glm_moe_dsa": "DeepSeek Sparse Attention (GLM-5's lightning indexer and its key cache) is not supported yet",
     "longcat_flash": "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported",
     "kimi_linear": "linear-attention layers (KDA) are not supported",
     "bailing_hybrid": "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported",
@@ -642,6 +690,8 @@ class HFLayout:
             order (pairs ``(i, i + d/2)``), which the loader permutes into DeepSeek's interleaved pairs.
         weight_block_size: the float8 block of ``quantization_config`` (DeepSeek-V3's 128 x 128).
         zero_if_missing: name endings of tensors that may be absent, read as zeros (A.X-K1's routing bias).
+        index_rope_interleave: False when the sparse-attention indexer's rope rows are half-rotated (DeepSeek-V3.2),
+            which the loader permutes into interleaved pairs.
     """
 
     model_type: str = "deepseek_v3"
@@ -652,6 +702,7 @@ class HFLayout:
     rope_interleave: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
     zero_if_missing: tuple[str, ...] = ()
+    index_rope_interleave: bool = True
 
 
 def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
@@ -712,7 +763,8 @@ def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
                       renames=kind.renames,
                       mtp_layers=kind.mtp_layers if mtp is None else mtp,
                       rope_interleave=raw.get("rope_interleave") is not False and not kind.half_rotated_rope,
-                      weight_block_size=block, zero_if_missing=kind.zero_if_missing)
+                      weight_block_size=block, zero_if_missing=kind.zero_if_missing,
+                      index_rope_interleave=kind.index_rope_interleave is not False)
     return config, layout
 
 
@@ -812,6 +864,8 @@ def _check_hf_math(raw: Mapping[str, Any], label: str, model_type: str, kind: HF
     kv_heads = raw.get("num_key_value_heads")
     if kv_heads is not None and heads is not None and kv_heads != heads:
         raise ConfigError(f"{label}: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
+    if kind.index_rope_interleave is not None:
+        _check_indexer_types(raw, label, model_type)
     head_dim = raw.get("head_dim")
     rope_dim, nope_dim = raw.get("qk_rope_head_dim"), raw.get("qk_nope_head_dim")
     if head_dim is not None and rope_dim is not None and kind.head_dim != "any":
@@ -820,6 +874,29 @@ def _check_hf_math(raw: Mapping[str, Any], label: str, model_type: str, kind: HF
                       ((nope_dim or 0) + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"))
         if head_dim != want:
             raise ConfigError(f"{label}: head_dim ({head_dim}) differs from {what} ({want})")
+
+
+def _check_indexer_types(raw: Mapping[str, Any], label: str, model_type: str) -> None:
+    """GLM-5's ``indexer_types`` (or the ``index_topk_freq`` / ``index_skip_topk_offset`` / ``index_topk_pattern``
+    transformers derives them from): a ``shared`` layer reuses an earlier layer's top-k, which is refused."""
+    types = raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None and raw.get("index_topk_freq") not in (None, 1):
+        freq, offset = raw["index_topk_freq"], raw.get("index_skip_topk_offset", 2)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (freq, offset)):
+            raise ConfigError(f"{label}: index_topk_freq and index_skip_topk_offset must be integers")
+        types = ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared"
+                 for i in range(raw.get("num_hidden_layers") or 0)]
+    if types is None:
+        return
+    if not isinstance(types, (list, tuple)) or any(t not in ("full", "shared") for t in types):
+        raise ConfigError(f"{label}: indexer_types must be a list of 'full' or 'shared', got {str(types)[:80]}")
+    shared = [i for i, t in enumerate(types) if t == "shared"]
+    if shared:
+        raise ConfigError(f"{label}: {model_type}: layers reusing an earlier layer's top-k (indexer_types 'shared', "
+                          f"layer {shared[0]}) are not supported; every layer must run its own indexer")
 
 
 def _hf_schedule(raw: Mapping[str, Any], fields: Mapping[str, Any], label: str) -> dict[str, Any]:
@@ -917,6 +994,7 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
                                       ("scale_emb/scale_depth/dim_model_base",
                                        (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None)),
                                       ("llama_4_scaling_beta", c.llama_4_scaling_beta is not None),
+                                      ("sparse attention (index_topk)", c.is_sparse),
                                       ("softmax noaux_tc routing", c.is_moe and c.topk_method == "noaux_tc"
                                        and c.scoring_func == "softmax")) if used]
     if beyond:

@@ -15,7 +15,13 @@ tensor               concat cache mode                            static cache m
 ``past_latent.{i}``  [batch_size, past_sequence_length, C]        [batch_size, 1, max_cache_length, C]
 ``logits``           [batch_size, logits_length, vocab_size]      same
 ``present_latent.{i}`` [batch_size, total_sequence_length, C]     [batch_size, 1, max_cache_length, C] (aliases the past)
+``past_index.{i}``   [batch_size, past_sequence_length, Di]       [batch_size, 1, max_cache_length, Di]
+``present_index.{i}`` [batch_size, total_sequence_length, Di]     [batch_size, 1, max_cache_length, Di] (aliases the past)
 ==================== ============================================ ===========================================
+
+The ``*_index.{i}`` caches exist only for a model with DeepSeek Sparse Attention (``index_topk`` set: DeepSeek-V3.2,
+GLM-5): each layer's lightning-indexer keys, ``Di = index_head_dim`` per token, after every ``past_latent`` input and
+every ``present_latent`` output.
 
 ``C = kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek): channels ``[0, kv_lora_rank)`` are ``c_kv``
 after ``kv_a_layernorm``; ``[kv_lora_rank, C)`` are ``k_pe`` after rope, adjacent pairs interleaved.
@@ -72,3 +78,13 @@ def past_name(layer: int) -> str:
 def present_name(layer: int) -> str:
     """Output name of layer ``layer``'s cache."""
     return f"present_latent.{layer}"
+
+
+def index_past_name(layer: int) -> str:
+    """Input name of layer ``layer``'s index-key cache (DeepSeek Sparse Attention)."""
+    return f"past_index.{layer}"
+
+
+def index_present_name(layer: int) -> str:
+    """Output name of layer ``layer``'s index-key cache (DeepSeek Sparse Attention)."""
+    return f"present_index.{layer}"

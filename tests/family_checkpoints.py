@@ -83,6 +83,9 @@ def _glm_mtp(folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+_mtp = _glm_mtp  # DeepSeek-V3.2 (layers.61) and GLM-5 (layers.78) carry one such layer too
+
+
 def _kimi_k2(folder: Path) -> None:
     """Kimi K2's text config names its type ``kimi_k2`` (DeepSeek-V3's config, renamed; transformers 5.24 does not
     register the name, Kimi K2.5's wrapper renames it back)."""
@@ -153,25 +156,43 @@ def _build(case: str):
         cfg = transformers.Kimi_K25Config(text_config=text.to_dict(), vision_config=vision, projection_hidden_size=32,
                                           tie_word_embeddings=False)
         return transformers.Kimi_K25ForConditionalGeneration, cfg, _kimi_k25_published
+    if case.startswith(("deepseek_v32", "glm_moe_dsa")):
+        # DeepSeek Sparse Attention: 8 indexer heads of 16 (rope 8 of them); "-sparse" keeps 4 tokens per query, so
+        # a prompt of 10+ tokens is past index_topk at the prefill and every decode step; "-dense" keeps 64
+        topk = 4 if case.endswith("-sparse") else 64
+        dsa = dict(index_topk=topk, index_head_dim=16, index_n_heads=8, first_k_dense_replace=1,
+                   mlp_layer_types=["dense", "sparse", "sparse"])
+        if case.startswith("deepseek_v32"):
+            cfg = transformers.DeepseekV32Config(**{**SMALL, **dsa, "rope_parameters": YARN})
+            return transformers.DeepseekV32ForCausalLM, cfg, _mtp
+        cfg = transformers.GlmMoeDsaConfig(**{**SMALL, **dsa, "n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5,
+                                              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+        return transformers.GlmMoeDsaForCausalLM, cfg, _mtp
     raise KeyError(case)
 
 
+#: DeepSeek Sparse Attention cases: each type with a top-k below and above the tested contexts
+SPARSE_CASES = ("deepseek_v32-sparse", "deepseek_v32-dense", "glm_moe_dsa-sparse", "glm_moe_dsa-dense")
 CASES = ("deepseek_v3-tied", "deepseek_v3-half-rope", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "youtu", "axk1",
          "kimi_k25", "minicpm3", "mistral4")
 
 
 @torch.no_grad()
-def write(case: str, folder: Path, seed: int = 0, std: float = 0.15, released: bool = True):
-    """Write the tiny checkpoint of ``case`` (one of :data:`CASES`) into ``folder``.
+def write(case: str, folder: Path, seed: int = 0, std: float = 0.15, released: bool = True,
+          vocab_size: int | None = None):
+    """Write the tiny checkpoint of ``case`` (one of :data:`CASES` or :data:`SPARSE_CASES`) into ``folder``.
 
     Args:
         released: rewrite the folder into the released layout (where the case has one); False: as transformers
             saved it.
+        vocab_size: another vocabulary size (e.g. a tokenizer's), for a case with a top-level config.
     Returns: the transformers model (float32, eval) that computes what the folder holds.
     """
     import transformers
 
     cls, cfg, rewrite = _build(case)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     rewrite = rewrite if released else None
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

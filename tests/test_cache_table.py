@@ -19,15 +19,17 @@ def test_presets_exist():
 
 @pytest.mark.parametrize("name", preset_names())
 def test_rows_equal_formulas(name):
-    """MHA = 2*H*v_head_dim, CD = H*(qk_nope+qk_rope+v), latent = kv_lora_rank+qk_rope; ratios to latent."""
+    """MHA = 2*H*v_head_dim, CD = H*(qk_nope+qk_rope+v), latent = kv_lora_rank+qk_rope, and with sparse attention
+    index = index_head_dim (DeepSeek-V3.2, GLM-5: the indexer's keys); ratios to latent."""
     c = load_recipe(name).model
     rows = _rows(name)
-    assert list(rows) == ["MHA", "CD", "latent"]
+    assert list(rows) == ["MHA", "CD", "latent"] + (["index"] if c.is_sparse else [])
     h = c.num_attention_heads
     expected = {
         "MHA": 2 * h * c.v_head_dim,
         "CD": h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim),
         "latent": c.kv_lora_rank + c.qk_rope_head_dim,
+        **({"index": c.index_head_dim} if c.is_sparse else {}),
     }
     for kind, elements in expected.items():
         assert rows[kind].elements == elements
@@ -41,6 +43,14 @@ def test_bytes_per_dtype(name):
     for row in cache_rows(load_recipe(name).model):
         assert row.bytes("fp32") == 4 * row.elements
         assert row.bytes("bf16") == 2 * row.elements
+
+
+def test_sparse_presets_count_the_index_cache():
+    """DeepSeek-V3.2 and GLM-5 cache 128 index numbers per token per layer beside the 576 of the latent (+22 %)."""
+    for name in ("deepseek-v3.2", "glm-5"):
+        rows = _rows(name)
+        assert (rows["latent"].elements, rows["index"].elements) == (576, 128)
+        assert rows["index"].ratio_to_latent == pytest.approx(128 / 576)
 
 
 @pytest.mark.parametrize("name, latent, cd, mha", [

@@ -1,6 +1,6 @@
 """The presets of real models of the MLA family (export/kimi-k2.toml, glm-4.7-flash.toml, minicpm3-4b.toml,
-mistral-small-4.toml): `inspect --preset` shows each one's dimensions and its cache per token against MHA and
-decompressed K/V, and each preset is the model that `from_hf_config` reads from the default config of
+mistral-small-4.toml, deepseek-v3.2.toml, glm-5.toml): `inspect --preset` shows each one's dimensions and its cache
+per token against MHA and decompressed K/V (and, with sparse attention, the indexer's key cache beside the latent), and each preset is the model that `from_hf_config` reads from the default config of
 transformers' class for its type (the class defaults are the released checkpoint's, as their docstrings say), so a
 preset and `export --hf` of the release describe one model. Kimi K2 has no class in transformers 5.24: its preset
 is checked to read back the same through a ``kimi_k2`` config.json."""
@@ -15,7 +15,7 @@ from mla_deploy.recipe import load_recipe
 
 #: preset name -> the transformers model_type whose class defaults it holds (None: no class in transformers 5.24)
 PRESETS = {"kimi-k2": None, "glm-4.7-flash": "glm4_moe_lite", "minicpm3-4b": "minicpm3",
-           "mistral-small-4": "mistral4"}
+           "mistral-small-4": "mistral4", "deepseek-v3.2": "deepseek_v32", "glm-5": "glm_moe_dsa"}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -30,11 +30,17 @@ def test_inspect_shows_dimensions_and_cache(name):
         assert any(line.split() == [field, str(getattr(c, field))] for line in shown.splitlines()), (field, shown)
     h = c.num_attention_heads
     rows = {words[0]: words for words in map(str.split, shown.splitlines())
-            if words[:1] in (["MHA"], ["CD"], ["latent"]) and words[1].isdigit()}
+            if words[:1] in (["MHA"], ["CD"], ["latent"], ["index"]) and words[1].isdigit()}
     assert int(rows["MHA"][1]) == 2 * h * c.v_head_dim
     assert int(rows["CD"][1]) == h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
     assert int(rows["latent"][1]) == c.kv_lora_rank + c.qk_rope_head_dim
     assert f"latent cache, all {c.num_hidden_layers} layers" in shown
+    if c.is_sparse:  # DeepSeek-V3.2, GLM-5: the indexer's keys, counted in the cache per token
+        assert int(rows["index"][1]) == c.index_head_dim
+        per_token = (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * 2 * c.num_hidden_layers
+        assert f"latent + index cache, all {c.num_hidden_layers} layers: {per_token / 1024:.1f} KiB/token" in shown
+    else:
+        assert "index" not in rows
 
 
 @pytest.mark.parametrize("name", [n for n, t in sorted(PRESETS.items()) if t is not None])

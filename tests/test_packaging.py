@@ -25,4 +25,4 @@ def test_every_preset_is_a_toml_in_export():
 
     assert preset_names() == sorted(p.stem for p in (ROOT / "export").glob("*.toml"))
     assert {"tiny", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "kimi-k2", "glm-4.7-flash", "minicpm3-4b",
-            "mistral-small-4"} <= set(preset_names())
+            "mistral-small-4", "deepseek-v3.2", "glm-5"} <= set(preset_names())

@@ -139,7 +139,9 @@ def _check_graph_files(root: Path, manifest: Manifest) -> None:
         if (plugins > 0) != graph.uses_plugin:
             raise ArtifactError(f"{root / MANIFEST} says its {role} graph's attention is {graph.attention!r}, but "
                                 f"{graph.file} holds {plugins} {PLUGIN_OP} plugin nodes (edited?); export again")
-        reason = (expert_forms.disagreement(graph.experts, models[graph.file], manifest.config.is_moe)
+        # a MoE model cut to its first (dense) layers, `export --layers N`, has no expert to fuse
+        moe = any(manifest.config.is_moe_layer(i) for i in range(manifest.config.num_hidden_layers))
+        reason = (expert_forms.disagreement(graph.experts, models[graph.file], moe)
                   or layout_disagreement(models[graph.file], manifest.precision))
         if reason:
             raise ArtifactError(f"{root / MANIFEST} does not describe its {role} graph {graph.file}: {reason} "

@@ -32,10 +32,11 @@ def export(source: ModelSource, out, settings: ExportOverrides, overwrite, run_v
     recipe = settings.apply(source.recipe(), from_checkpoint=source.kind == "hf")
     _check_block_settings(block, settings)
     if not dump_recipe and recipe.export.max_cache_length:
+        from ..cache_layout import cache_elements_per_token
         from ..memory import check_fits_memory
 
         model = recipe.model  # the export traces one sequence's cache of max_cache_length rows, in float32
-        check_fits_memory(recipe.export.max_cache_length * model.latent_dim * model.num_hidden_layers * 4,
+        check_fits_memory(recipe.export.max_cache_length * cache_elements_per_token(model) * model.num_hidden_layers * 4,
                           f"--max-cache-length {recipe.export.max_cache_length} (one sequence's cache)")
     if dump_recipe:
         import json
@@ -98,7 +99,9 @@ def _export_artifact(recipe, checkpoint: str | None, out: str, overwrite: bool, 
                              progress=progress.bar("weights"), log=progress.log(start))
     click.echo(f"exported {manifest.name} to {out} in {time.perf_counter() - start:.1f} s: {manifest.precision}, "
                f"{manifest.layout.mode} cache, opset {manifest.opset}, "
-               f"latent {manifest.config.latent_dim} per token per layer")
+               f"latent {manifest.config.latent_dim}"
+               + (f" + index keys {manifest.config.index_head_dim}" if manifest.config.is_sparse else "")
+               + " per token per layer")
     _print_files(manifest)
 
 

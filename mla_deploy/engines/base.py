@@ -25,12 +25,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..artifact import Manifest
-from ..cache_layout import CacheState
+from ..cache_layout import CacheState, cache_tensors, layer_rows, tensor_rows
 from ..errors import InputError, RuntimeMissingError, ShapeError
 from ..generate.loop import Generation, GenerationStream, generate_tokens, stream_tokens
 from ..generate.request import check_ids
 from ..generate.sampling import SamplingConfig, draw
-from ..io_spec import present_name
 
 
 #: the most bytes one layer's attention scores may take in one prefill call (``[B, heads, S, W]`` counted in float32):
@@ -121,6 +120,8 @@ class Engine:
         self.manifest = manifest
         self.config = manifest.config
         self.layout = manifest.layout
+        #: the graph's caches in order (the latent rows; with sparse attention the index keys too)
+        self.cache_tensors = cache_tensors(self.config)
         self.precision = manifest.precision
         self.capacity = int(capacity or manifest.capacity or 0) if self.layout.has_capacity else None
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
@@ -206,8 +207,7 @@ class Engine:
         capacity = self.capacity
         if capacity and rows is not None and self.resizable_capacity:
             capacity = max(1, min(int(rows), capacity))
-        return self.layout.new_state(batch, self.config.latent_dim, self.config.num_hidden_layers, capacity,
-                                     self._allocate)
+        return self.layout.new_state(batch, [t.width for t in self.cache_tensors], capacity, self._allocate)
 
     def rows(self, state: CacheState, start: int, stop: int) -> CacheState:
         """Sequences ``start .. stop - 1`` of an in-place ``state`` as a state of ``stop - start`` rows that shares
@@ -253,21 +253,21 @@ class Engine:
             state.lengths[target] = count
 
     def read_rows(self, state: CacheState, row: int, start: int, stop: int) -> np.ndarray:
-        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer: ``[layers, stop - start, C]`` on the host
-        (a copy). What a prefix cache keeps of a prompt. Raises: as :meth:`copy_rows`."""
+        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer: ``[layers, stop - start, W]`` on the host
+        (a copy; ``W`` the latent row, with sparse attention followed by the index keys:
+        :func:`~mla_deploy.cache_layout.layer_rows`). What a prefix cache keeps of a prompt. Raises: as
+        :meth:`copy_rows`."""
         self._check_row(state, row, stop)
-        return np.stack([self.layout.slots(self._host_view(cache), row, start, stop) for cache in state.caches])
+        return layer_rows(self.config, [self.layout.slots(self._host_view(cache), row, start, stop)
+                                        for cache in state.caches])
 
     def write_rows(self, state: CacheState, row: int, start: int, rows: np.ndarray) -> None:
-        """Write ``rows [layers, T, C]`` (from :meth:`read_rows`) into sequence ``row`` at slots ``start ..``; the
+        """Write ``rows [layers, T, W]`` (from :meth:`read_rows`) into sequence ``row`` at slots ``start ..``; the
         sequence then holds ``start + T`` rows. Raises: as :meth:`copy_rows`; ShapeError: ``rows`` of another shape."""
         rows = np.asarray(rows)
         self._check_row(state, row, start + rows.shape[1] if rows.ndim == 3 else 0)
-        if rows.ndim != 3 or rows.shape[0] != len(state.caches) or rows.shape[2] != self.config.latent_dim:
-            raise ShapeError(f"cache rows {list(rows.shape)} must be [{len(state.caches)}, T, "
-                             f"{self.config.latent_dim}]")
-        for cache, layer in zip(state.caches, rows):
-            self.layout.slots(self._host_view(cache), row, start, start + len(layer))[...] = layer
+        for cache, part in zip(state.caches, tensor_rows(self.config, rows), strict=True):
+            self.layout.slots(self._host_view(cache), row, start, start + len(part))[...] = part
         state.lengths[row] = start + rows.shape[1]
 
     def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -313,14 +313,15 @@ class Engine:
         """:meth:`step`, then the results on the host.
 
         Returns:
-            ``logits [B, K, V]`` (``K = S`` by default) and ``present_latent.{i}`` ``[B, T, C]``: the rows held after
-            the step (:meth:`CacheLayout.held <mla_deploy.cache_layout.CacheLayout.held>`).
+            ``logits [B, K, V]`` (``K = S`` by default) and each cache's present (``present_latent.{i}`` ``[B, T, C]``,
+            ``present_index.{i}`` with sparse attention: :func:`~mla_deploy.cache_layout.cache_tensors`): the rows
+            held after the step (:meth:`CacheLayout.held <mla_deploy.cache_layout.CacheLayout.held>`).
         """
         logits = self.step(role, input_ids, position_ids, state, valid, logits_index)
         self.synchronize()
         out = {"logits": self.to_host(logits)}
-        for i, cache in enumerate(state.caches):
-            out[present_name(i)] = self.to_host(self.layout.held(self._sliceable(cache), state))
+        for tensor, cache in zip(self.cache_tensors, state.caches):
+            out[tensor.present] = self.to_host(self.layout.held(self._sliceable(cache), state))
         return out
 
     # the generation loop's interface (GenerationEngine) --------------------------------------------------------

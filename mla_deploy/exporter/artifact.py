@@ -23,6 +23,7 @@ import torch
 
 from ..artifact import GraphEntry, Manifest, WeightsSource, copy_tokenizer_files, now
 from ..artifact.target import check_export_target
+from ..cache_layout import cache_tensors
 from ..config import MLAConfig
 from ..expert_forms import fused_layout
 from ..model import MLAForCausalLM
@@ -141,7 +142,7 @@ class ArtifactTarget:
         args = tuple(a.to("meta") for a in example_decoder_inputs(model, layout, settings.max_cache_length, dtype))
         inputs, outputs = layout.io(config, settings.precision)
         return GraphPlan(file, f"{roles}, form {form}", CausalLMGraph(model, layout).eval(), args,
-                         decoder_dynamic_shapes(layout, config.num_hidden_layers), inputs, outputs, settings.opset,
+                         decoder_dynamic_shapes(layout, len(cache_tensors(config))), inputs, outputs, settings.opset,
                          decode_checks(config) if decodes else (), settings.expert_form(config),
                          fused_layout(settings.precision))
 

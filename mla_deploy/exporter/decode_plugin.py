@@ -105,8 +105,13 @@ class PluginDecodeAttention(AbsorbedMLAttention):
 def use_decode_plugin(model: torch.nn.Module) -> torch.nn.Module:
     """Replace, in place, every :class:`AbsorbedMLAttention` of ``model`` by a :class:`PluginDecodeAttention`.
 
-    Returns: ``model``. Raises: ConfigError: ``model`` has no absorbed attention (an original form).
+    Returns: ``model``. Raises: ConfigError: ``model`` has no absorbed attention (an original form), or sparse
+    attention (the plugin attends to every slot).
     """
+    config = getattr(model, "config", None)
+    if config is not None and config.is_sparse:
+        raise ConfigError(f"{config.name}: the MlaDecode plugin attends to every cached token; DeepSeek Sparse "
+                          "Attention (index_topk) needs decode_attention = \"standard\"")
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

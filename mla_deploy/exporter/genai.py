@@ -119,9 +119,10 @@ def export_genai(recipe: Recipe, out: str | Path, source: TensorSource, checkpoi
     Raises:
         ExportError: ``out`` cannot take the export, the trace fails, or a check fails (the decode checks of
             every target: no per-head K/V over the cache, no expert computed for every token).
-        ConfigError: a model the target cannot hold (odd latent width).
+        ConfigError: a model the target cannot hold (odd latent width, sparse attention's second cache).
     """
     try:
+        GENAI.check_model(recipe.model)
         GENAI.block_widths(recipe.model.latent_dim)
     except BaseException:
         source.close()

@@ -97,6 +97,5 @@ def example_decoder_inputs(model: MLAForCausalLM, layout: CacheLayout | str, cap
     ids = torch.zeros(batch, seq, dtype=torch.long)
     positions = torch.arange(past, past + seq).expand(batch, seq).contiguous()
     logits_index = torch.tensor([[2, 0], [1, 2]], dtype=torch.long)
-    control, caches = get_layout(layout).example_state(batch, past, seq, config.latent_dim, config.num_hidden_layers,
-                                                       capacity, dtype)
+    control, caches = get_layout(layout).example_caches(config, batch, past, seq, capacity, dtype)
     return (ids, positions, logits_index, control, *caches)

@@ -490,7 +490,8 @@ def _copies_rows(engine: BatchingEngine, state) -> bool:
 def check_cache_memory(max_batch: int, rows: int, config, itemsize: int) -> None:
     """Refuse a cache of ``max_batch`` rows of ``rows`` tokens of ``config``'s latent (``itemsize`` bytes a number)
     that this machine cannot hold, before it is allocated. Raises: InputError."""
+    from ..cache_layout import cache_elements_per_token
     from ..memory import check_fits_memory
 
-    nbytes = max_batch * rows * config.latent_dim * config.num_hidden_layers * itemsize
+    nbytes = max_batch * rows * cache_elements_per_token(config) * config.num_hidden_layers * itemsize
     check_fits_memory(nbytes, f"a cache of {max_batch} rows (--max-batch) of {rows} tokens")

@@ -85,7 +85,8 @@ class BatchingEngine(GenerationEngine, Protocol):
         """Give sequences ``targets`` the first ``count`` cache rows of sequence ``source`` (a shared prefill)."""
 
     def read_rows(self, state: Any, row: int, start: int, stop: int) -> np.ndarray:
-        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer, ``[layers, T, C]`` on the host."""
+        """Cache rows ``start .. stop - 1`` of sequence ``row``, every layer, ``[layers, T, C]`` on the host (``C``: the
+        latent row, then with sparse attention the layer's index keys)."""
 
     def write_rows(self, state: Any, row: int, start: int, rows: np.ndarray) -> None:
         """Write :meth:`read_rows`' ``rows`` into sequence ``row`` at slot ``start``; it then holds ``start + T``."""

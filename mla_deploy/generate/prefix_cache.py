@@ -6,7 +6,7 @@ Prompts are cut into blocks of :data:`BLOCK` tokens. A block is stored under the
 token before it (a chain of hashes, as vLLM's prefix caching keys its blocks), so a lookup walks the prompt's blocks
 from the first and stops at the first one not held: the longest stored prefix, in whole blocks. A block holds its
 rows of every layer, ``[layers, BLOCK, C]`` (576 numbers per token per layer for DeepSeek's shapes: MLA's latent is
-what makes keeping them cheap). The blocks are bounded by a byte budget and evicted least recently used first;
+what makes keeping them cheap; with DeepSeek Sparse Attention each layer's index keys follow its latent row, 704). The blocks are bounded by a byte budget and evicted least recently used first;
 a chain's later blocks are always less recent than its earlier ones, so eviction takes a prefix's tail first.
 
 :class:`PrefixCache` knows nothing of engines: the batcher reads rows out of its cache and writes them back

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import MLAConfig
+from ..errors import ConfigError
 from .cache import ConcatCache
 from .layers import MLP, MoE, RMSNorm
 from .mla import ABSORBED_FORMS, FORMS, AbsorbedMLAttention, MLAttention
@@ -29,6 +30,31 @@ def make_attention(config: MLAConfig, form: str) -> nn.Module:
     if form not in FORMS:
         raise ValueError(f"unknown attention form {form!r}; choose one of {FORMS}")
     return AbsorbedMLAttention(config, form) if form in ABSORBED_FORMS else MLAttention(config, form)
+
+
+def cache_widths(config: MLAConfig) -> list[int]:
+    """The channels of each of the model's caches, in the order the model takes them: the latent row of every layer,
+    then, with sparse attention, every layer's index keys (``index_head_dim``)."""
+    layers = config.num_hidden_layers
+    return [config.latent_dim] * layers + ([config.index_head_dim] * layers if config.is_sparse else [])
+
+
+def layer_caches(config: MLAConfig, flat: Sequence) -> list:
+    """The model's caches (:func:`cache_widths`' order) as one entry per layer: the latent cache, or for a
+    sparse-attention layer the pair ``(latent, index keys)``."""
+    layers = config.num_hidden_layers
+    if not config.is_sparse:
+        return list(flat)
+    if len(flat) != 2 * layers:
+        raise ValueError(f"expected {2 * layers} caches (latent and index keys per layer), got {len(flat)}")
+    return list(zip(flat[:layers], flat[layers:]))
+
+
+def flat_caches(config: MLAConfig, presents: Sequence) -> list:
+    """The inverse of :func:`layer_caches`."""
+    if not config.is_sparse:
+        return list(presents)
+    return [p[0] for p in presents] + [p[1] for p in presents]
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +141,10 @@ class AttentionStack(nn.Module):
 
     def __init__(self, config: MLAConfig, layers: int, form: str = "CC"):
         super().__init__()
+        if config.is_sparse:
+            raise ConfigError(f"{config.name}: the attention stack times dense MLA over one latent cache per layer; "
+                              "DeepSeek Sparse Attention's indexer and its key cache are not part of it (bench the "
+                              "whole model instead)")
         self.config = config
         self.layers = nn.ModuleList(AttentionSublayer(config, form) for _ in range(layers))
         self.rotary_emb = RotaryEmbedding(config)
@@ -178,7 +208,8 @@ class MLAForCausalLM(nn.Module):
         Args:
             input_ids: ``[B, S]`` int64.
             position_ids: ``[B, S]`` int64, the absolute position of each new token.
-            past: one cache per layer, in the form's layout (see :meth:`empty_cache`).
+            past: one cache per layer, in the form's layout (see :meth:`empty_cache`); with sparse attention then
+                one index-key cache per layer (:func:`layer_caches`).
             cache: a :class:`~mla_deploy.model.cache.ConcatCache` (default) or ``StaticCache`` policy.
             logits_index: ``[B, K]`` int64 positions in ``[0, S)`` whose logits to compute (e.g. each sequence's
                 last real token); None: every position (``K = S``).
@@ -190,7 +221,9 @@ class MLAForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if c.scale_emb is not None and c.scale_emb != 1:  # MiniCPM3's embedding scale
             x = x * c.scale_emb
-        x, presents = run_layers(self.model.layers, self.model.rotary_emb, x, position_ids, past, cache)
+        x, presents = run_layers(self.model.layers, self.model.rotary_emb, x, position_ids,
+                                 layer_caches(c, past), cache)
+        presents = flat_caches(c, presents)
         if logits_index is not None:  # only the rows asked for go through the norm and lm_head
             x = torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         x = self.model.norm(x)
@@ -217,7 +250,8 @@ class MLAForCausalLM(nn.Module):
             layout: a :class:`~mla_deploy.cache_layout.CacheLayout` (e.g. ``STATIC``); None: a growing cache.
         Returns:
             per layer: the latent cache in the layout's shape (concat ``[B, length, C]``, static
-            ``[B, 1, length, C]``), or for CD ``(k [B, H, length, dn+dr], v [B, H, length, dv])`` (the per-head
+            ``[B, 1, length, C]``), then with sparse attention per layer its index-key cache (width
+            ``index_head_dim``, :func:`cache_widths`); or for CD ``(k [B, H, length, dn+dr], v [B, H, length, dv])`` (the per-head
             cache has one shape for both layouts).
         """
         c = self.config
@@ -228,9 +262,13 @@ class MLAForCausalLM(nn.Module):
             return [(torch.zeros(batch, h, length, c.qk_head_dim, dtype=dtype, device=device),
                      torch.zeros(batch, h, length, c.v_head_dim, dtype=dtype, device=device))
                     for _ in range(c.num_hidden_layers)]
-        if layout is not None:
-            return layout.empty(batch, length, c.latent_dim, c.num_hidden_layers, dtype=dtype, device=device)
-        return [torch.zeros(batch, length, c.latent_dim, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        out = []
+        for width in cache_widths(c):
+            if layout is not None:
+                out += layout.empty(batch, length, width, 1, dtype=dtype, device=device)
+            else:
+                out.append(torch.zeros(batch, length, width, dtype=dtype, device=device))
+        return out
 
 
 @torch.no_grad()

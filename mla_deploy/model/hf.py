@@ -12,6 +12,7 @@ from torch import nn
 from ..config import HF_MODEL_TYPES, read_hf_config
 from ..errors import CheckpointError, name_list
 from .decoder import MLAForCausalLM
+from .dsa import interleave_index_rows
 from .rope import interleave_rope_rows
 
 HF_DEEPSEEK_CLASSES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -54,5 +55,7 @@ def from_hf_model(hf_model: nn.Module) -> MLAForCausalLM:
             raise CheckpointError(f"{key}: shape {tuple(state[key].shape)} in the model, expected {tuple(value.shape)}")
     if not layout.rope_interleave:  # half-rotated rope rows: new, permuted tensors instead of shared ones
         state = {key: interleave_rope_rows(key, value, config) for key, value in state.items()}
+    if not layout.index_rope_interleave:  # DeepSeek-V3.2's half-rotated indexer rope, likewise
+        state = {key: interleave_index_rows(key, value, config) for key, value in state.items()}
     model.assign_weights(state)
     return model.train(hf_model.training)

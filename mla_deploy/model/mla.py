@@ -16,7 +16,9 @@ Absorbed forms, :class:`AbsorbedMLAttention` (``kv_b_proj`` split into ``w_uk``/
 * ``A_CC_ME``: the same, with the latent and rope score terms summed instead of concatenated.
 
 Every form takes ``(x, cos, sin, mask, past, cache)`` and returns ``(y, present)``; ``cache`` is a
-:mod:`~mla_deploy.model.cache` policy (concat or static), so the past is explicit state.
+:mod:`~mla_deploy.model.cache` policy (concat or static), so the past is explicit state. A layer with DeepSeek Sparse
+Attention (:mod:`~mla_deploy.model.dsa`) takes and returns its two caches as a pair ``(latent, index keys)``, and its
+indexer narrows the mask before the latent form attends.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 from ..config import MLAConfig
+from ..errors import ConfigError
+from .dsa import Indexer
 from .layers import RMSNorm
 from .rope import apply_rope
 
@@ -85,17 +89,31 @@ class MLABase(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+        if c.is_sparse:
+            self.indexer = Indexer(c)
+
+    def sparse(self, x, cos, sin, mask, past, cache):
+        """The compressed query, the mask and the latent past a form attends with: a sparse-attention layer's
+        indexer narrows ``mask`` to its chosen slots and writes its own cache (``past`` a pair). Returns ``(q_a,
+        mask, latent past, index present)``; ``(None, mask, past, None)`` for a dense layer."""
+        if not self.config.is_sparse:
+            return None, mask, past, None
+        latent_past, index_past = past
+        q_a = self.q_a_layernorm(self.q_a_proj(x))
+        mask, index_present = self.indexer(x, q_a, cos, sin, mask, index_past, cache)
+        return q_a, mask, latent_past, index_present
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                q_scale: torch.Tensor | None = None, q_a: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: x ``[B, S, D]``; cos, sin ``[B, S, dr]`` (:func:`~mla_deploy.model.rope.rope_tables`); q_scale
         ``[B, S]`` float32, each query's scale (Mistral 4's, :meth:`~mla_deploy.model.rope.RotaryEmbedding.query_scale`)
-        or None. Returns: q_nope ``[B, H, S, dn]``, q_pe ``[B, H, S, dr]`` (rotated)."""
+        or None; q_a the compressed query when already computed (:meth:`sparse`). Returns: q_nope ``[B, H, S, dn]``,
+        q_pe ``[B, H, S, dr]`` (rotated)."""
         c = self.config
         if c.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_a is None else q_a)
         q = q.unflatten(-1, (self.num_heads, c.qk_head_dim)).transpose(1, 2)  # [B, H, S, dn+dr]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos.unsqueeze(1), sin.unsqueeze(1))
@@ -123,6 +141,9 @@ class MLAttention(MLABase):
         super().__init__(config)
         if form not in ORIGINAL_FORMS:
             raise ValueError(f"MLAttention form must be one of {ORIGINAL_FORMS}, got {form!r}")
+        if form == "CD" and config.is_sparse:
+            raise ConfigError(f"{config.name}: sparse attention selects latent rows; the CD form (a per-head K/V "
+                              "cache) has none")
         self.form = form
         c = config
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
@@ -143,7 +164,8 @@ class MLAttention(MLABase):
         Returns: y ``[B, S, D]`` and the present cache in the past's layout.
         """
         c = self.config
-        q_nope, q_pe = self.queries(x, cos, sin, q_scale)
+        q_a, mask, past, index_present = self.sparse(x, cos, sin, mask, past, cache)
+        q_nope, q_pe = self.queries(x, cos, sin, q_scale, q_a)
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, H, S, dn+dr]
         new = self.latent(x, cos, sin)  # [B, S, C]
         if self.form == "CD":
@@ -159,7 +181,7 @@ class MLAttention(MLABase):
             k_all = torch.cat((k_nope, kpe_all.unsqueeze(1).expand(-1, self.num_heads, -1, -1)), dim=-1)
         scores = (q @ k_all.transpose(-1, -2)).float() * self.softmax_scale  # [B, H, S, T]
         out = masked_softmax(scores, mask).to(v_all.dtype) @ v_all  # [B, H, S, dv]
-        return self.o_proj(out.transpose(1, 2).flatten(2)), present
+        return self.o_proj(out.transpose(1, 2).flatten(2)), present if index_present is None else (present, index_present)
 
 
 class AbsorbedMLAttention(MLABase):
@@ -185,9 +207,10 @@ class AbsorbedMLAttention(MLABase):
             q_scale: as :meth:`MLABase.queries`.
         Returns: y ``[B, S, D]`` and the present latent cache in the past's layout.
         """
-        q_nope, q_pe = self.queries(x, cos, sin, q_scale)  # [B, H, S, dn], [B, H, S, dr]
+        q_a, mask, past, index_present = self.sparse(x, cos, sin, mask, past, cache)
+        q_nope, q_pe = self.queries(x, cos, sin, q_scale, q_a)  # [B, H, S, dn], [B, H, S, dr]
         o_lat, present = self.attend(self.absorb_query(q_nope), q_pe, self.latent(x, cos, sin), mask, past, cache)
-        return self.output(o_lat), present
+        return self.output(o_lat), present if index_present is None else (present, index_present)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """W_UK folded into the query: ``[B, H, S, dn] -> [B, H, S, r]``, heads first ([H, B*S, dn] x [H, dn, r]),

@@ -21,7 +21,6 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..io_spec import past_name, present_name
 from .cuda import EAGER
 
 #: bindings kept that run without a CUDA graph (a captured one is kept while the engine lives)
@@ -79,14 +78,14 @@ class StepBinding:
         self.logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, rows, engine.config.vocab_size], element,
                                                                 device, engine.device_id)
         self.binding.bind_ortvalue_output("logits", self.logits)
-        for i, cache in enumerate(caches):
+        for tensor, cache in zip(engine.cache_tensors, caches, strict=True):
             if hasattr(cache, "address"):  # some rows of a larger state's buffer, bound by address (_Rows)
-                self.binding.bind_input(past_name(i), device, engine.device_id, element, cache.shape, cache.address)
-                self.binding.bind_output(present_name(i), device, engine.device_id, element, cache.shape,
+                self.binding.bind_input(tensor.past, device, engine.device_id, element, cache.shape, cache.address)
+                self.binding.bind_output(tensor.present, device, engine.device_id, element, cache.shape,
                                          cache.address)
                 continue
-            self.binding.bind_ortvalue_input(past_name(i), cache)
-            self.binding.bind_ortvalue_output(present_name(i), cache)  # the same buffer: updated in place
+            self.binding.bind_ortvalue_input(tensor.past, cache)
+            self.binding.bind_ortvalue_output(tensor.present, cache)  # the same buffer: updated in place
         self.run_options = engine.new_run_options(graph_id)
 
     def update(self, values: dict[str, np.ndarray]) -> None:

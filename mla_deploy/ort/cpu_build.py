@@ -57,7 +57,7 @@ from typing import Callable
 from ..artifact import atomic_dir, check_artifact, load_manifest, now, sampled_sha256, sha256_file
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
-from ..errors import ArtifactError, ExportError, RuntimeMissingError
+from ..errors import ArtifactError, ConfigError, ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
 from ..quant.formats import EXTERNAL_FOLDER_ENTRY
 from . import operators, swaps
@@ -84,7 +84,8 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     ``isa`` must run here; ``features`` is how a test builds as a CPU without a fast path would).
 
     Raises:
-        ArtifactError: not an artifact, or an inconsistent one. RuntimeMissingError: no onnxruntime; a bf16 artifact
+        ArtifactError: not an artifact, or an inconsistent one. ConfigError: a model with DeepSeek Sparse
+            Attention. RuntimeMissingError: no onnxruntime; a bf16 artifact
             or a graph holding the TensorRT plugin (ONNX Runtime's CPU provider runs neither).
         ExportError: ``artifact/cpu`` cannot be written or is not an engine folder (a user's file there is never
             replaced), or ONNX Runtime failed to optimise a graph.
@@ -94,6 +95,10 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     manifest = load_manifest(root)
     check_precision(manifest.precision, "cpu")
     manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
+    if manifest.config.is_sparse:  # its swaps would fuse the attention without the indexer's narrowed mask
+        raise ConfigError(f"{root}: the CPU engine's attention operators attend to every cached token; DeepSeek "
+                          "Sparse Attention (index_topk) is not supported by `build --target cpu` (run the artifact "
+                          "as exported)")
     plugin = next((g.file for g in manifest.graphs.values() if g.uses_plugin), None)
     if plugin is not None:  # check_artifact saw the node in the file
         raise RuntimeMissingError(f"{plugin} holds the TensorRT MlaDecode plugin node, which ONNX Runtime cannot run; "

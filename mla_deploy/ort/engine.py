@@ -19,7 +19,7 @@ import numpy as np
 from ..artifact import check_artifact
 from .record import CPU_ENGINE_DIR, check_cpu_engine, host_cpu
 from ..errors import ArtifactError, InputError, RuntimeMissingError, ShapeError
-from ..io_spec import PRECISIONS, past_name
+from ..io_spec import PRECISIONS
 from ..quant import FAST_COMPUTE, FLOAT, Quantization
 from ..engines.base import Engine
 from .binding import Bindings, DeviceLogits, TokenChooser
@@ -495,14 +495,13 @@ class OrtEngine(Engine):
 
     def _run(self, role, ids, positions, logits_index, control, state):
         session = self.sessions[role]
-        width = self.config.latent_dim
         if not self.layout.in_place:
             feed = {"input_ids": ids, "position_ids": positions, "logits_index": logits_index,
                     self.layout.control: control}
-            for i, cache in enumerate(state.caches):
-                if cache.shape[-1] != width:
-                    raise ShapeError(f"{past_name(i)} has width {cache.shape[-1]}, expected {width}")
-                feed[past_name(i)] = cache
+            for tensor, cache in zip(self.cache_tensors, state.caches, strict=True):
+                if cache.shape[-1] != tensor.width:
+                    raise ShapeError(f"{tensor.past} has width {cache.shape[-1]}, expected {tensor.width}")
+                feed[tensor.past] = cache
             if element_type(self.dtype) != BF16_ELEMENT:
                 results = self._execute(role, lambda: session.run(None, feed, self.run_options))
                 return results[0], results[1:]

@@ -14,7 +14,9 @@ way, so the artifact computes with one set of weights. What stays in the float t
   (:data:`~.formats.HEADWISE`) by the formats that take them (``matmulnbits``: 227 MB of float32 per full-size
   DeepSeek-V2-Lite step otherwise); ``qdq`` keeps them in the float type (TensorRT's weight-only quantization is
   written for 2-D weights);
-* the MoE router (``mlp.gate``): expert choice is a discontinuous function of its logits.
+* the MoE router (``mlp.gate``): expert choice is a discontinuous function of its logits;
+* DeepSeek Sparse Attention's indexer (``self_attn.indexer.*``), for the same reason: which tokens a query attends to
+  is a top-k of its scores.
 
 Each weight is then written in its format (:meth:`~mla_deploy.quant.formats.WeightFormat.insert`); the stacked
 expert weights of the fused experts' ``MoE`` node (:mod:`mla_deploy.expert_forms`) in :data:`~.formats.QMOE` (or,
@@ -36,6 +38,8 @@ from .scheme import WeightQuantization
 
 #: the MoE router's weight: kept in the float type (expert choice is discontinuous in its logits)
 ROUTER_SUFFIX = "mlp.gate.weight"
+#: the sparse-attention indexer's weights: kept in the float type (its top-k token choice is discontinuous too)
+INDEXER_PART = ".self_attn.indexer."
 #: the oldest opset with blocked ``DequantizeLinear``
 MIN_OPSET = 21
 #: the absorbed attention's per-head halves of ``kv_b_proj`` (:attr:`~mla_deploy.exporter.weights.WeightSpec.part`)
@@ -183,7 +187,7 @@ def _layout(value, spec, quant_format: WeightFormat, scheme: WeightQuantization,
     uses = list(value.uses())
     matmul = bool(uses) and all(u.node.op_type == "MatMul" and u.node.domain in ONNX_DOMAINS and u.idx == 1
                                 for u in uses)
-    if spec.key.endswith(ROUTER_SUFFIX):
+    if spec.key.endswith(ROUTER_SUFFIX) or INDEXER_PART in spec.key:
         return None
     if _moe_weight(value):
         return qmoe

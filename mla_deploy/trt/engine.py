@@ -30,7 +30,6 @@ import numpy as np
 from ..artifact import load_manifest
 from ..cache_layout import CacheState
 from ..errors import ArtifactError, CacheCapacityError, ShapeError
-from ..io_spec import past_name, present_name
 from ..engines.base import Engine
 
 ALIGNMENT = 256
@@ -153,10 +152,10 @@ class TrtEngine(Engine):
 
     def _aliased(self, role: str, layer: int) -> bool:
         """``role``'s engine writes ``present_latent.{layer}`` into the ``past_latent.{layer}`` buffer."""
-        return self.aliases[role].get(present_name(layer)) == past_name(layer)
+        return self.aliases[role].get(self.cache_tensors[layer].present) == self.cache_tensors[layer].past
 
     def _all_aliased(self) -> bool:
-        return all(self._aliased(role, i) for role in self.engines for i in range(self.config.num_hidden_layers))
+        return all(self._aliased(role, i) for role in self.engines for i in range(len(self.cache_tensors)))
 
     # runtime interface ---------------------------------------------------------------------------
     def _allocate(self, shape):
@@ -191,13 +190,13 @@ class TrtEngine(Engine):
         with torch.cuda.stream(self.stream):
             inputs = {"input_ids": self._upload(ids), "position_ids": self._upload(positions),
                       "logits_index": self._upload(logits_index), self.layout.control: self._upload(control)}
-            inputs.update((past_name(i), cache) for i, cache in enumerate(state.caches))
+            inputs.update((t.past, cache) for t, cache in zip(self.cache_tensors, state.caches))
             self._set_inputs(role, inputs)
             outputs = {"logits": self._output(role, "logits", (batch, logits_index.shape[1], self.config.vocab_size))}
             for i, cache in enumerate(state.caches):
-                outputs[present_name(i)] = self._present(role, i, cache, state)
+                outputs[self.cache_tensors[i].present] = self._present(role, i, cache, state)
             self._execute(role, outputs)
-            presents = [outputs[present_name(i)] for i in range(len(state.caches))]
+            presents = [outputs[t.present] for t in self.cache_tensors]
             if self.layout.in_place:
                 self._copy_new_rows(state, presents, steps)
                 presents = list(state.caches)
@@ -207,12 +206,12 @@ class TrtEngine(Engine):
         """The buffer bound as ``present_latent.{layer}``: the past itself (aliased in place), the scratch buffer
         (in place without aliasing), or a new tensor of the shape TensorRT computes (a growing cache)."""
         if not self.layout.in_place:
-            shape = tuple(self.contexts[role].get_tensor_shape(present_name(layer)))
+            shape = tuple(self.contexts[role].get_tensor_shape(self.cache_tensors[layer].present))
             same = len(shape) == cache.dim() and shape[0] == cache.shape[0] and shape[-1] == cache.shape[-1]
             if not same or min(shape) < 0:
-                raise ArtifactError(f"{role} output {present_name(layer)}: the engine computes {list(shape)} for a "
+                raise ArtifactError(f"{role} output {self.cache_tensors[layer].present}: the engine computes {list(shape)} for a "
                                     f"past of {list(cache.shape)}")
-            return self._output(role, present_name(layer), shape)
+            return self._output(role, self.cache_tensors[layer].present, shape)
         if self._aliased(role, layer):
             return cache
         return state.extra["scratch"][layer]

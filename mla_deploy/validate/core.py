@@ -105,11 +105,12 @@ class ValidationResult:
         return "\n".join(self.lines())
 
 
-def output_names(layers: int) -> list[str]:
-    """``logits`` then ``present_latent.{i}`` for each layer: what every runner returns per step."""
-    from ..io_spec import present_name
+def output_names(config) -> list[str]:
+    """``logits`` then every cache's present (``present_latent.{i}`` for each layer; with sparse attention
+    ``present_index.{i}`` too, :func:`~mla_deploy.cache_layout.cache_tensors`): what every runner returns per step."""
+    from ..cache_layout import cache_tensors
 
-    return ["logits"] + [present_name(i) for i in range(layers)]
+    return ["logits"] + [t.present for t in cache_tensors(config)]
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def validate_artifact(artifact_dir: str | Path, out_dir: str | Path | None = Non
     root = Path(artifact_dir)
     manifest = check_artifact(root)
     settings = manifest.validate_settings()
-    names = output_names(manifest.config.num_hidden_layers)
+    names = output_names(manifest.config)
     tolerances = _tolerances(o.tolerance, settings, manifest.precision, names)
     out = Path(out_dir) if out_dir is not None else root / "validation"
     if o.write_reports:

@@ -28,9 +28,8 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 
 from ..artifact import Manifest
-from ..cache_layout import CONCAT, CacheLayout, CacheState
+from ..cache_layout import CONCAT, CacheLayout, CacheState, cache_tensors
 from ..errors import InputError
-from ..io_spec import present_name
 from ..quant import FAST_COMPUTE
 from .trajectory import canonical_logits, canonical_rows, input_metadata, step_role
 
@@ -39,7 +38,8 @@ class TrajectoryRunner(BaseRunner):
     """Base class: the step protocol and canonical outputs. Subclasses implement ``_new_state`` and ``_forward``.
 
     Args:
-        layers: number of decoder layers (one ``present_latent.{i}`` output each).
+        config: the model (one ``present_latent.{i}`` output per layer, and ``present_index.{i}`` with sparse
+            attention: :func:`~mla_deploy.cache_layout.cache_tensors`).
         layout: the :class:`~mla_deploy.cache_layout.CacheLayout` of the rows the runner returns (e.g.
             :data:`~mla_deploy.cache_layout.CONCAT`: slots appended in order, padding slots included;
             :data:`~mla_deploy.cache_layout.STATIC`: slot ``t`` holds position ``t``).
@@ -52,11 +52,11 @@ class TrajectoryRunner(BaseRunner):
     #: must not add "Exception ignored ... no attribute 'is_active'" after the error line
     is_active = False
 
-    def __init__(self, layers: int, layout: CacheLayout, name: str, prefix: str):
+    def __init__(self, config, layout: CacheLayout, name: str, prefix: str):
         super().__init__(name=name, prefix=prefix)
         if not isinstance(layout, CacheLayout):
             raise TypeError(f"layout must be a CacheLayout (CONCAT or STATIC), got {layout!r}")
-        self.layers = layers
+        self.caches = cache_tensors(config)
         self.layout = layout
 
     # Polygraphy interface -------------------------------------------------------------------
@@ -93,9 +93,9 @@ class TrajectoryRunner(BaseRunner):
         self.inference_time = time.perf_counter() - start
         self.layout.advance(self._slots, valid, self.layout.control_input(self._slots, valid), [])
         out = OrderedDict(logits=canonical_logits(logits, valid))
-        for i, layer_rows in enumerate(rows):
+        for tensor, layer_rows in zip(self.caches, rows, strict=True):
             layer_rows = np.asarray(layer_rows, dtype=np.float32)
-            out[present_name(i)] = canonical_rows(layer_rows, self.layout.slot_valid(self._slots, layer_rows.shape[1]))
+            out[tensor.present] = canonical_rows(layer_rows, self.layout.slot_valid(self._slots, layer_rows.shape[1]))
         return out
 
     # subclass interface ---------------------------------------------------------------------
@@ -122,7 +122,7 @@ class TorchRunner(TrajectoryRunner):
     """
 
     def __init__(self, model, name: str = "torch"):
-        super().__init__(model.config.num_hidden_layers, CONCAT, name, "torch-runner")
+        super().__init__(model.config, CONCAT, name, "torch-runner")
         self._model = model
 
     @classmethod
@@ -164,7 +164,7 @@ class EngineRunner(TrajectoryRunner):
     """
 
     def __init__(self, engine, name: str, provider: str | None = None, prefix: str = "engine-runner"):
-        super().__init__(engine.config.num_hidden_layers, engine.layout, name, prefix)
+        super().__init__(engine.config, engine.layout, name, prefix)
         self.engine = engine
         self.provider = provider or getattr(engine, "provider", None)
 
@@ -173,7 +173,7 @@ class EngineRunner(TrajectoryRunner):
 
     def _forward(self, role, ids, pos, valid):
         out = self.engine.forward(role, ids, pos, self._state, valid)
-        return out["logits"], [out[present_name(i)] for i in range(self.layers)]
+        return out["logits"], [out[t.present] for t in self.caches]
 
 
 class OrtRunner(EngineRunner):

@@ -55,7 +55,7 @@ class ToyEngine(Engine):
     provider = "toy"
 
     def __init__(self, layout, capacity=None):
-        config = SimpleNamespace(latent_dim=C, num_hidden_layers=2, num_attention_heads=1, vocab_size=V)
+        config = SimpleNamespace(latent_dim=C, num_hidden_layers=2, num_attention_heads=1, vocab_size=V, is_sparse=False)
         manifest = SimpleNamespace(config=config, layout=layout, precision="fp32", capacity=capacity)
         super().__init__("toy", manifest)
         self.runs, self.indices = [], []

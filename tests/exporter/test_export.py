@@ -175,3 +175,19 @@ def test_weights_that_overflow_the_export_precision_are_refused(tmp_path):
                                           r"Inf \(3 of \d+ values\)"):
         export_recipe(recipe, out, model=model)
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_moe_model_cut_to_its_dense_layers_runs(tmp_path):
+    """`export --layers N` of a MoE model keeping only its first (dense) layers: the graph holds no expert, and the
+    artifact check accepts it (it refused it as fused experts missing); `run` generates."""
+    from cli_run import cli, ok
+
+    recipe = tmp_path / "moe.toml"
+    recipe.write_text('[model]\nname = "moe"\nmodel_type = "deepseek_v3"\nvocab_size = 64\nhidden_size = 32\n'
+                      'intermediate_size = 48\nnum_hidden_layers = 3\nnum_attention_heads = 2\nq_lora_rank = 16\n'
+                      'kv_lora_rank = 8\nqk_nope_head_dim = 4\nqk_rope_head_dim = 4\nv_head_dim = 4\n'
+                      'moe_intermediate_size = 16\nn_routed_experts = 4\nn_shared_experts = 1\nnum_experts_per_tok = 2\n'
+                      'first_k_dense_replace = 2\ntopk_method = "noaux_tc"\nscoring_func = "sigmoid"\n')
+    ok(cli("export", "--recipe", recipe, "--layers", 1, "--out", tmp_path / "art"))
+    assert "sequence 0:" in ok(cli("run", tmp_path / "art", "--no-engine", "--prompt-ids", "1,2,3", "--max-new-tokens", 2,
+                                   "--threads", 1))

@@ -24,7 +24,8 @@ class ScriptedEngine(Engine):
     provider = "scripted"
 
     def __init__(self, scripts, vocab):
-        config = SimpleNamespace(latent_dim=1, num_hidden_layers=1, num_attention_heads=1, vocab_size=vocab)
+        config = SimpleNamespace(latent_dim=1, num_hidden_layers=1, num_attention_heads=1, vocab_size=vocab,
+                                 is_sparse=False)
         super().__init__("scripted", SimpleNamespace(config=config, layout=CONCAT, precision="fp32", capacity=None))
         self.scripts, self.calls = scripts, 0
 

@@ -101,7 +101,8 @@ def test_in_memory_transformers_model(tmp_path, case):
 
 @pytest.mark.parametrize("model_type, mechanism", [
     ("kimi_linear", "linear-attention layers (KDA) are not supported"),
-    ("deepseek_v32", "DeepSeek Sparse Attention (the lightning indexer and its key cache) is not supported yet"),
+    ("mistral_large4", "DeepSeek Sparse Attention, cross-layer latent sharing (kv_source_layers), NoPE layers and "
+                       "the final logit softcap are not supported"),
     ("longcat_flash", "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported"),
 ])
 def test_refused_type_names_the_missing_mechanism(tmp_path, model_type, mechanism):

@@ -29,7 +29,7 @@ class ToyEngine:
     """The engines' protocol over a toy model: row(token, pos, layer) = [token, pos, layer + 1]."""
 
     def __init__(self, cache_mode: str, capacity: int = 32, bug_at_position: int | None = None):
-        self.config = SimpleNamespace(num_hidden_layers=LAYERS)
+        self.config = SimpleNamespace(num_hidden_layers=LAYERS, latent_dim=C, is_sparse=False)
         self.layout = get_layout(cache_mode)
         self.cache_mode, self.capacity, self.bug = cache_mode, capacity, bug_at_position
         self.provider = f"toy-{cache_mode}"

@@ -87,6 +87,10 @@ class BenchSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
+        if self.config.is_sparse:
+            raise InputError(f"{self.source or self.config.name}: bench attention times dense MLA sub-layers over "
+                             "one latent cache each; DeepSeek Sparse Attention's indexer and its key cache are not "
+                             "part of them (use `bench model`)")
         for name, minimum in (("layers", 1), ("threads", 1), ("repeat", 1), ("passes", 1), ("probe_mib", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ...cache_layout import cache_elements_per_token
 from ...config import MLAConfig
 from ...weight_bytes import PROCESS_OVERHEAD, WeightGroups
 from ..bound import attention_flops
@@ -55,7 +56,7 @@ def step_cost(config: MLAConfig, groups: WeightGroups, batch: int, new: int, hel
     itemsize = cache_itemsize or groups.itemsize
     experts = sum(distinct_experts) * groups.expert_bytes
     weights = groups.always_bytes + experts + groups.lm_head_bytes + distinct_ids * groups.embedding_row_bytes
-    cache = batch * held * config.latent_dim * itemsize * config.num_hidden_layers
+    cache = batch * held * cache_elements_per_token(config) * itemsize * config.num_hidden_layers
     tokens = batch * new
     per_token = groups.always_matrix_params + groups.top_k * groups.expert_params * len(groups.moe_layers)
     # token i of a sequence attends to the held rows and the new rows up to itself
@@ -76,8 +77,9 @@ def fill_chunk(config: MLAConfig, batch: int, total: int, itemsize: int = 4) -> 
 
 
 def cache_bytes(config: MLAConfig, batch: int, rows: int, itemsize: int = 4) -> int:
-    """The latent cache of ``batch`` sequences of ``rows`` rows, every layer."""
-    return batch * rows * config.latent_dim * itemsize * config.num_hidden_layers
+    """The cache of ``batch`` sequences of ``rows`` rows, every layer (the latent rows; with sparse attention the
+    index keys too)."""
+    return batch * rows * cache_elements_per_token(config) * itemsize * config.num_hidden_layers
 
 
 def point_bytes(config: MLAConfig, batch: int, rows: int, chunk: int, itemsize: int = 4) -> int:
