@@ -1598,24 +1598,7 @@ def test_routed_experts_avx2_equals_vnni_bit_for_bit(libraries, avx2, bits, toke
     rng = np.random.default_rng(tokens + 10 * bits)
     x = rng.standard_normal((tokens, D), dtype=np.float32)
     r = rng.standard_normal((tokens, E), dtype=np.float32)
-    nodes, inits, outputs = [], [], []
-    for layout in ("source", "interleaved"):
-        for stored in ("float", "float16"):
-            name = f"{layout}_{stored}"
-            weights = _as_half(_weights(bits)) if stored == "float16" else _weights(bits)
-            extra = {}
-            if layout == "interleaved":
-                weights, extra = _interleaved(weights, bits), {"interleaved": 1}
-            names = [f"{n}_{name}" for n in ("w1", "s1", "w2", "s2")]
-            inits += [numpy_helper.from_array(w, n) for w, n in zip(weights, names)]
-            nodes.append(helper.make_node(own_ops.OP_TYPE, ["x", "r", *names], [name], domain=own_ops.DOMAIN, k=K,
-                                          expert_weight_bits=bits, block_size=32, normalize_routing_weights=1,
-                                          **extra))
-            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", D]))
-    graph = helper.make_graph(nodes, "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
-                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT, ["T", E])],
-                              outputs, inits)
-    _vector_paths_agree(_each_build(_model(graph, own_ops.DOMAIN), {"x": x, "r": r}, libraries, avx2))
+    _vector_paths_agree(_each_build(_routed_experts_model(bits), {"x": x, "r": r}, libraries, avx2))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
