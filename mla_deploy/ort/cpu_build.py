@@ -57,7 +57,7 @@ from typing import Callable
 from ..artifact import atomic_dir, check_artifact, load_manifest, now, sampled_sha256, sha256_file
 from ..artifact.manifest import Manifest
 from ..artifact.target import probe_writable
-from ..errors import ArtifactError, ConfigError, ExportError, RuntimeMissingError
+from ..errors import ArtifactError, ExportError, RuntimeMissingError
 from ..quant import FAST_COMPUTE
 from ..quant.formats import EXTERNAL_FOLDER_ENTRY
 from . import operators, swaps
@@ -84,8 +84,7 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     ``isa`` must run here; ``features`` is how a test builds as a CPU without a fast path would).
 
     Raises:
-        ArtifactError: not an artifact, or an inconsistent one. ConfigError: a model with DeepSeek Sparse
-            Attention. RuntimeMissingError: no onnxruntime; a bf16 artifact
+        ArtifactError: not an artifact, or an inconsistent one. RuntimeMissingError: no onnxruntime; a bf16 artifact
             or a graph holding the TensorRT plugin (ONNX Runtime's CPU provider runs neither).
         ExportError: ``artifact/cpu`` cannot be written or is not an engine folder (a user's file there is never
             replaced), or ONNX Runtime failed to optimise a graph.
@@ -95,10 +94,6 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     manifest = load_manifest(root)
     check_precision(manifest.precision, "cpu")
     manifest = check_artifact(root)  # the graphs' sha256 included: the record ties the engine to them
-    if manifest.config.is_sparse:  # its swaps would fuse the attention without the indexer's narrowed mask
-        raise ConfigError(f"{root}: the CPU engine's attention operators attend to every cached token; DeepSeek "
-                          "Sparse Attention (index_topk) is not supported by `build --target cpu` (run the artifact "
-                          "as exported)")
     plugin = next((g.file for g in manifest.graphs.values() if g.uses_plugin), None)
     if plugin is not None:  # check_artifact saw the node in the file
         raise RuntimeMissingError(f"{plugin} holds the TensorRT MlaDecode plugin node, which ONNX Runtime cannot run; "
@@ -110,7 +105,9 @@ def build_cpu_engine(artifact: str | Path, log: Callable[[str], None] | None = N
     for role, graph in manifest.graphs.items():
         sources.setdefault(graph.file, []).append(role)
     with atomic_dir(root / CPU_ENGINE_DIR) as tmp:
-        graphs, own = [], _Operators(tmp, isa, features)
+        # DeepSeek Sparse Attention keeps its attention in ONNX Runtime's operators: LatentAttention attends to every
+        # cached token, not to the indexer's top-k (the products around it are swapped all the same)
+        graphs, own = [], _Operators(tmp, isa, features, fuse_attention=not manifest.config.is_sparse)
         for source, roles in sources.items():
             if log:
                 log(f"optimising {source} ({' + '.join(roles)}) ...")
@@ -161,9 +158,10 @@ class _Operators:
     """The build's own operators: compiled into ``tmp`` the first time a graph holds a node they can compute, then
     swapped into every graph that does (:func:`~mla_deploy.ort.swaps.swap_experts`, ``swap_linear``)."""
 
-    def __init__(self, tmp: Path, isa: operators.Isa | None = None, features: tuple[str, ...] | None = None):
+    def __init__(self, tmp: Path, isa: operators.Isa | None = None, features: tuple[str, ...] | None = None,
+                 fuse_attention: bool = True):
         self.tmp, self.library, self.experts, self.linear, self.heads = tmp, None, 0, 0, 0
-        self.isa, self.features = isa, features
+        self.isa, self.features, self.fuse_attention = isa, features, fuse_attention
         self.attention = self.float_experts = self.half_scales = self.float_linear = self.shared = 0
 
     def swap(self, model: str | bytes, folder: Path, side: Path, rewritten: Path):
@@ -190,7 +188,7 @@ class _Operators:
         float_experts = swaps.swap_float_experts(proto)
         # the float shared experts' weights, in FloatExperts' layout, open the side file swap_float_linear appends to
         float_shared = swaps.fold_float_shared_experts(proto, folder, rewritten) if float_experts else 0
-        attention = swaps.swap_attention(proto)
+        attention = swaps.swap_attention(proto) if self.fuse_attention else 0
         # each core takes its layer's two per-head products inside (quantized, or float32 ones, which go no further)
         heads = sum(1 for n in proto.graph.node if (n.domain, n.op_type) == (swaps.DOMAIN, swaps.HEADWISE_OP_TYPE))
         float_linear = swaps.swap_float_linear(proto, folder, rewritten)
