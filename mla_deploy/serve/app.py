@@ -107,12 +107,11 @@ def create_app(service: Service):
         try:
             for prompt in prompts:
                 ids = await service.prompt_ids(prompt)
-                constraints = [await service.constraint(schema, "response_format") for _ in range(body.n)] \
-                    if constrained else None
-                requests += service.generate_choices(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
-                                                     body.stop, body.n, body.logprobs,
-                                                     prompt_logprobs=body.echo and body.logprobs is not None,
-                                                     constraints=constraints)
+                constraints = await service.constraints(schema, "response_format", body.n) if constrained else None
+                requests += service.generate(ids, service.max_new_tokens(len(ids), body.max_tokens), sampling,
+                                             body.stop, body.n, body.logprobs,
+                                             prompt_logprobs=body.echo and body.logprobs is not None,
+                                             constraints=constraints)
                 echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids), ids) if body.echo \
                     else None
                 echoes += [echo] * body.n
@@ -147,13 +146,12 @@ def create_app(service: Service):
                       service.tool_syntax if body.calls_parsed() else None, forced, name)
         if forced:  # the call's JSON is the whole reply
             constrained, schema = True, forced_schema(tools, name, body.parallel_tool_calls is not False)
-        # each choice its own grammar state (the grammar itself is compiled once per schema)
-        constraints = [await service.constraint(schema, "tools" if forced else "response_format")
-                       for _ in range(body.n)] if constrained else None
+        constraints = await service.constraints(schema, "tools" if forced else "response_format", body.n) \
+            if constrained else None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        requests = service.generate_choices(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop, body.n,
-                                            top, constraints=constraints,
-                                            keep_special=calls.syntax is not None and service.calls_need_special)
+        requests = service.generate(ids, service.max_new_tokens(len(ids), asked), sampling, body.stop, body.n,
+                                    top, constraints=constraints,
+                                    keep_special=calls.syntax is not None and service.calls_need_special)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": service.model_name}
         if body.stream:

@@ -1,5 +1,6 @@
 """What the server serves: one artifact's engine, tokenizer and :class:`~mla_deploy.generate.batching.ContinuousBatcher`
-on an engine thread, each request a stream of text pieces (:meth:`Service.generate`, a :class:`TextRequest`), and the metrics.
+on an engine thread, each request a stream of text pieces (:meth:`Service.generate`, a :class:`TextRequest` per
+choice), and the metrics.
 
 The HTTP layer (:mod:`mla_deploy.serve.app`) knows nothing of engines; this module knows nothing of HTTP except
 :class:`~mla_deploy.serve.protocol.ApiError`, the error a request gets.
@@ -234,16 +235,17 @@ class Service:
         except InputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
 
-    async def constraint(self, schema: dict | None, param: str):
-        """A new :class:`~mla_deploy.generate.constrain.Constraint` holding a reply to JSON valid under ``schema``
-        (None: any JSON object), compiled off the event loop (once per schema).
+    async def constraints(self, schema: dict | None, param: str, n: int = 1) -> list:
+        """``n`` new :class:`~mla_deploy.generate.constrain.Constraint` s (one per choice: each holds its own grammar
+        state) holding a reply to JSON valid under ``schema`` (None: any JSON object); the grammar is compiled off
+        the event loop, once per schema.
 
         Raises: ApiError: 400 the grammar library is not installed, or the schema cannot be used."""
         try:
             grammar = await self._off_loop(self.grammars.compile, schema)
         except (InputError, RuntimeMissingError) as exc:
             raise ApiError(400, str(exc), param=param) from None
-        return grammar.start()
+        return [grammar.start() for _ in range(n)]
 
     def _check_length(self, characters: int, param: str) -> None:
         if characters > self.max_prompt_chars:
@@ -276,28 +278,19 @@ class Service:
             return SamplingConfig()
         return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
-    def generate(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
-                 stops: Sequence[str], constraint=None, keep_special: bool = False) -> "TextRequest":
-        """Submit one request now (so a refusal comes before any reply is sent); iterate the returned
-        :class:`TextRequest` for its text. Call from the event loop's thread. ``constraint``: its token mask
-        (:meth:`constraint`); ``keep_special``: its text keeps special tokens (not its end-of-sequence).
-
-        Raises: ApiError: 400 a bad prompt, 429 the queue is full, 503 shutting down.
-        """
-        return self.generate_choices(ids, max_new_tokens, sampling, stops,
-                                     constraints=None if constraint is None else [constraint],
-                                     keep_special=keep_special)[0]
-
-    def generate_choices(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, stops: Sequence[str],
-                         n: int = 1, top_logprobs: int | None = None, prompt_logprobs: bool = False,
-                         constraints: Sequence | None = None, keep_special: bool = False) -> list["TextRequest"]:
-        """:meth:`generate` of ``n`` choices of one prompt, sharing its prefill (choice ``i`` samples with
-        ``sampling.choice(i)``: its own seed derived from the request's); ``top_logprobs``: each token's log
-        probability and that many most likely tokens (None: none); ``prompt_logprobs``: the prompt's too (the
+    def generate(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, stops: Sequence[str],
+                 n: int = 1, top_logprobs: int | None = None, prompt_logprobs: bool = False,
+                 constraints: Sequence | None = None, keep_special: bool = False) -> list["TextRequest"]:
+        """Submit ``n`` choices of one prompt now (so a refusal comes before any reply is sent), sharing its prefill;
+        iterate each returned :class:`TextRequest` for its text. Call from the event loop's thread. Choice ``i``
+        samples with ``sampling.choice(i)`` (its own seed derived from the request's); ``top_logprobs``: each token's
+        log probability and that many most likely tokens (None: none); ``prompt_logprobs``: the prompt's too (the
         first request's :attr:`TextRequest.prompt_entries`); ``constraints``: None, or each choice's token mask
-        (:meth:`constraint`, one per choice: each holds its own grammar state).
+        (:meth:`constraints`); ``keep_special``: the text keeps
+        special tokens (not the end-of-sequence).
 
-        Raises: as :meth:`generate`; 400 ``n`` past the rows of the batch.
+        Raises: ApiError: 400 a bad prompt or ``n`` past the rows of the batch, 429 the queue is full, 503 shutting
+            down.
         """
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue[SequenceEvent]] = [asyncio.Queue() for _ in range(n)]
