@@ -22,7 +22,10 @@ questions and refuses the host-side ones.
 
 A model with DeepSeek Sparse Attention has a second cache per layer, its indexer's keys (``index_head_dim`` per
 token): :func:`cache_tensors` lists every cache tensor of a model (names, width), in graph order, and the layouts
-lay each out alike; engines carry ``CacheState.caches`` in that order without knowing what each holds.
+lay each out alike; engines carry ``CacheState.caches`` in that order without knowing what each holds. A LongCat-Flash
+layer holds two MLA sub-layers, each with its own latent cache: its caches are one per MLA sub-layer
+(``config.num_hidden_layers`` of them, transformers' own cache index ``2 * layer + sub-layer``), so every count
+below (``layer_rows``, the manifest, the memory a batch takes) is per MLA sub-layer.
 
 Everything else asks the layout (``get_layout(mode)``, or :data:`GENAI`) instead of comparing mode strings. The tensor names and
 axis names themselves are in :mod:`mla_deploy.io_spec`.
@@ -49,7 +52,7 @@ CACHE_MODES = ("concat", "static")
 @dataclass(frozen=True)
 class CacheTensor:
     """One cache of the graph: its input and output names, its channels and what it holds (``latent`` or
-    ``index``) of which layer."""
+    ``index``) of which MLA layer (for LongCat-Flash, sub-layer ``layer % 2`` of decoder layer ``layer // 2``)."""
 
     past: str
     present: str
@@ -101,6 +104,13 @@ def tensor_rows(config: MLAConfig, rows: np.ndarray) -> list[np.ndarray]:
         out.append(rows[tensor.layer, :, at: at + tensor.width])
         start[tensor.layer] = at + tensor.width
     return out
+
+def _sublayer(config: MLAConfig, index: int) -> dict[str, int]:
+    """Which decoder layer and MLA sub-layer the latent cache ``index`` belongs to, where a layer has several
+    (LongCat-Flash); empty otherwise."""
+    per = config.attention_per_layer
+    return {} if per == 1 else {"layer": index // per, "sublayer": index % per}
+
 
 Range = tuple[int, int, int]
 
@@ -207,7 +217,8 @@ class CacheLayout:
             "c_kv": "kv_a_layernorm(c_kv), the compressed key/value latent",
             "k_pe": "rope(k_pe) shared by all heads, adjacent pairs (2i, 2i+1) interleaved as in DeepSeek's weights",
             "sequence_axis": -2,
-            "layers": [{"past": past_name(i), "present": present_name(i)} for i in range(config.num_hidden_layers)],
+            "layers": [{"past": past_name(i), "present": present_name(i), **_sublayer(config, i)}
+                       for i in range(config.num_hidden_layers)],
             "aliased": self.in_place,
             **index,
         }

@@ -55,7 +55,10 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
     c = config
     lines = [f"{kind} {c.name} ({c.model_type})", ""]
     dims = [
-        ("hidden_size", c.hidden_size), ("num_hidden_layers", c.num_hidden_layers),
+        ("hidden_size", c.hidden_size),
+        ("num_hidden_layers", c.num_hidden_layers if c.attention_per_layer == 1 else
+         f"{c.num_hidden_layers} MLA sub-layers ({c.decoder_layers} layers x {c.attention_per_layer}), "
+         "each with its latent cache"),
         ("num_attention_heads", c.num_attention_heads), ("q_lora_rank", c.q_lora_rank or "none (q_proj)"),
         ("kv_lora_rank", c.kv_lora_rank), ("qk_nope_head_dim", c.qk_nope_head_dim),
         ("qk_rope_head_dim", c.qk_rope_head_dim), ("v_head_dim", c.v_head_dim),
@@ -74,7 +77,11 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
     if (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None):
         dims.append(("scales", f"embeddings x{c.scale_emb if c.scale_emb is not None else 1:g}, residual branches "
                                f"x{c.residual_scale:.6g}, logits /{c.logits_scaling:g}"))
-    if c.is_moe:
+    if c.is_moe and c.zero_expert_num:
+        dims.append(("moe", f"shortcut MoE in every layer: {c.n_routed_experts} routed experts of "
+                            f"{c.moe_intermediate_size} + {c.zero_expert_num} zero (identity) experts, "
+                            f"top-{c.num_experts_per_tok}, softmax (bias for the choice) x{c.routed_scaling_factor:g}"))
+    elif c.is_moe:
         dims.append(("moe", f"{c.n_routed_experts} routed + {c.n_shared_experts} shared experts of "
                             f"{c.moe_intermediate_size}, top-{c.num_experts_per_tok}, {c.topk_method}/{c.scoring_func}, "
                             + (f"first {c.first_k_dense_replace} layer(s) dense" if c.mlp_layer_types is None else
@@ -103,7 +110,9 @@ def _totals(config: MLAConfig) -> list[str]:
     for row in cache_rows(c)[2:]:
         per_tok += row.bytes("bf16") * c.num_hidden_layers
         kind = "latent" if row.kind == "latent" else "latent + index"
-        out.append(f"{kind} cache, all {c.num_hidden_layers} layers: {per_tok / 1024:.1f} KiB/token (bf16); "
+        layers = f"{c.num_hidden_layers} layers" if c.attention_per_layer == 1 else \
+            f"{c.num_hidden_layers} MLA sub-layers"
+        out.append(f"{kind} cache, all {layers}: {per_tok / 1024:.1f} KiB/token (bf16); "
                    f"{per_tok * c.max_position_embeddings / 2**30:.2f} GiB for one sequence of "
                    f"{c.max_position_embeddings} tokens")
     return out

@@ -20,7 +20,10 @@ Every tensor of the checkpoint is accounted for. On-disk names equal our state-d
   dense layer, which does not use it);
 * with ``rope_interleave: false`` the rope rows of the query projection and ``kv_a_proj_with_mqa`` are permuted
   into DeepSeek's interleaved pairs (:func:`~mla_deploy.model.rope.interleave_rope_rows`);
-* float8 weights with a ``<name>_scale_inv`` block scale (DeepSeek-V3's own release) are dequantised.
+* float8 weights with a ``<name>_scale_inv`` block scale (DeepSeek-V3's own release) are dequantised;
+* LongCat-Flash: its multi-token-prediction tensors ``model.mtp.*`` and the gate/up projections transformers
+  writes for its zero (identity) experts (which never run them) are skipped; its latent scales are folded into
+  ``q_b_proj`` and ``kv_a_layernorm`` (:func:`~mla_deploy.model.longcat.fold_latent_scales`).
 
 A tensor the model does not use, a missing tensor or a wrong shape is a :class:`CheckpointError`.
 :func:`from_hf_model` wraps an in-memory transformers model instead, sharing its tensors.
@@ -44,6 +47,7 @@ from .config import HFLayout, MLAConfig, read_hf_config
 from .errors import CheckpointError, ConfigError, name_list
 from .model.hf import from_hf_model  # noqa: F401  (re-exported: the in-memory counterpart of load_checkpoint)
 from .model.dsa import interleave_index_rows
+from .model.longcat import fold_latent_scales
 from .model.rope import interleave_rope_rows
 
 log = logging.getLogger(__name__)
@@ -211,7 +215,7 @@ class CheckpointTensors:
             out = interleave_rope_rows(key, out, self.config)
         if not self.layout.index_rope_interleave:
             out = interleave_index_rows(key, out, self.config)
-        return out
+        return fold_latent_scales(key, out, self.config)
 
     def expert(self, key: str, index: int) -> torch.Tensor:
         """``get(key)[index]`` of a stacked ``mlp.experts.*`` tensor, reading only that expert's pieces (a new
@@ -359,7 +363,7 @@ def _read_headers(files: list[Path]) -> dict[str, _Source]:
 def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], config: MLAConfig,
           layout: HFLayout) -> tuple[list[tuple[_Source, _Slot]], dict[str, _Source], dict[str, list[str]]]:
     """Decide where each on-disk tensor goes; check names, shapes and coverage. Reads no data."""
-    layers = config.num_hidden_layers
+    layers = config.decoder_layers
     scales = {n[: -len(SCALE_SUFFIX)]: s for n, s in sources.items()
               if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in sources}
     plan: list[tuple[_Source, _Slot]] = []
@@ -371,6 +375,12 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
             outside = disk_name.startswith(layout.skipped_prefixes)
             (skipped.setdefault(f"{layout.model_type} tensors outside the text model", []) if outside else
              unknown).append(disk_name)
+            continue
+        if layout.mtp_prefix and name.startswith(layout.mtp_prefix):
+            skipped.setdefault("MTP layer tensors (not part of the decoder)", []).append(disk_name)
+            continue
+        if _zero_expert_projection(name, config):
+            skipped.setdefault("gate/up projections of zero (identity) experts (unused)", []).append(disk_name)
             continue
         base = disk_name[: -len(SCALE_SUFFIX)] if disk_name.endswith(SCALE_SUFFIX) else None
         layer = _LAYER_NAME.match(name)
@@ -419,6 +429,16 @@ def _text_name(disk_name: str, layout: HFLayout) -> str | None:
         if name.startswith(old):
             name = new + name[len(old):]
     return name
+
+
+def _zero_expert_projection(name: str, config: MLAConfig) -> bool:
+    """True for the gate or up projection (or its block scale) of a zero expert, ``model.layers.{i}.mlp.experts.{e}``
+    with ``E <= e < E + zero_expert_num``: transformers sizes its ``gate_up_proj`` for every expert and writes them."""
+    if not config.zero_expert_num:
+        return False
+    m = _EXPERT_NAME.fullmatch(name.removesuffix(SCALE_SUFFIX).removesuffix(".weight") + ".weight")
+    return m is not None and m.group("proj") in ("gate_proj", "up_proj") and \
+        config.n_routed_experts <= int(m.group("e")) < config.n_routed_experts + config.zero_expert_num
 
 
 def _slot(name: str, targets: dict[str, tuple[int, ...]]) -> _Slot | None:

@@ -19,7 +19,7 @@ from .errors import ConfigError
 
 ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "longcat_flash")
 MLP_LAYER_TYPES = ("dense", "sparse")
 
 
@@ -140,11 +140,17 @@ class MLAConfig:
 
     Attributes:
         name: a label (the preset name, or the checkpoint's folder name).
-        model_type: ``deepseek_v2`` or ``deepseek_v3``; selects the MoE routing.
+        model_type: ``deepseek_v2`` or ``deepseek_v3``, which selects the MoE routing; or ``longcat_flash``
+            (LongCat-Flash): each decoder layer holds two MLA sub-layers and two dense MLPs, and a shortcut MoE
+            whose output joins the residual after the second MLP; routed by softmax plus
+            ``e_score_correction_bias`` (for the choice only), not renormalised, over the routed experts and
+            ``zero_expert_num`` zero (identity) experts.
         vocab_size: number of token ids.
         hidden_size: model width D.
         intermediate_size: width of the dense SwiGLU MLP.
-        num_hidden_layers: number of decoder layers.
+        num_hidden_layers: number of MLA attention layers, each with its own latent cache: the decoder layers,
+            or for ``longcat_flash`` twice them (transformers' own ``num_hidden_layers = 2 * num_layers``; see
+            :attr:`decoder_layers`).
         num_attention_heads: number of query heads H.
         q_lora_rank: rank of the query compression, or None for a plain ``q_proj``.
         kv_lora_rank: width r of the cached latent ``c_kv`` (512 in DeepSeek).
@@ -187,6 +193,10 @@ class MLAConfig:
         index_head_dim: the indexer's key width: what each layer caches per token beside the latent row (its first
             ``qk_rope_head_dim`` channels rotated).
         index_n_heads: the indexer's query heads.
+        zero_expert_num: ``longcat_flash``: zero (identity) experts routed beside the ``n_routed_experts`` real
+            ones; a token routed to one adds its weight times itself.
+        latent_norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm`` (transformers' LongCat-Flash builds
+            them with 1e-6 whatever ``rms_norm_eps`` is); None: ``rms_norm_eps``.
     """
 
     name: str
@@ -227,6 +237,8 @@ class MLAConfig:
     index_topk: int | None = None
     index_head_dim: int | None = None
     index_n_heads: int | None = None
+    zero_expert_num: int = 0
+    latent_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -256,6 +268,13 @@ class MLAConfig:
                               "original_max_position_embeddings, and the rope has no YaRN scaling")
         if self.index_topk is not None or self.index_head_dim is not None or self.index_n_heads is not None:
             self._check_sparse()
+        if self.model_type == "longcat_flash" or self.zero_expert_num:
+            self._check_longcat()
+        if self.latent_norm_eps is not None and (isinstance(self.latent_norm_eps, bool) or
+                                                 not isinstance(self.latent_norm_eps, (int, float)) or
+                                                 self.latent_norm_eps <= 0):
+            raise ConfigError(f"{self.name}: latent_norm_eps must be a positive number or absent, "
+                              f"got {self.latent_norm_eps!r}")
         if isinstance(self.rope_scaling, LongRopeScaling):
             long = self.rope_scaling
             if len(long.short_factor) != self.qk_rope_head_dim // 2:
@@ -266,6 +285,29 @@ class MLAConfig:
                                   f"({long.original_max_position_embeddings} < max_position_embeddings "
                                   f"{self.max_position_embeddings}) switches to long_factor with the sequence length; "
                                   "only static longrope is supported")
+
+    def _check_longcat(self) -> None:
+        """LongCat-Flash's topology: pairs of MLA sub-layers, a MoE in every decoder layer, softmax routing over the
+        routed and the zero experts."""
+        z = self.zero_expert_num
+        if not isinstance(z, int) or isinstance(z, bool) or z < 0:
+            raise ConfigError(f"{self.name}: zero_expert_num must be a non-negative integer, got {z!r}")
+        if self.model_type != "longcat_flash":
+            raise ConfigError(f"{self.name}: zero (identity) experts are a longcat_flash mechanism, model_type is "
+                              f"{self.model_type!r}")
+        if self.num_hidden_layers % 2:
+            raise ConfigError(f"{self.name}: longcat_flash has two MLA sub-layers per decoder layer, so "
+                              f"num_hidden_layers must be even, got {self.num_hidden_layers}")
+        if self.n_routed_experts is None:
+            raise ConfigError(f"{self.name}: longcat_flash has a MoE in every decoder layer; n_routed_experts is absent")
+        want = dict(topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
+                    n_shared_experts=0, first_k_dense_replace=0, mlp_layer_types=None, post_mlp_layernorm=False)
+        differ = [f"{k}={getattr(self, k)!r}" for k, v in want.items() if getattr(self, k) != v]
+        if differ:
+            raise ConfigError(f"{self.name}: longcat_flash routes by softmax (bias for the choice), ungrouped, "
+                              f"unnormalised, without shared experts or dense layers; got {', '.join(differ)}")
+        if self.q_lora_rank is None or self.is_sparse:
+            raise ConfigError(f"{self.name}: longcat_flash's attention compresses the query (q_lora_rank) and is dense")
 
     def _check_sparse(self) -> None:
         for f in ("index_topk", "index_head_dim", "index_n_heads"):
@@ -292,7 +334,7 @@ class MLAConfig:
             raise ConfigError(f"{self.name}: n_routed_experts must be a positive integer or absent, got {n!r}")
         if not self.moe_intermediate_size or self.moe_intermediate_size <= 0:
             raise ConfigError(f"{self.name}: a MoE model needs a positive moe_intermediate_size")
-        if not 1 <= self.num_experts_per_tok <= n:
+        if not 1 <= self.num_experts_per_tok <= n:  # with zero experts: the k choices run as k real experts
             raise ConfigError(f"{self.name}: num_experts_per_tok must be in 1..{n}, got {self.num_experts_per_tok}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ConfigError(f"{self.name}: first_k_dense_replace must be in 0..num_hidden_layers")
@@ -376,13 +418,23 @@ class MLAConfig:
         return self.rope_scaling.cos_sin_scale
 
     @property
+    def attention_per_layer(self) -> int:
+        """MLA sub-layers (each with its latent cache) per decoder layer: 2 for ``longcat_flash``, else 1."""
+        return 2 if self.model_type == "longcat_flash" else 1
+
+    @property
+    def decoder_layers(self) -> int:
+        """Decoder layers: ``num_hidden_layers`` over :attr:`attention_per_layer` (LongCat's ``num_layers``)."""
+        return self.num_hidden_layers // self.attention_per_layer
+
+    @property
     def is_moe(self) -> bool:
         """True when some layers use routed experts."""
         return self.n_routed_experts is not None
 
     def is_moe_layer(self, index: int) -> bool:
-        """True when layer ``index`` uses the MoE block rather than the dense MLP (``mlp_layer_types`` if given,
-        else every layer from ``first_k_dense_replace`` on)."""
+        """True when decoder layer ``index`` uses the MoE block rather than the dense MLP (``mlp_layer_types`` if
+        given, else every layer from ``first_k_dense_replace`` on; every LongCat layer has its shortcut MoE)."""
         if self.mlp_layer_types is not None:
             return self.mlp_layer_types[index] == "sparse"
         return self.is_moe and index >= self.first_k_dense_replace
@@ -430,8 +482,10 @@ class MLAConfig:
             out["mlp_layer_types"] = list(out["mlp_layer_types"])
         if not out["post_mlp_layernorm"]:
             del out["post_mlp_layernorm"]
+        if not out["zero_expert_num"]:
+            del out["zero_expert_num"]
         for key in ("scale_emb", "scale_depth", "dim_model_base", "llama_4_scaling_beta", "index_topk",
-                    "index_head_dim", "index_n_heads"):
+                    "index_head_dim", "index_n_heads", "latent_norm_eps"):
             if out[key] is None:
                 del out[key]
         return out
@@ -600,6 +654,8 @@ class HFModelType:
         zero_if_missing: name endings of tensors its releases may lack, which transformers then makes zero.
         index_rope_interleave: DeepSeek Sparse Attention's indexer rotates its rope channels in interleaved pairs
             (GLM-5) rather than half-rotated (DeepSeek-V3.2, whose rows the loader permutes); None: no indexer.
+        aliases: the type's own spellings of DeepSeek's keys (LongCat's ``ffn_hidden_size``, ``moe_topk``, ...).
+        mtp_prefix: the prefix of its multi-token-prediction tensors on disk (LongCat's ``model.mtp.``), skipped.
     """
 
     family: str
@@ -615,6 +671,8 @@ class HFModelType:
     query_scale: bool = False
     zero_if_missing: tuple[str, ...] = ()
     index_rope_interleave: bool | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    mtp_prefix: str = ""
 
 
 _SPARSE_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -654,10 +712,19 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
                                                "first_k_dense_replace": 3, "rms_norm_eps": 1e-5, "n_group": 1,
                                                "topk_group": 1},
                                mtp_layers=1, extra_keys=_SPARSE_KEYS, index_rope_interleave=True),
+    # LongCat-Flash: two MLA sub-layers per layer, a shortcut MoE with zero experts (config.json: num_layers, read by
+    # _longcat_layers); the defaults are LongcatFlashConfig's; its latent norms are built with eps 1e-6
+    "longcat_flash": HFModelType("longcat_flash", {"rms_norm_eps": 1e-5, "n_routed_experts": 512,
+                                                   "zero_expert_num": 256, "num_experts_per_tok": 12,
+                                                   "moe_intermediate_size": 2048, "routed_scaling_factor": 6.0,
+                                                   "latent_norm_eps": 1e-6},
+                                 head_dim="any", extra_keys=("zero_expert_num",), mtp_prefix="model.mtp.",
+                                 aliases={"ffn_hidden_size": "intermediate_size",
+                                          "expert_ffn_hidden_size": "moe_intermediate_size",
+                                          "moe_topk": "num_experts_per_tok"}),
 }
 #: MLA model types of transformers that mla-deploy refuses, with the mechanism it lacks
 HF_REFUSED_TYPES: dict[str, str] = {
-    "longcat_flash": "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported",
     "kimi_linear": "linear-attention layers (KDA) are not supported",
     "bailing_hybrid": "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported",
     "glm5_next": "linear-attention layers (KDA), hyper-connections and k-pooled sparse attention are not supported",
@@ -703,6 +770,7 @@ class HFLayout:
     weight_block_size: tuple[int, int] = (128, 128)
     zero_if_missing: tuple[str, ...] = ()
     index_rope_interleave: bool = True
+    mtp_prefix: str = ""
 
 
 def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> MLAConfig:
@@ -764,7 +832,7 @@ def read_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
                       mtp_layers=kind.mtp_layers if mtp is None else mtp,
                       rope_interleave=raw.get("rope_interleave") is not False and not kind.half_rotated_rope,
                       weight_block_size=block, zero_if_missing=kind.zero_if_missing,
-                      index_rope_interleave=kind.index_rope_interleave is not False)
+                      index_rope_interleave=kind.index_rope_interleave is not False, mtp_prefix=kind.mtp_prefix)
     return config, layout
 
 
@@ -808,7 +876,9 @@ def _hf_block_size(raw: Mapping[str, Any], label: str) -> tuple[int, int]:
 
 def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFModelType, name: str | None) -> MLAConfig:
     """The :class:`MLAConfig` of a text model's config ``raw`` of ``model_type``."""
-    raw = _unaliased(raw, label)
+    raw = _unaliased(raw, label, kind.aliases)
+    if kind.family == "longcat_flash":
+        raw = _longcat_raw(raw, label)
     _check_hf_math(raw, label, model_type, kind)
     read = (*_HF_DIRECT, *kind.extra_keys)
     unknown = sorted(k for k in raw if k not in read and k not in _HF_EXPECTED and k not in _HF_IGNORED)
@@ -840,16 +910,56 @@ def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFMo
     return config
 
 
-def _unaliased(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """``raw`` with the other spellings of DeepSeek's keys (:data:`_HF_ALIASES`) renamed; two that disagree are an
-    error."""
+def _unaliased(raw: Mapping[str, Any], label: str, extra: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``raw`` with the other spellings of DeepSeek's keys (:data:`_HF_ALIASES`, and the type's own ``extra``)
+    renamed; two that disagree are an error."""
     raw = dict(raw)
-    for alias, key in _HF_ALIASES.items():
+    for alias, key in {**_HF_ALIASES, **(extra or {})}.items():
         if alias in raw:
             value = raw.pop(alias)
             if raw.get(key) is not None and raw[key] != value:
                 raise ConfigError(f"{label}: {alias} ({value}) and {key} ({raw[key]}) disagree")
             raw[key] = value
+    return raw
+
+
+def _longcat_raw(raw: dict[str, Any], label: str) -> dict[str, Any]:
+    """A LongCat-Flash config.json in DeepSeek's terms: ``num_hidden_layers`` = 2 x ``num_layers`` (MLA sub-layers),
+    checked against a written ``num_hidden_layers``; the settings transformers' class does not compute refused."""
+    raw = dict(raw)
+    layers, sublayers = raw.pop("num_layers", None), raw.get("num_hidden_layers")
+    for key, value in (("num_layers", layers), ("num_hidden_layers", sublayers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{label}: {key} must be a positive integer, got {json.dumps(value)[:80]}")
+    if layers is not None and sublayers is not None and sublayers != 2 * layers:
+        raise ConfigError(f"{label}: contradictory layer counts: num_hidden_layers ({sublayers}) must be 2 x "
+                          f"num_layers ({layers}), two MLA sub-layers per longcat_flash layer")
+    if layers is None and sublayers is None:
+        layers = 28  # LongcatFlashConfig's default
+    if sublayers is not None and sublayers % 2:
+        raise ConfigError(f"{label}: num_hidden_layers ({sublayers}) of longcat_flash must be even (two MLA "
+                          "sub-layers per layer)")
+    raw["num_hidden_layers"] = sublayers if sublayers is not None else 2 * layers
+    if raw.get("router_bias"):  # transformers builds the bias but its router never adds it
+        raise ConfigError(f"{label}: longcat_flash router_bias=true is not supported (transformers ignores the bias)")
+    raw.pop("router_bias", None)
+    for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):  # LongCat's own flags; transformers always scales
+        if raw.pop(key, True) is not True:
+            raise ConfigError(f"{label}: {key}=false is not supported (transformers always applies the latent scale)")
+    if raw.pop("zero_expert_type", "identity") != "identity":
+        raise ConfigError(f"{label}: only identity zero experts are supported (zero_expert_type)")
+    qk = raw.pop("qk_head_dim", None)
+    nope, rope = raw.get("qk_nope_head_dim"), raw.get("qk_rope_head_dim")
+    if qk is not None and isinstance(nope, int) and isinstance(rope, int) and qk != nope + rope:
+        raise ConfigError(f"{label}: qk_head_dim ({qk}) differs from qk_nope_head_dim + qk_rope_head_dim "
+                          f"({nope + rope})")
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None and raw.get("rope_theta") is None:
+        raw["rope_theta"] = 10000000.0  # LongcatFlashConfig's default_theta
+    for key in ("n_shared_experts", "first_k_dense_replace", "mlp_layer_types", "moe_layer_freq", "topk_method",
+                "scoring_func", "n_group", "topk_group", "norm_topk_prob"):
+        if raw.get(key) is not None:  # not part of LongCat's routing: transformers would ignore it silently
+            raise ConfigError(f"{label}: longcat_flash does not use {key} (got {json.dumps(raw[key])[:40]})")
+    raw.update(topk_method="greedy", scoring_func="softmax", n_shared_experts=0, first_k_dense_replace=0)
     return raw
 
 
@@ -996,7 +1106,9 @@ def to_hf_config(config: MLAConfig, **overrides: Any) -> dict[str, Any]:
                                       ("llama_4_scaling_beta", c.llama_4_scaling_beta is not None),
                                       ("sparse attention (index_topk)", c.is_sparse),
                                       ("softmax noaux_tc routing", c.is_moe and c.topk_method == "noaux_tc"
-                                       and c.scoring_func == "softmax")) if used]
+                                       and c.scoring_func == "softmax"),
+                                      ("longcat_flash's layers (two MLA sub-layers, shortcut MoE, zero experts)",
+                                       c.model_type == "longcat_flash")) if used]
     if beyond:
         raise ConfigError(f"{c.name}: a transformers DeepSeek-V2/V3 config cannot express {', '.join(beyond)}")
     out: dict[str, Any] = {

@@ -103,6 +103,30 @@ def _kimi_k25_published(folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+#: LongCat-Flash: 2 layers (4 MLA sub-layers), 8 routed + 4 zero experts, 3 chosen, routed_scaling_factor 6 (its
+#: release's), the latent norms' eps (1e-6) apart from rms_norm_eps (1e-5, its release's), rope theta 1e7
+LONGCAT = dict(vocab_size=128, hidden_size=64, ffn_hidden_size=96, num_layers=2, num_attention_heads=4,
+               q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8, v_head_dim=12,
+               max_position_embeddings=512, rms_norm_eps=1e-5, n_routed_experts=8, zero_expert_num=4, moe_topk=3,
+               expert_ffn_hidden_size=32, routed_scaling_factor=6.0, tie_word_embeddings=False, bos_token_id=0,
+               eos_token_id=1, pad_token_id=None)
+
+
+def _longcat_released(folder: Path) -> None:
+    """LongCat-Flash-Chat's released layout: its own config keys (``zero_expert_type``, the latent-scale flags,
+    ``router_bias``) and multi-token-prediction tensors ``model.mtp.*`` (here a copy of layer 0's), which
+    transformers skips on load."""
+    from safetensors.torch import load_file, save_file
+
+    _edit_json(folder / "config.json", lambda d: d.update(zero_expert_type="identity", mla_scale_q_lora=True,
+                                                          mla_scale_kv_lora=True, router_bias=False))
+    state = load_file(str(folder / "model.safetensors"))
+    first = "model.layers.0."
+    state.update({"model.mtp.layers.0." + k[len(first):]: v.clone() for k, v in state.items() if k.startswith(first)})
+    state["model.mtp.norm.weight"] = state["model.norm.weight"].clone()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _build(case: str):
     """``(transformers class, config, rewrite of the saved folder or None)`` of ``case``."""
     import transformers
@@ -168,13 +192,18 @@ def _build(case: str):
         cfg = transformers.GlmMoeDsaConfig(**{**SMALL, **dsa, "n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5,
                                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
         return transformers.GlmMoeDsaForCausalLM, cfg, _mtp
+    if case.startswith("longcat_flash"):  # "-no-zero": without zero experts
+        zero = {"zero_expert_num": 0} if case.endswith("-no-zero") else {}
+        cfg = transformers.LongcatFlashConfig(**{**LONGCAT, **zero},
+                                              rope_parameters={"rope_type": "default", "rope_theta": 1e7})
+        return transformers.LongcatFlashForCausalLM, cfg, _longcat_released
     raise KeyError(case)
 
 
 #: DeepSeek Sparse Attention cases: each type with a top-k below and above the tested contexts
 SPARSE_CASES = ("deepseek_v32-sparse", "deepseek_v32-dense", "glm_moe_dsa-sparse", "glm_moe_dsa-dense")
 CASES = ("deepseek_v3-tied", "deepseek_v3-half-rope", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "youtu", "axk1",
-         "kimi_k25", "minicpm3", "mistral4")
+         "kimi_k25", "minicpm3", "mistral4", "longcat_flash")
 
 
 @torch.no_grad()

@@ -140,7 +140,7 @@ def _check_graph_files(root: Path, manifest: Manifest) -> None:
             raise ArtifactError(f"{root / MANIFEST} says its {role} graph's attention is {graph.attention!r}, but "
                                 f"{graph.file} holds {plugins} {PLUGIN_OP} plugin nodes (edited?); export again")
         # a MoE model cut to its first (dense) layers, `export --layers N`, has no expert to fuse
-        moe = any(manifest.config.is_moe_layer(i) for i in range(manifest.config.num_hidden_layers))
+        moe = any(manifest.config.is_moe_layer(i) for i in range(manifest.config.decoder_layers))
         reason = (expert_forms.disagreement(graph.experts, models[graph.file], moe)
                   or layout_disagreement(models[graph.file], manifest.precision))
         if reason:

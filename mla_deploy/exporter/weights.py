@@ -17,6 +17,7 @@ the stored tensor, so no runtime copies or re-lays out a weight).
 
 from __future__ import annotations
 
+import re
 import hashlib
 import time
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class WeightSpec:
     def for_parameter(cls, name: str) -> "WeightSpec":
         """The spec of our model's parameter ``name`` in any form (absorbed ``w_uk``/``w_uv`` included)."""
         for part in ("w_uk", "w_uv"):
-            if name.endswith("self_attn." + part):
+            if re.search(r"self_attn(\.\d+)?\." + part + "$", name):  # LongCat's sub-layers: self_attn.{0,1}
                 return cls(name[: -len(part)] + "kv_b_proj.weight", part)
         return cls(name)
 

@@ -21,7 +21,8 @@ from ..config import MLAConfig
 from ..errors import ConfigError
 from .cache import ConcatCache
 from .layers import MLP, MoE, RMSNorm
-from .mla import ABSORBED_FORMS, FORMS, AbsorbedMLAttention, MLAttention
+from .longcat import LongcatDecoderLayer
+from .mla import ABSORBED_FORMS, FORMS, AbsorbedMLAttention, MLABase, MLAttention
 from .rope import RotaryEmbedding
 
 
@@ -33,16 +34,22 @@ def make_attention(config: MLAConfig, form: str) -> nn.Module:
 
 
 def cache_widths(config: MLAConfig) -> list[int]:
-    """The channels of each of the model's caches, in the order the model takes them: the latent row of every layer,
-    then, with sparse attention, every layer's index keys (``index_head_dim``)."""
+    """The channels of each of the model's caches, in the order the model takes them: the latent row of every MLA
+    layer (LongCat's two sub-layers of a layer in turn), then, with sparse attention, every layer's index keys
+    (``index_head_dim``)."""
     layers = config.num_hidden_layers
     return [config.latent_dim] * layers + ([config.index_head_dim] * layers if config.is_sparse else [])
 
 
 def layer_caches(config: MLAConfig, flat: Sequence) -> list:
-    """The model's caches (:func:`cache_widths`' order) as one entry per layer: the latent cache, or for a
-    sparse-attention layer the pair ``(latent, index keys)``."""
+    """The model's caches (:func:`cache_widths`' order) as one entry per decoder layer: the latent cache, for a
+    sparse-attention layer the pair ``(latent, index keys)``, for a LongCat layer the pair of its sub-layers'
+    latent caches."""
     layers = config.num_hidden_layers
+    if config.attention_per_layer == 2:
+        if len(flat) != layers:
+            raise ValueError(f"expected {layers} caches (one per MLA sub-layer), got {len(flat)}")
+        return [(flat[i], flat[i + 1]) for i in range(0, layers, 2)]
     if not config.is_sparse:
         return list(flat)
     if len(flat) != 2 * layers:
@@ -52,6 +59,8 @@ def layer_caches(config: MLAConfig, flat: Sequence) -> list:
 
 def flat_caches(config: MLAConfig, presents: Sequence) -> list:
     """The inverse of :func:`layer_caches`."""
+    if config.attention_per_layer == 2:
+        return [cache for pair in presents for cache in pair]
     if not config.is_sparse:
         return list(presents)
     return [p[0] for p in presents] + [p[1] for p in presents]
@@ -118,7 +127,9 @@ def run_layers(layers: Sequence[nn.Module], rotary_emb: nn.Module, x: torch.Tens
     cos, sin = rotary_emb(position_ids)
     q_scale = rotary_emb.query_scale(position_ids)
     extra = () if q_scale is None else (q_scale,)
-    first = past[0][0] if isinstance(past[0], (tuple, list)) else past[0]
+    first = past[0]
+    while isinstance(first, (tuple, list)):  # (latent, index keys), LongCat's pair, CD's (k, v): the first tensor
+        first = first[0]
     mask = cache.mask(x.shape[1], first)
     presents = []
     for layer, layer_past in zip(layers, past):
@@ -175,7 +186,11 @@ class MLAModel(nn.Module):
     def __init__(self, config: MLAConfig, form: str):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, form) for i in range(config.num_hidden_layers))
+        if config.attention_per_layer == 2:
+            self.layers = nn.ModuleList(LongcatDecoderLayer(config, lambda c: make_attention(c, form))
+                                        for _ in range(config.decoder_layers))
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(config, i, form) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -199,7 +214,7 @@ class MLAForCausalLM(nn.Module):
     @property
     def form(self) -> str:
         """The attention form of the layers."""
-        return self.model.layers[0].self_attn.form
+        return next(m for m in self.modules() if isinstance(m, MLABase)).form
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: Sequence, cache=None,
                 logits_index: torch.Tensor | None = None):

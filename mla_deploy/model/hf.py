@@ -13,6 +13,7 @@ from ..config import HF_MODEL_TYPES, read_hf_config
 from ..errors import CheckpointError, name_list
 from .decoder import MLAForCausalLM
 from .dsa import interleave_index_rows
+from .longcat import fold_latent_scales
 from .rope import interleave_rope_rows
 
 HF_DEEPSEEK_CLASSES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -45,6 +46,9 @@ def from_hf_model(hf_model: nn.Module) -> MLAForCausalLM:
     with torch.device("meta"):
         model = MLAForCausalLM(config, "CC")
     state = hf_model.state_dict()
+    if config.zero_expert_num:  # transformers sizes gate_up_proj for the zero experts too; they never use it
+        state = {k: v[: config.n_routed_experts] if k.endswith("mlp.experts.gate_up_proj") else v
+                 for k, v in state.items()}
     expected = set(model.state_dict())
     if set(state) != expected:
         extra, missing = sorted(set(state) - expected), sorted(expected - set(state))
@@ -57,5 +61,7 @@ def from_hf_model(hf_model: nn.Module) -> MLAForCausalLM:
         state = {key: interleave_rope_rows(key, value, config) for key, value in state.items()}
     if not layout.index_rope_interleave:  # DeepSeek-V3.2's half-rotated indexer rope, likewise
         state = {key: interleave_index_rows(key, value, config) for key, value in state.items()}
+    if config.model_type == "longcat_flash":  # the latent scales: new, scaled tensors
+        state = {key: fold_latent_scales(key, value, config) for key, value in state.items()}
     model.assign_weights(state)
     return model.train(hf_model.training)

@@ -80,14 +80,15 @@ class MLABase(nn.Module):
         self.config = config
         self.num_heads = c.num_attention_heads
         self.softmax_scale = c.softmax_scale
+        latent_eps = c.rms_norm_eps if c.latent_norm_eps is None else c.latent_norm_eps
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, latent_eps)
             self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, latent_eps)
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
         if c.is_sparse:
             self.indexer = Indexer(c)

@@ -36,8 +36,9 @@ from ..errors import ExportError
 from .formats import FORMATS, HEADWISE, MS_DOMAIN, ONNX_DOMAINS, QMOE, QMOE_LAYOUTS, WeightFormat
 from .scheme import WeightQuantization
 
-#: the MoE router's weight: kept in the float type (expert choice is discontinuous in its logits)
-ROUTER_SUFFIX = "mlp.gate.weight"
+#: the MoE router's weight (DeepSeek's ``mlp.gate``, LongCat-Flash's ``mlp.router.classifier``): kept in the float
+#: type (expert choice is discontinuous in its logits)
+ROUTER_SUFFIX = ("mlp.gate.weight", "mlp.router.classifier.weight")
 #: the sparse-attention indexer's weights: kept in the float type (its top-k token choice is discontinuous too)
 INDEXER_PART = ".self_attn.indexer."
 #: the oldest opset with blocked ``DequantizeLinear``

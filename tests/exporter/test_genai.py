@@ -255,3 +255,26 @@ def test_genai_quantized_export_runs_like_the_artifact(tmp_path_factory, tmp_pat
     record = json.loads(ok(cli("run", tmp_path / "artifact", "--prompt-ids", ",".join(map(str, prompts[1])),
                                "--max-new-tokens", NEW, "--json")))
     assert genai_greedy(tmp_path / "genai", [prompts[1]], tok.pad_token_id) == [record["sequences"][0]["tokens"]]
+
+
+@pytest.mark.slow
+def test_genai_longcat_holds_a_latent_per_sublayer(tmp_path):
+    """LongCat-Flash (tests/family_checkpoints.py's tiny `longcat_flash`, with a tokenizer): genai holds its four
+    latent caches (two MLA sub-layers in each of two layers) as four key/value pairs, and its greedy tokens are
+    transformers', one prompt at a time and as a padded batch."""
+    import family_checkpoints
+    from hf_oracle import hf_tokenizer
+
+    tok = hf_tokenizer()
+    hf = family_checkpoints.write("longcat_flash", tmp_path / "ckpt", vocab_size=len(tok))
+    tok.save_pretrained(tmp_path / "ckpt")
+    ok(cli("export", "--hf", tmp_path / "ckpt", "--out", tmp_path / "genai", "--target", "genai",
+           "--max-cache-length", CONTEXT))
+    config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["num_hidden_layers"] == 4
+    prompts = [tok(p).input_ids for p in TEXT_PROMPTS]
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    want = [until_eos(row, eos) for row in transformers_greedy(hf, prompts, pad)]
+    for i, prompt in enumerate(prompts):
+        assert [until_eos(r, eos) for r in genai_greedy(tmp_path / "genai", [prompt], pad)] == [want[i]]
+    assert [until_eos(r, eos) for r in genai_greedy(tmp_path / "genai", prompts, pad)] == want

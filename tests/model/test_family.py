@@ -48,20 +48,22 @@ def test_validate_and_inspect(exported, tmp_path):
 
 @pytest.mark.slow
 def test_loader_reads_what_transformers_reads(exported):
-    """What the load report says was skipped, per type: the MTP layer (GLM-4.7-Flash), A.X-K1's dense-layer norm
-    and its absent routing bias, the Kimi K2.5 wrapper's vision tensors; and the schedule read (dense layers where
-    transformers has them)."""
+    """What the load report says was skipped, per type: the MTP layer (GLM-4.7-Flash, LongCat-Flash's
+    ``model.mtp.*``), A.X-K1's dense-layer norm and its absent routing bias, the Kimi K2.5 wrapper's vision tensors,
+    the unused projections of LongCat's zero experts; and the schedule read (dense layers where transformers has
+    them; LongCat's shortcut MoE in every layer)."""
     from mla_deploy.checkpoint import load_checkpoint
 
     case, hf, ckpt, _ = exported
     model = load_checkpoint(ckpt)
     text = hf.model.language_model if case == "kimi_k25" else hf.model
     dense = [type(layer.mlp).__name__.endswith("MLP") for layer in text.layers]
-    assert [not model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers)] == dense
+    assert [not model.config.is_moe_layer(i) for i in range(model.config.decoder_layers)] == dense
     skipped = model.load_report.summary()
     expected = {"glm4_moe_lite": ["MTP layer tensors"],
                 "axk1": ["1 post_mlp_layernorm of dense layers", "1 absent, zero as transformers makes it"],
-                "kimi_k25": ["kimi_k25 tensors outside the text model"]}
+                "kimi_k25": ["kimi_k25 tensors outside the text model"],
+                "longcat_flash": ["59 MTP layer tensors", "16 gate/up projections of zero (identity) experts"]}
     for reason in expected.get(case, []):
         assert reason in skipped
 
@@ -103,7 +105,7 @@ def test_in_memory_transformers_model(tmp_path, case):
     ("kimi_linear", "linear-attention layers (KDA) are not supported"),
     ("mistral_large4", "DeepSeek Sparse Attention, cross-layer latent sharing (kv_source_layers), NoPE layers and "
                        "the final logit softcap are not supported"),
-    ("longcat_flash", "two MLA sub-layers per layer, the shortcut MoE and zero (identity) experts are not supported"),
+    ("bailing_hybrid", "linear-attention layers (KDA) and the gated MLA output (g_proj) are not supported"),
 ])
 def test_refused_type_names_the_missing_mechanism(tmp_path, model_type, mechanism):
     """A config written by transformers' own config class of a type mla-deploy refuses: `export --hf` exits 1
