@@ -77,17 +77,8 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
     if (c.scale_emb, c.scale_depth, c.dim_model_base) != (None, None, None):
         dims.append(("scales", f"embeddings x{c.scale_emb if c.scale_emb is not None else 1:g}, residual branches "
                                f"x{c.residual_scale:.6g}, logits /{c.logits_scaling:g}"))
-    if c.is_moe and c.zero_expert_num:
-        dims.append(("moe", f"shortcut MoE in every layer: {c.n_routed_experts} routed experts of "
-                            f"{c.moe_intermediate_size} + {c.zero_expert_num} zero (identity) experts, "
-                            f"top-{c.num_experts_per_tok}, softmax (bias for the choice) x{c.routed_scaling_factor:g}"))
-    elif c.is_moe:
-        dims.append(("moe", f"{c.n_routed_experts} routed + {c.n_shared_experts} shared experts of "
-                            f"{c.moe_intermediate_size}, top-{c.num_experts_per_tok}, {c.topk_method}/{c.scoring_func}, "
-                            + (f"first {c.first_k_dense_replace} layer(s) dense" if c.mlp_layer_types is None else
-                               "dense layer(s) " + ", ".join(str(i) for i, t in enumerate(c.mlp_layer_types)
-                                                             if t == "dense"))
-                            + (", post_mlp_layernorm" if c.post_mlp_layernorm else "")))
+    if c.is_moe:
+        dims.append(("moe", _moe(c)))
     if c.is_sparse:
         dims.append(("sparse attention", f"each query attends to the index_topk={c.index_topk} tokens its indexer "
                                          f"scores highest ({c.index_n_heads} heads of {c.index_head_dim})"))
@@ -101,6 +92,19 @@ def format_inspect(config: MLAConfig, kind: str = "preset") -> str:
         lines.append(f"  {row.kind:<7} {row.elements:>9} {row.bytes('fp32'):>9} {row.bytes('bf16'):>9} "
                      f"{row.ratio_to_latent:>9.2f}  {row.formula}")
     return "\n".join(lines + [""] + _totals(c))
+
+
+def _moe(c: MLAConfig) -> str:
+    """The MoE line of :func:`format_inspect`."""
+    if c.model_type == "longcat_flash":
+        return (f"shortcut MoE in every layer: {c.n_routed_experts} routed experts of {c.moe_intermediate_size} + "
+                f"{c.zero_expert_num} zero (identity) experts, top-{c.num_experts_per_tok}, softmax (bias for the "
+                f"choice) x{c.routed_scaling_factor:g}")
+    return (f"{c.n_routed_experts} routed + {c.n_shared_experts} shared experts of {c.moe_intermediate_size}, "
+            f"top-{c.num_experts_per_tok}, {c.topk_method}/{c.scoring_func}, "
+            + (f"first {c.first_k_dense_replace} layer(s) dense" if c.mlp_layer_types is None else
+               "dense layer(s) " + ", ".join(str(i) for i, t in enumerate(c.mlp_layer_types) if t == "dense"))
+            + (", post_mlp_layernorm" if c.post_mlp_layernorm else ""))
 
 
 def _totals(config: MLAConfig) -> list[str]:

@@ -376,12 +376,6 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
             (skipped.setdefault(f"{layout.model_type} tensors outside the text model", []) if outside else
              unknown).append(disk_name)
             continue
-        if layout.mtp_prefix and name.startswith(layout.mtp_prefix):
-            skipped.setdefault("MTP layer tensors (not part of the decoder)", []).append(disk_name)
-            continue
-        if _zero_expert_projection(name, config):
-            skipped.setdefault("gate/up projections of zero (identity) experts (unused)", []).append(disk_name)
-            continue
         base = disk_name[: -len(SCALE_SUFFIX)] if disk_name.endswith(SCALE_SUFFIX) else None
         layer = _LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= layers:
@@ -399,8 +393,7 @@ def _plan(sources: dict[str, _Source], targets: dict[str, tuple[int, ...]], conf
             else:
                 skipped.setdefault("post_mlp_layernorm of dense layers (unused)", []).append(disk_name)
             continue
-        reason = next((r for p, r in IGNORED.items() if p.fullmatch(name)), None)
-        if reason:
+        if reason := _skip_reason(name, config, layout):
             skipped.setdefault(reason, []).append(disk_name)
         elif (slot := _slot(name, targets)) is not None:
             plan.append((src, slot))
@@ -429,6 +422,16 @@ def _text_name(disk_name: str, layout: HFLayout) -> str | None:
         if name.startswith(old):
             name = new + name[len(old):]
     return name
+
+
+def _skip_reason(name: str, config: MLAConfig, layout: HFLayout) -> str | None:
+    """Why the tensor ``name`` (our spelling) is skipped, by its name alone: :data:`IGNORED`, a type's MTP prefix
+    (LongCat's ``model.mtp.``), a zero expert's projection; None: not skipped for its name."""
+    if layout.mtp_prefix and name.startswith(layout.mtp_prefix):
+        return "MTP layer tensors (not part of the decoder)"
+    if _zero_expert_projection(name, config):
+        return "gate/up projections of zero (identity) experts (unused)"
+    return next((r for p, r in IGNORED.items() if p.fullmatch(name)), None)
 
 
 def _zero_expert_projection(name: str, config: MLAConfig) -> bool:

@@ -85,7 +85,7 @@ def test_checkpoint_as_transformers_saves_it(tmp_path, case):
         assert (logits - hf(ids).logits).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3-half-rope", "glm4_moe_lite", "minicpm3", "mistral4"])
+@pytest.mark.parametrize("case", ["deepseek_v3-half-rope", "glm4_moe_lite", "minicpm3", "mistral4", "longcat_flash"])
 def test_in_memory_transformers_model(tmp_path, case):
     """``from_hf_model`` on the transformers model itself (no checkpoint folder): the half-rotated rope rows permuted
     into new tensors, the rest shared; the logits are transformers'."""

@@ -123,6 +123,19 @@ def test_without_zero_experts(tmp_path):
     assert_engine_matches_hf(OrtEngine(tmp_path / "onnx", threads=1, capacity=32), hf, PROMPTS, 8)
 
 
+@pytest.mark.slow
+def test_int4_keeps_the_router_float(checkpoint, tmp_path):
+    """`export --weights int4`: the routed experts and the dense MLPs are quantized, the router's classifier is not
+    (the choice of experts is a top-k of its scores, not continuous in them)."""
+    hf, folder = checkpoint
+    ok(cli("export", "--hf", folder, "--out", tmp_path / "int4", "--weights", "int4"))
+    keys = json.loads((tmp_path / "int4" / "manifest.json").read_text())["quantization"]["keys"]
+    for layer in (0, 1):
+        assert f"model.layers.{layer}.mlp.experts.gate_up_proj" in keys
+        assert f"model.layers.{layer}.mlps.1.down_proj.weight" in keys
+    assert not [k for k in keys if "router" in k]
+
+
 def _broken(folder, config=None, drop=None):
     """The tiny LongCat-Flash checkpoint with its config.json changed by ``config`` or the tensor ``drop`` removed."""
     from safetensors.torch import load_file, save_file
