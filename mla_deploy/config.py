@@ -195,8 +195,8 @@ class MLAConfig:
         index_n_heads: the indexer's query heads.
         zero_expert_num: ``longcat_flash``: zero (identity) experts routed beside the ``n_routed_experts`` real
             ones; a token routed to one adds its weight times itself.
-        latent_norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm`` (transformers' LongCat-Flash builds
-            them with 1e-6 whatever ``rms_norm_eps`` is); None: ``rms_norm_eps``.
+        latent_norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm`` (transformers builds
+            them with 1e-6 in every MLA type, whatever ``rms_norm_eps`` is); None: ``rms_norm_eps``.
     """
 
     name: str
@@ -678,6 +678,9 @@ class HFModelType:
 _SPARSE_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
 
 #: the transformers model types read as a DeepSeek-V2/V3 decoder (``kimi_k25`` is a wrapper around ``text_config``)
+#: the epsilon of ``q_a_layernorm`` and ``kv_a_layernorm`` in every MLA type transformers builds (its RMSNorm's
+#: default, as in DeepSeek's own model.py), whatever ``rms_norm_eps`` a config gives the other norms
+LATENT_NORM_EPS = 1e-6
 HF_MODEL_TYPES: dict[str, HFModelType] = {
     "deepseek_v2": HFModelType("deepseek_v2"),
     "deepseek_v3": HFModelType("deepseek_v3"),
@@ -713,11 +716,10 @@ HF_MODEL_TYPES: dict[str, HFModelType] = {
                                                "topk_group": 1},
                                mtp_layers=1, extra_keys=_SPARSE_KEYS, index_rope_interleave=True),
     # LongCat-Flash: two MLA sub-layers per layer, a shortcut MoE with zero experts (config.json: num_layers, read by
-    # _longcat_layers); the defaults are LongcatFlashConfig's; its latent norms are built with eps 1e-6
+    # _longcat_layers); the defaults are LongcatFlashConfig's
     "longcat_flash": HFModelType("longcat_flash", {"rms_norm_eps": 1e-5, "n_routed_experts": 512,
                                                    "zero_expert_num": 256, "num_experts_per_tok": 12,
-                                                   "moe_intermediate_size": 2048, "routed_scaling_factor": 6.0,
-                                                   "latent_norm_eps": 1e-6},
+                                                   "moe_intermediate_size": 2048, "routed_scaling_factor": 6.0},
                                  head_dim="any", extra_keys=("zero_expert_num",), mtp_prefix="model.mtp.",
                                  aliases={"ffn_hidden_size": "intermediate_size",
                                           "expert_ffn_hidden_size": "moe_intermediate_size",
@@ -902,6 +904,8 @@ def _config_from_hf(raw: dict[str, Any], label: str, model_type: str, kind: HFMo
     else:
         fields.update(_hf_schedule(raw, fields, label))
         fields["post_mlp_layernorm"] = kind.post_mlp_layernorm
+    if fields.get("latent_norm_eps") is None and fields.get("rms_norm_eps", LATENT_NORM_EPS) != LATENT_NORM_EPS:
+        fields["latent_norm_eps"] = LATENT_NORM_EPS  # None keeps a config equal to one that never names it
     config = MLAConfig.from_dict(fields, source=label)
     if unknown:
         import warnings

@@ -68,6 +68,23 @@ def test_loader_reads_what_transformers_reads(exported):
         assert reason in skipped
 
 
+@pytest.mark.slow
+def test_norm_epsilons_are_transformers(exported):
+    """Each RMSNorm of a decoder layer has the epsilon transformers builds it with, found by its name (ours mirror
+    transformers'): ``rms_norm_eps`` for the layer norms, 1e-6 for the latent norms (``q_a_layernorm``,
+    ``kv_a_layernorm``) whatever ``rms_norm_eps`` says. The gap between 1e-5 and 1e-6 fits inside the logit tolerance,
+    so only this sees it (GLM-4.7-Flash, MiniCPM3, GLM-5 and LongCat-Flash default to 1e-5)."""
+    from mla_deploy.checkpoint import load_checkpoint
+
+    case, hf, ckpt, _ = exported
+    ours = load_checkpoint(ckpt).model.layers
+    text = hf.model.language_model if case == "kimi_k25" else hf.model
+    theirs = {f"{i}.{name}": module.variance_epsilon for i in range(len(text.layers))
+              for name, module in text.layers[i].named_modules() if hasattr(module, "variance_epsilon")}
+    assert any(name.endswith("kv_a_layernorm") for name in theirs)
+    assert {name: ours.get_submodule(name).eps for name in theirs} == theirs
+
+
 @pytest.mark.parametrize("case", ["kimi_k25", "sarvam_mla", "axk1"])
 def test_checkpoint_as_transformers_saves_it(tmp_path, case):
     """The same types as transformers 5.24 itself saves them, where that differs from the release (Kimi K2.5's text
