@@ -770,3 +770,33 @@ def test_no_ik_llama_folder_or_not_an_ik_llama_source_is_one_line_before_anythin
     _one_line_error(compare(str(checkpoint), "--cache", str(cache), "--out", str(out), "--ik-llama", str(mainline)),
                     f"{mainline} is not an ik_llama.cpp source folder: it has no ggml/src/iqk")
     assert not cache.exists() and not out.exists()
+
+
+def test_ik_llamas_decode_after_a_context_is_a_row_of_the_table_beside_ours():
+    """ik_llama.cpp's llama-bench JSON of a real run (v2l4, Q4_0, -p 512 -n 32 -gp 1024,32 -rtr 1): its
+    ``tg32@pp1024`` test (no n_depth field; tokens/s of the decode only) is the decode at context 1024, and the
+    rows it makes beside ours carry its engine's name into the table and the bound check."""
+    tests = table.parse_llama_bench((DATA / "ik-llama-bench-rtr-Q4_0.json").read_text())
+    assert [(t["test"], t["n_prompt"], t["n_gen"], t["n_depth"]) for t in tests] == [
+        ("pp512", 512, 0, 0), ("tg32", 0, 32, 0), ("tg32", 1024, 32, 1024)]
+    raw = json.loads((DATA / "ik-llama-bench-rtr-Q4_0.json").read_text())
+    assert [t["tokens_per_s"] for t in tests] == [e["avg_ts"] for e in raw]
+    assert all(e["repack"] and e["mla_attn"] == 3 and e["fused_moe"] and e["flash_attn"] for e in raw)
+    report, llama, read = _real_run()
+    mainline = table.rows(report, llama, read)
+    ik_rows = table.rows(report, {"Q4_0": tests}, read, engine="ik_llama.cpp -rtr")
+    assert [(r["weights"], r["context"], r["engine"]) for r in ik_rows] == [
+        ("int4", 0, "ik_llama.cpp -rtr"), ("int4", 1024, "ik_llama.cpp -rtr")]
+    for row, test in zip(ik_rows, tests[1:]):
+        assert row["llama_tokens_per_s"] == test["tokens_per_s"]
+        assert row["ratio"] == pytest.approx(row["ours_tokens_per_s"] / test["tokens_per_s"])
+        assert row["llama_gbps"] == pytest.approx(read["Q4_0"][row["context"]] * test["tokens_per_s"] / 1e9)
+    assert ik_rows[0]["llama_prefill_tokens_per_s"] == tests[0]["tokens_per_s"]
+    rows = table.combine([mainline + ik_rows])
+    low = dict(report, machine=dict(report["machine"], read_gbps=dict(report["machine"]["read_gbps"], max=1e-3)))
+    beaten = table.bound([low], [{"read_gbps": 1e-3, "read_kernel": "torch.sum"}], rows)["check"]["beaten_by"]
+    assert {"ik_llama.cpp -rtr Q4_0 decode @ 0", "llama.cpp Q4_0 decode @ 1024"} <= {b["label"] for b in beaten}
+    bound = table.bound([report], [], rows)
+    text = table.text(rows, bound, "title").splitlines()
+    assert any(line.startswith("int4 / Q4_0     1024  ik_llama.cpp -rtr ") for line in text), text
+    assert "| int4 / Q4_0 | 0 | ik_llama.cpp -rtr |" in table.markdown(rows, bound, "title", [])
