@@ -14,8 +14,13 @@ bursts per precision and context (:mod:`.interleaved`): both engines held open s
 neighbours, so that nearly every ratio compares the two at one bandwidth.
 
 llama.cpp comes from the llama-cpp-python source distribution on the package index (its vendored llama.cpp,
-built natively with cmake: llama-bench, llama-quantize and llama-server, Release), kept under the cache with the GGUF files
-of each checkpoint, so a second run neither rebuilds nor converts. --dry-run prints the command lines.
+built natively with cmake: llama-bench, llama-quantize and llama-server, Release), kept under the cache with the GGUF
+files of each checkpoint, so a second run neither rebuilds nor converts. --dry-run prints the command lines.
+
+--ik-llama SRC adds ik_llama.cpp (a source folder: its llama-bench built natively under the cache, keyed by the
+source's commit, from a copy whose V2-Lite condition is widened to checkpoints cut to fewer layers; :mod:`.ik`): in
+every round its llama-bench on the same GGUF files with its defaults (-mla 3 -fa 1 -fmoe 1) and with -rtr 1 (the
+weights repacked at load), each a row of the same table beside ours.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from . import gguf, interleaved, paired, steps, table
+from . import gguf, ik, interleaved, paired, steps, table
 from .checks import check_checkpoint, fingerprint, missing_build_tools, pip_command, require_build_tools
 from .settings import DEFAULT_VERSION, PRECISIONS, QUANTIZE_SOURCES, CompareError, Settings, default_cache
 
@@ -82,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pure", action="store_true", help="llama-quantize --pure: every matrix of the Q4_0 file in "
                    "Q4_0, output.weight too, as our int4 export holds its lm_head (default: llama-quantize's own "
                    "choice, output.weight in Q6_K); kept as a file of its own")
+    p.add_argument("--ik-llama", type=Path, default=None, metavar="SRC", help="an ik_llama.cpp source folder: "
+                   "its llama-bench built under the cache and run beside llama.cpp's on the same GGUF files, with "
+                   "its defaults (-mla 3 -fa 1 -fmoe 1) and with -rtr 1, each a row of the table")
     p.add_argument("--dry-run", action="store_true", help="print the plan (command lines, what is cached); run nothing")
     return p
 
@@ -92,7 +101,8 @@ def settings(args) -> Settings:
                     contexts=args.context, threads=args.threads[0], repetitions=args.repetitions[0],
                     prompt=args.prompt[0], generate=args.generate[0], our_repeat=args.our_repeat[0],
                     quantize_from=args.quantize_from, rounds=args.rounds[0], pairs=args.pairs[0],
-                    interleave=args.interleave[0], pure=args.pure)
+                    interleave=args.interleave[0], pure=args.pure,
+                    ik_source=args.ik_llama.resolve() if args.ik_llama else None)
 
 
 def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
@@ -110,7 +120,7 @@ def dry_run(s: Settings, key: str, planned: list[steps.Step]) -> int:
               f"our burst worker on the rounds' export and {interleaved.stepper_path(s)} on the GGUF file, both held "
               f"open, taking turns; a read probe before and after each series")
     missing = missing_build_tools()
-    if missing and not s.built:
+    if missing and not (s.built and (s.ik_source is None or s.ik_built)):
         print(f"missing to build llama.cpp: {', '.join(missing)}")
     return 0
 
@@ -134,6 +144,8 @@ def execute(s: Settings, planned: list[steps.Step], echo) -> list[dict]:
         steps.run(step, s.logs, echo)
         if step.name == "build":
             record_build(s)
+        elif step.name == "ik-build":
+            record_ik_build(s)
     return probes
 
 
@@ -145,13 +157,21 @@ def record_build(s: Settings) -> None:
                                           "built": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
 
 
+def record_ik_build(s: Settings) -> None:
+    if not s.ik_tool.is_file():
+        raise CompareError(f"the ik_llama.cpp build made no llama-bench under {s.ik_build / 'bin'}")
+    patch = {name: change for name, (change, _) in ik.PATCH.items()}
+    s.ik_record.write_text(json.dumps({"source": str(s.ik_source), "key": s.ik_key, "patch": patch,
+                                       "built": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
+
+
 def collect(s: Settings, key: str, probes: list[dict], commands: list[str]) -> tuple[dict, str, str]:
     """The table from each round's bench.json and llama-bench JSON files and the GGUF files: (data, text,
     markdown)."""
     kinds = [PRECISIONS[w] for w in s.precisions]
     models = {k: gguf.read_gguf(s.gguf(key, k)) for k in kinds}
     read = {k: {c: gguf.decode_bytes(models[k], c + s.generate / 2)["bytes"] for c in s.contexts} for k in kinds}
-    reports, rounds, llama_runs = [], [], []
+    reports, rounds, llama_runs, ik_runs = [], [], [], []
     for round_ in range(1, s.rounds + 1):
         parts = [json.loads(s.ours_json(w, round_).read_text()) for w in s.precisions]
         report = dict(parts[0], rows=[row for part in parts for row in part["rows"]])
@@ -160,6 +180,11 @@ def collect(s: Settings, key: str, probes: list[dict], commands: list[str]) -> t
         reports += parts
         llama_runs.append(llama)
         rounds.append(table.rows(report, llama, read))
+        for variant in ik.VARIANTS if s.ik_source is not None else ():
+            theirs = {k: table.parse_llama_bench(s.ik_json(variant, k, round_).read_text(),
+                                                 str(s.ik_json(variant, k, round_))) for k in kinds}
+            ik_runs.append({"variant": variant, "round": round_, "llama_bench": theirs})
+            rounds[-1] += table.rows(report, theirs, read, engine=ik.LABELS[variant])
     rows = table.combine(rounds)
     bound = table.bound(reports, probes, [r for each in rounds for r in each])
     model = reports[0]["model"]
@@ -168,11 +193,20 @@ def collect(s: Settings, key: str, probes: list[dict], commands: list[str]) -> t
              f"{reports[0]['versions'].get('mla_deploy')} (ONNX Runtime {reports[0]['versions'].get('onnxruntime')}) "
              f"beside llama.cpp {commit} (llama-cpp-python {s.version}); decode tokens/s after each context; "
              f"{s.rounds} round{'s' if s.rounds > 1 else ''}{gguf.held_apart(models)}")
+    if s.ik_source is not None:
+        title += f"; ik_llama.cpp {s.ik_key} ({s.ik_source}, {ik.PATCH_NOTE})"
     data = {"title": title, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(s).items()},
             "rows": rows, "rounds": rounds, "bound": bound, "gguf": {k: gguf.summary(m) for k, m in models.items()},
             "llama_bench": llama_runs, "machine": reports[0].get("machine"), "probes_beside_llama_bench": probes,
             "commands": commands}
+    if s.ik_source is not None:
+        data["ik_llama_bench"] = ik_runs
     return data, table.text(rows, bound, title), table.markdown(rows, bound, title, commands)
+
+
+def mainline(rows: list[dict]) -> list[dict]:
+    """The table's rows of mainline llama.cpp (the paired and interleaved decode run mainline's engine only)."""
+    return [r for r in rows if r["engine"] == "llama.cpp"]
 
 
 def main(argv=None) -> int:
@@ -181,21 +215,24 @@ def main(argv=None) -> int:
     try:
         check_checkpoint(s.checkpoint)
         key = fingerprint(s.checkpoint, s.version)
+        if s.ik_source is not None:
+            s = replace(s, ik_key=ik.source_key(ik.check_source(s.ik_source)))
         planned = steps.plan(s, key, pip_command())
         if args.dry_run:
             return dry_run(s, key, planned)
-        if not s.built:
+        if not s.built or (s.ik_source is not None and not s.ik_built):
             require_build_tools()
         s.out.mkdir(parents=True, exist_ok=True)
         s.gguf_dir(key).mkdir(parents=True, exist_ok=True)
         probes = execute(s, planned, lambda line: print(line, flush=True))
         data, text, md = collect(s, key, probes, [step.line() for step in planned])
         if s.pairs:
-            data["paired"] = paired.run(s, key, data["rows"], lambda: probe(s), lambda line: print(line, flush=True))
+            data["paired"] = paired.run(s, key, mainline(data["rows"]), lambda: probe(s),
+                                        lambda line: print(line, flush=True))
             text += "\n\n" + paired.text(data["paired"])
             md += "\n" + paired.markdown(data["paired"])
         if s.interleave:
-            data["interleaved"] = interleaved.run(s, key, data["rows"], lambda: probe(s),
+            data["interleaved"] = interleaved.run(s, key, mainline(data["rows"]), lambda: probe(s),
                                                   lambda line: print(line, flush=True))
             text += "\n\n" + interleaved.text(data["interleaved"])
             md += "\n" + interleaved.markdown(data["interleaved"])

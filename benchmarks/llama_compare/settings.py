@@ -20,6 +20,8 @@ QUANTIZE_SOURCES = ("F32", "BF16", "Q8_0")
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 #: the llama.cpp tools the comparisons need (llama-server: benchmarks/serve_bench.py --llama-server)
 TARGETS = ("llama-bench", "llama-quantize", "llama-server")
+#: changes with what :mod:`.ik` changes in ik_llama.cpp's source, so a build of an older change is not reused
+IK_PATCH_REVISION = "1"
 
 
 class CompareError(Exception):
@@ -63,6 +65,9 @@ class Settings:
             default, what a llama.cpp user gets) a Q4_0 file keeps ``output.weight`` in Q6_K, more bytes a step than
             our int4 ``lm_head`` reads; with it both engines read the same weights at the same precision. Kept as a
             file of its own (:meth:`gguf`).
+        ik_source: an ik_llama.cpp source folder (``--ik-llama``) whose ``llama-bench`` runs beside mainline's on the
+            same GGUF files in every round (:mod:`.ik`); None: mainline only.
+        ik_key: that source's commit, or a hash of its files (:func:`.ik.source_key`), which keys its build.
     """
 
     checkpoint: Path
@@ -81,6 +86,8 @@ class Settings:
     pairs: int = 0
     interleave: int = 0
     pure: bool = False
+    ik_source: Path | None = None
+    ik_key: str = ""
 
     @property
     def llama_dir(self) -> Path:
@@ -154,3 +161,30 @@ class Settings:
 
     def llama_json(self, kind: str, round_: int) -> Path:
         return self.out / "rounds" / f"llama-bench-{kind}-{round_}.json"
+
+    @property
+    def ik_dir(self) -> Path:
+        """ik_llama.cpp's patched copy (``src``), its build and its build record, per source commit and patch."""
+        return self.cache / f"ik_llama.cpp-{self.ik_key}-patch{IK_PATCH_REVISION}"
+
+    @property
+    def ik_build(self) -> Path:
+        return self.ik_dir / "build"
+
+    @property
+    def ik_record(self) -> Path:
+        """Written after a successful build of ik_llama.cpp's llama-bench: a later run reuses the build."""
+        return self.ik_dir / "build.json"
+
+    @property
+    def ik_built(self) -> bool:
+        return self.ik_record.is_file() and self.ik_tool.is_file()
+
+    @property
+    def ik_tool(self) -> Path:
+        """ik_llama.cpp's llama-bench."""
+        return self.ik_build / "bin" / "llama-bench"
+
+    def ik_json(self, variant: str, kind: str, round_: int) -> Path:
+        """ik_llama.cpp's llama-bench JSON of one variant (:data:`.ik.VARIANTS`), type and round."""
+        return self.out / "rounds" / f"{variant}-llama-bench-{kind}-{round_}.json"

@@ -1,7 +1,8 @@
 """The command lines of a comparison, in the order they run, each skipped when the cache already holds what it
 makes: download the ``llama-cpp-python`` sdist, build its vendored llama.cpp (``llama-bench``, ``llama-quantize``
 and ``llama-server`` only, without the server's web UI, Release, native CPU), convert the checkpoint to F32 and Q8_0 with llama.cpp's converter
-and quantize Q4_0, then ``mla-deploy bench model`` and ``llama-bench`` per type, in rounds (:func:`measurements`)."""
+and quantize Q4_0, then ``mla-deploy bench model`` and ``llama-bench`` per type, in rounds (:func:`measurements`);
+with ``--ik-llama``, ik_llama.cpp's build and its ``llama-bench`` too (:mod:`.ik`)."""
 
 from __future__ import annotations
 
@@ -165,13 +166,19 @@ def llama_bench(s: Settings, key: str, kind: str, round_: int) -> Step:
 
 
 def measurements(s: Settings, key: str) -> list[Step]:
-    """Both engines, ``s.rounds`` times: per precision ours then llama.cpp's in odd rounds, the other way round in
-    even ones, so neither always runs first after an export or another engine."""
+    """Both engines (and ik_llama.cpp's variants where asked for), ``s.rounds`` times: per precision ours, then
+    llama.cpp's (then ik_llama.cpp's) in odd rounds, the other way round in even ones, so none always runs first
+    after an export or another engine."""
+    from . import ik
+
     out = []
     for round_ in range(1, s.rounds + 1):
         for weights in s.precisions:
-            pair = [mla_bench(s, weights, round_), llama_bench(s, key, PRECISIONS[weights], round_)]
-            out += pair if round_ % 2 else pair[::-1]
+            kind = PRECISIONS[weights]
+            group = [mla_bench(s, weights, round_), llama_bench(s, key, kind, round_)]
+            if s.ik_source is not None:
+                group += [ik.bench(s, key, kind, variant, round_) for variant in ik.VARIANTS]
+            out += group if round_ % 2 else group[::-1]
     return out
 
 
@@ -180,7 +187,12 @@ def plan(s: Settings, key: str, pip: list[str]) -> list[Step]:
     kinds = [PRECISIONS[p] for p in s.precisions]
     quantized = [k for k in kinds if k not in CONVERTER_TYPES]
     transient = bool(quantized) and s.quantize_from not in kinds  # made only to be quantized, then removed
-    steps = [download(s, pip), extract(s), configure(s), build(s), converter_deps(s, pip)]
+    steps = [download(s, pip), extract(s), configure(s), build(s)]
+    if s.ik_source is not None:
+        from . import ik
+
+        steps += ik.build_steps(s)
+    steps.append(converter_deps(s, pip))
     steps += [convert(s, key, k) for k in kinds if k in CONVERTER_TYPES]
     if transient:
         steps.append(convert(s, key, s.quantize_from, done=all(s.gguf(key, k).is_file() for k in quantized)))

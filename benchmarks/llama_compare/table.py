@@ -1,8 +1,8 @@
-"""The comparison's one table: per precision and context, decode tokens/s of ours and of llama.cpp and their
-ratio, the bytes per second each streamed, prefill tokens/s of both, and the machine's bandwidth bound, checked
-against what both engines achieved (:func:`mla_deploy.bench.bound.check_bound`). Over several rounds
-(:func:`combine`): each figure is the median of the rounds', the ratio the median of the rounds' ratios (each
-taken within one round), with its lowest and highest."""
+"""The comparison's one table: per precision, context and engine (llama.cpp, and ik_llama.cpp's variants where
+asked for), decode tokens/s of ours and of that engine and their ratio, the bytes per second each streamed, prefill
+tokens/s of both, and the machine's bandwidth bound, checked against what every engine achieved
+(:func:`mla_deploy.bench.bound.check_bound`). Over several rounds (:func:`combine`): each figure is the median of the
+rounds', the ratio the median of the rounds' ratios (each taken within one round), with its lowest and highest."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from mla_deploy.bench.bound import bound_check_line, check_bound
 
 from .settings import PRECISIONS, CompareError
 
-HEAD = ("weights", "context", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp", "rounds' ratios", "ours GB/s",
-        "llama.cpp GB/s", "ours prefill tok/s", "llama.cpp prefill tok/s", "prefill ratio")
+HEAD = ("weights", "context", "engine", "ours tok/s", "its tok/s", "ours / its", "rounds' ratios", "ours GB/s",
+        "its GB/s", "ours prefill tok/s", "its prefill tok/s", "prefill ratio")
 #: the figures of a row that :func:`combine` takes the median of over the rounds
 MEDIAN_KEYS = ("ours_tokens_per_s", "llama_tokens_per_s", "ours_gbps", "llama_gbps", "ours_prefill_tokens_per_s",
                "llama_prefill_tokens_per_s")
@@ -24,14 +24,18 @@ MEDIAN_KEYS = ("ours_tokens_per_s", "llama_tokens_per_s", "ours_gbps", "llama_gb
 def parse_llama_bench(text: str, source: str = "llama-bench") -> list[dict]:
     """llama-bench's ``-o json`` output: one entry per test, ``{"test" ("pp512", "tg128"), "n_prompt", "n_gen",
     "n_depth", "tokens_per_s", "tokens_per_s_std", "samples_ts", "model_type", "model_size", "n_threads",
-    "build_commit"}``; :class:`CompareError` when ``text`` is not that."""
+    "build_commit"}``; :class:`CompareError` when ``text`` is not that. ik_llama.cpp's ``-gp P,N`` test
+    (``"test": "tgN@ppP"``: N tokens decoded after a P-token prompt, its tokens/s counting the decode only) is a
+    decode at depth P, as mainline's ``-n N -d P``."""
     try:
         entries = json.loads(text)
         tests = []
         for e in entries:
             kind = f"pp{e['n_prompt']}" if e["n_prompt"] and not e["n_gen"] else f"tg{e['n_gen']}"
+            after = isinstance(e.get("test"), str) and e["test"] == f"tg{e['n_gen']}@pp{e['n_prompt']}"
             tests.append({"test": kind, "n_prompt": int(e["n_prompt"]), "n_gen": int(e["n_gen"]),
-                          "n_depth": int(e.get("n_depth", 0)), "tokens_per_s": float(e["avg_ts"]),
+                          "n_depth": int(e["n_prompt"] if after else e.get("n_depth", 0)),
+                          "tokens_per_s": float(e["avg_ts"]),
                           "tokens_per_s_std": float(e["stddev_ts"]), "samples_ts": e.get("samples_ts", []),
                           "model_type": e.get("model_type"), "model_size": e.get("model_size"),
                           "n_threads": e.get("n_threads"), "build_commit": e.get("build_commit")})
@@ -51,13 +55,15 @@ def _ours(report: dict, weights: str, kind: str, context: int | None) -> dict | 
                  and r["context"] == context and r["status"] == "ok" and r["path"] != "transformers"), None)
 
 
-def rows(report: dict, llama: dict[str, list[dict]], llama_bytes: dict[str, dict[int, int]]) -> list[dict]:
+def rows(report: dict, llama: dict[str, list[dict]], llama_bytes: dict[str, dict[int, int]],
+         engine: str = "llama.cpp") -> list[dict]:
     """One row per precision and context.
 
     Args:
         report: ``mla-deploy bench model``'s bench.json.
         llama: per llama.cpp type (``F32`` ...), :func:`parse_llama_bench`'s tests.
         llama_bytes: per type and context, the bytes a decode step reads (:func:`.gguf.decode_bytes`).
+        engine: whose llama-bench ``llama`` is (the table's engine column).
     """
     out = []
     for weights, kind in PRECISIONS.items():
@@ -70,7 +76,8 @@ def rows(report: dict, llama: dict[str, list[dict]], llama_bytes: dict[str, dict
             prefill = _ours(report, weights, "prefill", None) if context == 0 else None
             their_prefill = _llama(llama[kind], 0, False) if context == 0 else None
             read = llama_bytes.get(kind, {}).get(context)
-            out.append({"weights": weights, "llama_type": kind, "context": context, "ours_tokens_per_s": ours_tps,
+            out.append({"weights": weights, "llama_type": kind, "context": context, "engine": engine,
+                        "ours_tokens_per_s": ours_tps,
                         "llama_tokens_per_s": theirs_tps,
                         "ratio": ours_tps / theirs_tps if ours_tps and theirs_tps else None,
                         "ours_bytes_per_token": ours["bound"]["bytes"] if ours and ours.get("bound") else None,
@@ -99,7 +106,8 @@ def combine(rounds: list[list[dict]]) -> list[dict]:
     out = []
     for same in zip(*rounds):
         first = same[0]
-        assert all((r["weights"], r["context"]) == (first["weights"], first["context"]) for r in same)
+        assert all((r["weights"], r["context"], r["engine"]) == (first["weights"], first["context"], first["engine"])
+                   for r in same)
         row = dict(first, **{key: _median([r[key] for r in same]) for key in MEDIAN_KEYS})
         row["ratios"] = [r["ratio"] for r in same]
         row["ratio"] = _median(row["ratios"])
@@ -120,7 +128,7 @@ def bound(reports: list[dict], probes: list[dict], table: list[dict]) -> dict:
     kernel = max(probes, key=lambda p: p["read_gbps"])["read_kernel"] if probes else None
     achieved = {}
     for r in table:
-        for engine, key in ((f"ours {r['weights']}", "ours_gbps"), (f"llama.cpp {r['llama_type']}", "llama_gbps")):
+        for engine, key in ((f"ours {r['weights']}", "ours_gbps"), (f"{r['engine']} {r['llama_type']}", "llama_gbps")):
             name = f"{engine} decode @ {r['context']}"
             if r[key] and r[key] > achieved.get(name, (0.0, 0.0))[0]:
                 achieved[name] = (r[key], 0.0)
@@ -142,7 +150,8 @@ def _ratios(values: list | None) -> str:
 
 
 def cells(table: list[dict]) -> list[tuple[str, ...]]:
-    return [(f"{r['weights']} / {r['llama_type']}", str(r["context"]), _cell(r["ours_tokens_per_s"], ".1f"),
+    return [(f"{r['weights']} / {r['llama_type']}", str(r["context"]), r["engine"],
+             _cell(r["ours_tokens_per_s"], ".1f"),
              _cell(r["llama_tokens_per_s"], ".1f"), _cell(r["ratio"], ".2f") + ("x" if r["ratio"] else ""),
              _ratios(r.get("ratios")), _cell(r["ours_gbps"], ".1f"), _cell(r["llama_gbps"], ".1f"),
              _cell(r["ours_prefill_tokens_per_s"], ".1f") if r["context"] == 0 else "",
@@ -196,10 +205,12 @@ def markdown(table: list[dict], b: dict, title: str, commands: list[str]) -> str
     lines = [f"# {title}", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(c or " " for c in r) + " |" for r in cells(table)]
     lines += [""] + [f"* {line}" for line in bound_lines(b)]
-    lines += ["", "Each figure is the median over the rounds; a ratio is taken within each round (both engines "
+    lines += ["", "Each row sets ours beside one engine (its: that engine's figures). Each figure is the median over "
+              "the rounds; a ratio is taken within each round (both engines "
               "measured minutes apart), the table's the median of those, the range their lowest and highest.",
-              "", "GB/s: the bytes a decode step reads (ours: bench.json's bound bytes; llama.cpp: the GGUF "
-              "file's tensors, k of E routed experts and one embedding row, plus the F16 latent cache) x tokens/s.",
+              "", "GB/s: the bytes a decode step reads (ours: bench.json's bound bytes; llama.cpp and ik_llama.cpp: "
+              "the GGUF file's tensors, k of E routed experts and one embedding row, plus the F16 latent cache, "
+              "-rtr's repacked copy counted as the file's) x tokens/s.",
               "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
     return "\n".join(lines)
 

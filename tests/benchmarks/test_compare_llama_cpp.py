@@ -1,7 +1,8 @@
 """benchmarks/compare_llama_cpp.sh, the parts that run without llama.cpp: a GGUF file written by llama.cpp's own
 converter read and its decode bytes counted, llama-bench's JSON from a real run parsed, the table and the bound
 check of that run, the plan a --dry-run prints (nothing made), our side of the paired and interleaved decode on a
-real engine, and the one-line refusals (no checkpoint, not a DeepSeek one, no cmake or compiler, no network).
+real engine, and the one-line refusals (no checkpoint, not a DeepSeek one, no cmake or compiler, no network);
+ik_llama.cpp's side (``--ik-llama``): its plan, its patched copy, its refusals.
 llama.cpp's side of the interleaved decode (llama-stepper) is compiled and run only where a llama.cpp build is in
 the cache (a run of the tool made it)."""
 
@@ -128,7 +129,8 @@ def test_the_table_of_a_real_run_sets_each_precision_beside_its_llama_cpp_type()
         f"llama.cpp {r['llama_type']} decode @ {r['context']}" for r in rows}
     assert bound["check"]["fastest"] in names  # each engine named by its own precision (ours: int4, not Q4_0)
     text = table.text(rows, bound, "title")
-    assert "ours / llama.cpp" in text and "int4 / Q4_0" in text and "bandwidth bound:" in text
+    assert "ours / its" in text and "int4 / Q4_0" in text and "bandwidth bound:" in text
+    assert all(r["engine"] == "llama.cpp" for r in rows) and "   0  llama.cpp  " in text
 
 
 def test_rounds_give_the_median_of_each_figure_and_of_the_ratios_taken_within_each_round():
@@ -625,3 +627,176 @@ def test_the_bandwidth_series_prints_each_probe_and_a_summary(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--probes", "0"], capture_output=True, text=True, cwd=ROOT,
                          timeout=60)
     assert bad.returncode == 2 and "expected a number >= 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ik_llama.cpp ---------------------------------------------------------------------------------------------------
+
+
+#: the lines of ik_llama.cpp's source (commit 8337e4cd3) that decide V2-Lite's layout by the layer count
+IK_LINES = {
+    "src/llama-hparams.cpp": "                bool is_lite = (hparams.n_layer == 27 || hparams.n_layer == 26) || "
+                             "(hparams.n_layer == 48 && hparams.n_vocab == 128256);\n",
+    "src/llama-load-tensors.cpp": "    const bool is_lite = (hparams.n_layer == 27 || hparams.n_layer == 26);\n",
+    "src/graphs/build_deepseek2.cpp": "    bool is_lite = (hparams.n_layer == 27 || hparams.n_layer == 26);\n",
+}
+
+
+def ik_source(folder: Path) -> Path:
+    """A folder laid out as an ik_llama.cpp source, holding the lines :mod:`llama_compare.ik` widens."""
+    (folder / "ggml" / "src" / "iqk").mkdir(parents=True)
+    (folder / "examples" / "llama-bench").mkdir(parents=True)
+    (folder / "examples" / "llama-bench" / "llama-bench.cpp").write_text("int main() { return 0; }\n")
+    for name, line in IK_LINES.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("// before\n" + line + "// after\n")
+    return folder
+
+
+def test_ik_llama_is_a_source_folder_argument(tmp_path):
+    from llama_compare.__main__ import parser, settings
+
+    args = parser().parse_args([str(tmp_path), "--ik-llama", str(tmp_path / "ik" / ".." / "ik")])
+    assert settings(args).ik_source == tmp_path / "ik" and settings(args).ik_key == ""
+    assert settings(parser().parse_args([str(tmp_path)])).ik_source is None
+    bad = compare(str(tmp_path), "--ik-llama")
+    assert bad.returncode == 2 and "--ik-llama: expected one argument" in bad.stderr
+
+
+def test_dry_run_with_ik_llama_builds_its_llama_bench_and_runs_both_variants_each_round(checkpoint, tmp_path):
+    """ik_llama.cpp's copy, configure and build of llama-bench after mainline's build, keyed by its source; in
+    each round its llama-bench with its defaults and with -rtr 1 on mainline's GGUF file, the decode after a context
+    as -gp (it takes no -d), next to ours and mainline's, the order reversed in even rounds; nothing made."""
+    from llama_compare import ik
+
+    source, cache, out = ik_source(tmp_path / "ik"), tmp_path / "cache", tmp_path / "out"
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--out", str(out), "--weights", "int4",
+                   "-n", "32", "--rounds", "2", "--ik-llama", str(source))
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if ":" in line}
+    names = list(lines)
+    assert names.index("build") < names.index("ik-copy") < names.index("ik-configure") < names.index("ik-build")
+    assert names.index("ik-build") < names.index("convert-F32")
+    folder = cache / f"ik_llama.cpp-{ik.source_key(source)}-patch1"
+    assert ik.source_key(source).startswith("files-") and len(ik.source_key(source)) == len("files-") + 12
+    assert lines["ik-copy"].endswith(f"-m llama_compare.ik {source} {folder}/src")
+    assert f"-S {folder}/src -B {folder}/build" in lines["ik-configure"]
+    assert "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON" in lines["ik-configure"]
+    assert f"--build {folder}/build --target llama-bench -j" in lines["ik-build"]
+    gguf_file = lines["llama-bench-Q4_0-1"].split(" -m ")[1].split()[0]
+    for round_ in (1, 2):
+        for variant, flags in (("ik", "-mla 3 -fa 1 -fmoe 1"), ("ik-rtr", "-mla 3 -fa 1 -fmoe 1 -rtr 1")):
+            assert lines[f"{variant}-llama-bench-Q4_0-{round_}"].endswith(
+                f"{folder}/build/bin/llama-bench -m {gguf_file} -t 2 -r 3 -p 512 -n 32 -gp 1024,32 {flags} -mmp 0 "
+                f"-o json > {out}/rounds/{variant}-llama-bench-Q4_0-{round_}.json")
+    measured = [n for n in names if "bench-" in n]
+    assert measured == ["mla-deploy-bench-int4-1", "llama-bench-Q4_0-1", "ik-llama-bench-Q4_0-1",
+                        "ik-rtr-llama-bench-Q4_0-1", "ik-rtr-llama-bench-Q4_0-2", "ik-llama-bench-Q4_0-2",
+                        "llama-bench-Q4_0-2", "mla-deploy-bench-int4-2"]
+    assert not cache.exists() and not out.exists() and sorted(p.name for p in source.iterdir()) == [
+        "examples", "ggml", "src"]
+    after = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int8", "--context", "1024",
+                    "-n", "16", "--rounds", "1", "--ik-llama", str(source)).stdout
+    assert " -n 0 -gp 1024,16 -mla 3 -fa 1 -fmoe 1 -rtr 1 -mmp 0 " in after  # no decode at context 0 asked for
+    assert "ik-" not in compare(str(checkpoint), "--dry-run", "--cache", str(cache)).stdout
+
+
+def test_ik_build_is_keyed_by_the_sources_commit_else_by_its_files(tmp_path):
+    """A clean git checkout: its HEAD; an exported tree or a checkout with changes: a hash of the files (their
+    paths and bytes, the git folder and builds left out), which moves with any of them."""
+    from llama_compare import ik
+
+    source = ik_source(tmp_path / "ik")
+    exported = ik.source_key(source)
+    (source / "build").mkdir()
+    (source / "build" / "x.o").write_bytes(b"object")
+    assert ik.source_key(source) == exported
+    git = ["git", "-C", str(source), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "examples", "ggml", "src"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "ik"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert ik.source_key(source) == head[:12]
+    (source / "src" / "llama-load-tensors.cpp").write_text("// changed\n")
+    changed = ik.source_key(source)
+    assert changed.startswith("files-") and changed != exported
+
+
+def test_the_copy_widens_ik_llamas_v2_lite_condition_and_leaves_the_source_alone(checkpoint, tmp_path):
+    """The copy takes V2-Lite's layout also where the model has no query compression (q_lora_rank read where the
+    file holds it, 0 as llama_compare's converter writes it for V2-Lite); a copied, patched source is not copied again
+    (an interrupted build resumes); a source whose lines changed is one error naming the file."""
+    from llama_compare import ik
+
+    source, copy = ik_source(tmp_path / "ik"), tmp_path / "copy"
+    (source / ".git").mkdir()
+    before = {name: (source / name).read_text() for name in IK_LINES}
+    ik.copy_and_patch(source, copy)
+    assert {name: (source / name).read_text() for name in IK_LINES} == before
+    assert not (copy / ".git").exists() and (copy / ik.COPIED).read_text() == f"{source}\n"
+    wide = "(hparams.n_layer == 27 || hparams.n_layer == 26 || hparams.n_lora_q == 0)"
+    hparams = (copy / "src" / "llama-hparams.cpp").read_text()
+    assert hparams == ("// before\n                ml.get_key(LLM_KV_ATTENTION_Q_LORA_RANK, hparams.n_lora_q, false);\n"
+                       f"                bool is_lite = {wide} || (hparams.n_layer == 48 && hparams.n_vocab == "
+                       "128256);\n// after\n")
+    for name in ("src/llama-load-tensors.cpp", "src/graphs/build_deepseek2.cpp"):
+        assert (copy / name).read_text() == before[name].replace(
+            "(hparams.n_layer == 27 || hparams.n_layer == 26)", wide)
+    cache = tmp_path / "cache"
+    from llama_compare.settings import Settings
+
+    copied = Settings(checkpoint=checkpoint, out=tmp_path / "out", cache=cache, ik_source=source,
+                      ik_key=ik.source_key(source)).ik_dir / "src"
+    ik.copy_and_patch(source, copied)
+    proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--ik-llama", str(source))
+    assert "\n[cached] ik-copy: " in proc.stdout and "\nik-configure: " in proc.stdout, proc.stderr
+    (source / "src" / "graphs" / "build_deepseek2.cpp").write_text("bool is_lite = hparams.n_lora_q == 0;\n")
+    with pytest.raises(CompareError, match="cannot widen ik_llama.cpp's V2-Lite condition: "
+                                           "src/graphs/build_deepseek2.cpp of .* has 0 times"):
+        ik.copy_and_patch(source, tmp_path / "copy2")
+    failed = subprocess.run([sys.executable, "-m", "llama_compare.ik", str(source), str(tmp_path / "copy3")],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+    assert failed.returncode == 1 and failed.stderr.startswith("error: cannot widen") and failed.stderr.count("\n") == 1
+
+
+def test_no_ik_llama_folder_or_not_an_ik_llama_source_is_one_line_before_anything_is_made(checkpoint, tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    for args in ((), ("--dry-run",)):
+        proc = compare(str(checkpoint), "--cache", str(cache), "--out", str(out), "--ik-llama",
+                       str(tmp_path / "missing"), *args)
+        _one_line_error(proc, f"no ik_llama.cpp source folder at {tmp_path / 'missing'}")
+    mainline = tmp_path / "llama.cpp"
+    (mainline / "examples" / "llama-bench").mkdir(parents=True)
+    (mainline / "examples" / "llama-bench" / "llama-bench.cpp").write_text("")
+    _one_line_error(compare(str(checkpoint), "--cache", str(cache), "--out", str(out), "--ik-llama", str(mainline)),
+                    f"{mainline} is not an ik_llama.cpp source folder: it has no ggml/src/iqk")
+    assert not cache.exists() and not out.exists()
+
+
+def test_ik_llamas_decode_after_a_context_is_a_row_of_the_table_beside_ours():
+    """ik_llama.cpp's llama-bench JSON of a real run (v2l4, Q4_0, -p 512 -n 32 -gp 1024,32 -rtr 1): its
+    ``tg32@pp1024`` test (no n_depth field; tokens/s of the decode only) is the decode at context 1024, and the
+    rows it makes beside ours carry its engine's name into the table and the bound check."""
+    tests = table.parse_llama_bench((DATA / "ik-llama-bench-rtr-Q4_0.json").read_text())
+    assert [(t["test"], t["n_prompt"], t["n_gen"], t["n_depth"]) for t in tests] == [
+        ("pp512", 512, 0, 0), ("tg32", 0, 32, 0), ("tg32", 1024, 32, 1024)]
+    raw = json.loads((DATA / "ik-llama-bench-rtr-Q4_0.json").read_text())
+    assert [t["tokens_per_s"] for t in tests] == [e["avg_ts"] for e in raw]
+    assert all(e["repack"] and e["mla_attn"] == 3 and e["fused_moe"] and e["flash_attn"] for e in raw)
+    report, llama, read = _real_run()
+    mainline = table.rows(report, llama, read)
+    ik_rows = table.rows(report, {"Q4_0": tests}, read, engine="ik_llama.cpp -rtr")
+    assert [(r["weights"], r["context"], r["engine"]) for r in ik_rows] == [
+        ("int4", 0, "ik_llama.cpp -rtr"), ("int4", 1024, "ik_llama.cpp -rtr")]
+    for row, test in zip(ik_rows, tests[1:]):
+        assert row["llama_tokens_per_s"] == test["tokens_per_s"]
+        assert row["ratio"] == pytest.approx(row["ours_tokens_per_s"] / test["tokens_per_s"])
+        assert row["llama_gbps"] == pytest.approx(read["Q4_0"][row["context"]] * test["tokens_per_s"] / 1e9)
+    assert ik_rows[0]["llama_prefill_tokens_per_s"] == tests[0]["tokens_per_s"]
+    rows = table.combine([mainline + ik_rows])
+    low = dict(report, machine=dict(report["machine"], read_gbps=dict(report["machine"]["read_gbps"], max=1e-3)))
+    beaten = table.bound([low], [{"read_gbps": 1e-3, "read_kernel": "torch.sum"}], rows)["check"]["beaten_by"]
+    assert {"ik_llama.cpp -rtr Q4_0 decode @ 0", "llama.cpp Q4_0 decode @ 1024"} <= {b["label"] for b in beaten}
+    bound = table.bound([report], [], rows)
+    text = table.text(rows, bound, "title").splitlines()
+    assert any(line.startswith("int4 / Q4_0     1024  ik_llama.cpp -rtr ") for line in text), text
+    assert "| int4 / Q4_0 | 0 | ik_llama.cpp -rtr |" in table.markdown(rows, bound, "title", [])
