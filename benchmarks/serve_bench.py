@@ -28,8 +28,8 @@ With ``--features`` it measures the prefix cache and chunked prefill instead, tw
   ``--hits`` + 1 requests of one new token each, sent to a server with ``--prefix-cache-mb 0`` and one with the
   prefix cache in turn; the time to first token as the client sees it, the cached server's first request (its miss)
   apart, and the ratio of the uncached server's mean to the cached server's mean over its hits;
-* chunked prefill: ``--streams`` clients stream from short prompts; once each has its first tokens (and 0.2 s of
-  steady state), ``--long-count`` prompts of ``--long-prompt`` tokens arrive one after another (each 0.2 s after
+* chunked prefill: ``--streams`` clients stream from short prompts; once each has its first tokens (and
+  ``--steady`` seconds of steady state, long enough for several decode steps), ``--long-count`` prompts of ``--long-prompt`` tokens arrive one after another (each 0.2 s after
   the previous one's first token), then the streams close. The gaps between the running streams' chunks as the
   client sees them while the long prompts arrive (p50, p99, the largest; and the steady state's p50 before, and
   the p99 over it: the serving target is a p99 within 1.5x of the steady p50), on a server with ``--prefill-chunk
@@ -111,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt", type=positive, default=2000, help="--features: the prompt arriving mid-stream")
     p.add_argument("--long-count", type=positive, default=3, help="--features: long prompts, one after another")
     p.add_argument("--streams", type=positive, default=4, help="--features: streams running while they arrive")
+    p.add_argument("--steady", type=float, default=2.0,
+                   help="--features: seconds of the streams' steady state measured before the long prompts arrive")
     p.add_argument("--prefill-chunk", type=chunk_specs, default=["auto"],
                    help="--features: the chunked servers' chunks, beside a server with --prefill-chunk 0 (auto: the "
                         "server's default, the time-budgeted chunk)")
@@ -438,7 +440,7 @@ def chunk_rows(args, vocabulary: int) -> dict:
             for thread in threads:
                 thread.start()
             started.wait(600)  # every stream has its first chunks: the long prompts arrive now, one after another
-            time.sleep(0.2)  # the steady state's gaps
+            time.sleep(args.steady)  # the steady state's gaps
             arriving.set()
             ttfts = []
             for prompt in longs[: args.long_count]:

@@ -38,7 +38,7 @@ from .options import Int, Positive
 @click.option("--prefill-chunk", default=None, show_default="time-budgeted", type=Int(minimum=0),
               help="Prompt tokens prefilled between two decode steps of the running batch: a long prompt is prefilled "
                    "in chunks so running streams keep their pace. By default each chunk is sized from the measured "
-                   "costs to take about half a decode step (running streams' gaps stay within about 1.5x a decode "
+                   "costs to take about 0.4 of a decode step (running streams' gaps stay within about 1.5x a decode "
                    "step; a long prompt's first token comes later); N: at most N tokens; 0: each prompt whole, "
                    "holding the batch.")
 @click.option("--prefix-cache-mb", default=512, show_default=True, type=Int(minimum=0),

@@ -10,7 +10,7 @@ layout) and a bounded queue of waiting requests. Each :meth:`~ContinuousBatcher.
    longest stored prefix of the prompt is copied into its first row (``write_rows``) and only the rest is prefilled;
 3. prefills admitted prompts on a view of their one row (:meth:`Engine.rows`, the others' caches left as they
    are), first admitted first: with ``prefill_chunk``, at most that many prompt tokens per step, so a long prompt is
-   prefilled over several steps between the running batch's decode steps (``"auto"``: as many as take about half a
+   prefilled over several steps between the running batch's decode steps (``"auto"``: as many as take about 0.4 of a
    decode step, :mod:`~mla_deploy.generate.chunk_budget`). A prompt whose prefill is done gets its
    first token; its other choices get copies of its rows (``copy_rows``) and choose theirs from the same logits;
 4. runs one decode step over rows ``0 .. h - 1``, ``h`` one past the highest row decoding (a view again: the rows
@@ -150,7 +150,7 @@ class ContinuousBatcher:
         max_queue: the most requests waiting for a row; past it :meth:`submit` raises :class:`BusyError`.
         prefill_chunk: the most prompt tokens prefilled per step, between two decode steps (None: every admitted
             prompt whole before the next decode step; ``"auto"``: sized from the measured costs so that a chunk
-            takes about half a decode step, :class:`~mla_deploy.generate.chunk_budget.ChunkBudget`).
+            takes about 0.4 of a decode step, :class:`~mla_deploy.generate.chunk_budget.ChunkBudget`).
         prefix_cache_bytes: the byte budget of the prefix cache (0: none).
     Raises:
         InputError: ``max_batch`` or ``max_queue`` below 1, ``capacity`` past the engine's, a cache past this

@@ -1,5 +1,5 @@
 """The time-budgeted prefill chunk's sizing (:class:`ChunkBudget`): on costs that grow with a chunk's tokens plus a
-fixed part, the size settles where a chunk takes about half a decode step, grows at most twice per step, and is one token
+fixed part, the size settles where a chunk takes its share of a decode step, grows at most twice per step, and is one token
 where even one takes more than the share."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def settle(fixed: float, per_token: float, decode: float, steps: int = 30) -> li
 
 
 @pytest.mark.parametrize("fixed, per_token, decode", [(0.01, 0.005, 0.1), (0.0, 0.002, 0.168), (0.01, 0.001, 0.04)])
-def test_the_chunk_settles_where_it_takes_half_a_decode_step(fixed, per_token, decode):
+def test_the_chunk_settles_where_it_takes_its_share_of_a_decode_step(fixed, per_token, decode):
     sizes = settle(fixed, per_token, decode)
     target = DECODE_SHARE * decode
     assert sizes[0] == FIRST_CHUNK
