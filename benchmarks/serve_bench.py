@@ -29,13 +29,13 @@ With ``--features`` it measures the prefix cache and chunked prefill instead, tw
   prefix cache in turn; the time to first token as the client sees it, the cached server's first request (its miss)
   apart, and the ratio of the uncached server's mean to the cached server's mean over its hits;
 * chunked prefill: ``--streams`` clients stream from short prompts; once each has its first tokens (and
-  ``--steady`` seconds of steady state, long enough for several decode steps), ``--long-count`` prompts of ``--long-prompt`` tokens arrive one after another (each 0.2 s after
-  the previous one's first token), then the streams close. The gaps between the running streams' chunks as the
-  client sees them while the long prompts arrive (p50, p99, the largest; and the steady state's p50 and p99 before, and
-  the p99 over it: the serving target is a p99 within 1.5x of the steady p50), on a server with ``--prefill-chunk
-  0`` (a prompt whole) and one per entry of ``--prefill-chunk`` (``auto``: the server's default, the time-budgeted
-  chunk; N: ``--prefill-chunk N``), and the long prompts' mean time to first token on each. The issue's case is
-  ``--streams 16``.
+  ``--steady`` seconds of steady state, long enough for several decode steps), ``--long-count`` prompts of
+  ``--long-prompt`` tokens arrive one after another (each 0.2 s after the previous one's first token), then the
+  streams close. The gaps between the running streams' chunks as the client sees them while the long prompts arrive
+  (p50, p99, the largest; the steady state's p50 and p99 before; and the p99 over the steady p50: the serving
+  target is within 1.5x), on a server with ``--prefill-chunk 0`` (a prompt whole) and one per entry of
+  ``--prefill-chunk`` (``auto``: the server's default, the time-budgeted chunk; N: ``--prefill-chunk N``), and the
+  long prompts' mean time to first token on each. The issue's case is ``--streams 16``.
 
 The ``mla-deploy run`` rows are the engine alone: each client's first prompt, all ``c`` of them as one static
 batch (one prefill, then decode steps over every row), timed by ``run --json`` from its prefill to its last token:
