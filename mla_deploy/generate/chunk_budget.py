@@ -19,7 +19,7 @@ tokens per step (a request arriving meanwhile waits for one such call at most).
 
 from __future__ import annotations
 
-#: what ``prefill_chunk`` says to ask for the time-budgeted chunk (:class:`~mla_deploy.generate.batching.ContinuousBatcher`)
+#: the ``prefill_chunk`` that asks :class:`~mla_deploy.generate.batching.ContinuousBatcher` for the time-budgeted chunk
 AUTO = "auto"
 #: the share of a decode step one interleaved chunk takes on average: below one half, so that with the steps' own
 #: jitter (measured: about 10% under load) a running stream's p99 gap stays within 1.5 decode steps

@@ -1,7 +1,7 @@
 """Continuous batching's sharing of cache rows and its log probabilities, over a real ONNX Runtime engine (the tiny
-preset, static cache): rows copied between sequences and to and from the host, a prefill after cached rows equal to
-one prefill, prefix-cache hits equal to misses, chunked prefill (fixed and time-budgeted chunks) equal to one call, ``n`` choices sharing a
-prefill, and log probabilities equal to a log-softmax of the engine's own logits."""
+preset, static cache): rows copied between sequences and to and from the host, a prefill after cached rows equal
+to one prefill, prefix-cache hits equal to misses, chunked prefill (fixed and time-budgeted chunks) equal to one
+call, ``n`` choices sharing a prefill, and log probabilities equal to a log-softmax of the engine's own logits."""
 
 from __future__ import annotations
 
