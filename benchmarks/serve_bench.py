@@ -33,10 +33,10 @@ With ``--features`` it measures the prefix cache and chunked prefill instead, tw
   tokens arrive one after another (each 0.2 s after the previous one's first token), then the streams close. The
   gaps between the running streams' chunks as the client sees them while the long prompts arrive (p50, p99, the
   largest; the steady state's p50 and p99 before, and its p50 for ``--steady`` seconds after, the streams' rows
-  deeper then; and the p99 over either steady p50: the serving target is within 1.5x), on a server with ``--prefill-
-  chunk 0`` (a prompt whole) and one per entry of ``--prefill-chunk`` (``auto``: the server's default, the time-
-  budgeted chunk; N: ``--prefill-chunk N``), and the long prompts' mean time to first token on each. The issue's
-  case is ``--streams 16``.
+  deeper then; and the p99 over either steady p50: the serving target is within 1.5x), on a server with
+  ``--prefill-chunk 0`` (a prompt whole) and one per entry of ``--prefill-chunk`` (``auto``: the server's default,
+  the time-budgeted chunk; N: ``--prefill-chunk N``), and the long prompts' mean time to first token on each. The
+  issue's case is ``--streams 16``.
 
 The ``mla-deploy run`` rows are the engine alone: each client's first prompt, all ``c`` of them as one static
 batch (one prefill, then decode steps over every row), timed by ``run --json`` from its prefill to its last token:
