@@ -57,6 +57,7 @@ def test_the_features_bench_measures_the_prefix_cache_and_chunked_prefill(tmp_pa
     for row in servers.values():
         assert row["gaps"] > 0 and row["max_ms"] >= row["p99_ms"] > 0
         assert row["p99_over_steady"] == pytest.approx(row["p99_ms"] / row["steady_p50_ms"])
+        assert row["p99_over_after"] == pytest.approx(row["p99_ms"] / row["after_p50_ms"])
 
 
 def test_an_artifact_without_a_tokenizer_is_refused_in_one_line():
