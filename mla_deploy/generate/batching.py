@@ -10,7 +10,8 @@ layout) and a bounded queue of waiting requests. Each :meth:`~ContinuousBatcher.
    longest stored prefix of the prompt is copied into its first row (``write_rows``) and only the rest is prefilled;
 3. prefills admitted prompts on a view of their one row (:meth:`Engine.rows`, the others' caches left as they
    are), first admitted first: with ``prefill_chunk``, at most that many prompt tokens per step, so a long prompt is
-   prefilled over several steps between the running batch's decode steps. A prompt whose prefill is done gets its
+   prefilled over several steps between the running batch's decode steps (``"auto"``: as many as take about 0.4 of a
+   decode step, :mod:`~mla_deploy.generate.chunk_budget`). A prompt whose prefill is done gets its
    first token; its other choices get copies of its rows (``copy_rows``) and choose theirs from the same logits;
 4. runs one decode step over rows ``0 .. h - 1``, ``h`` one past the highest row decoding (a view again: the rows
    above ``h`` cost nothing; a row below it that is free or still prefilling is fed a placeholder token, and cut
@@ -38,6 +39,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BusyError, InputError, MLADeployError
+from .chunk_budget import AUTO, IDLE_CHUNK, ChunkBudget
 from .engine import BatchingEngine
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, prompt_logprobs, token_logprob
 from .prefix_cache import PrefixCache
@@ -117,7 +119,8 @@ class BatchStats:
             prefilled (the others' rows came from the prefix cache). prefill_calls: prefill runs (a prompt cut in
             chunks is several). generated_tokens: tokens generated.
         decode_steps, decode_rows: decode steps run, and the rows in use summed over them (their ratio is the mean
-            occupancy). step_seconds: time in engine steps (prefill and decode).
+            occupancy). step_seconds: time in engine steps (prefill and decode). chunk_tokens: the most prompt
+            tokens the last step that prefilled could run (with the time-budgeted chunk, its size then).
     """
 
     rows: int
@@ -132,6 +135,7 @@ class BatchStats:
     decode_steps: int = 0
     decode_rows: int = 0
     step_seconds: float = 0.0
+    chunk_tokens: int = 0
 
 
 class ContinuousBatcher:
@@ -145,22 +149,25 @@ class ContinuousBatcher:
             Every decode step attends over all of them, so keep it to what requests need.
         max_queue: the most requests waiting for a row; past it :meth:`submit` raises :class:`BusyError`.
         prefill_chunk: the most prompt tokens prefilled per step, between two decode steps (None: every admitted
-            prompt whole before the next decode step).
+            prompt whole before the next decode step; ``"auto"``: sized from the measured costs so that a chunk
+            takes about 0.4 of a decode step, :class:`~mla_deploy.generate.chunk_budget.ChunkBudget`).
         prefix_cache_bytes: the byte budget of the prefix cache (0: none).
     Raises:
         InputError: ``max_batch`` or ``max_queue`` below 1, ``capacity`` past the engine's, a cache past this
-            machine's memory, ``prefill_chunk`` below 1, ``prefix_cache_bytes`` below 0.
+            machine's memory, ``prefill_chunk`` below 1 (or a word other than ``"auto"``), ``prefix_cache_bytes``
+            below 0.
         CacheCapacityError: the engine's cache is not in place.
     """
 
     def __init__(self, engine: BatchingEngine, max_batch: int, capacity: int | None = None, max_queue: int = 256,
-                 prefill_chunk: int | None = None, prefix_cache_bytes: int = 0):
+                 prefill_chunk: int | str | None = None, prefix_cache_bytes: int = 0):
         if max_batch < 1 or max_queue < 1:
             raise InputError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
         if capacity is not None and engine.capacity and capacity > engine.capacity:
             raise InputError(f"a row of {capacity} tokens per sequence exceeds the artifact's cache capacity "
                              f"{engine.capacity} (its max_cache_length)")
-        if (prefill_chunk is not None and prefill_chunk < 1) or prefix_cache_bytes < 0:
+        fixed = prefill_chunk if prefill_chunk != AUTO else None
+        if (fixed is not None and (isinstance(fixed, str) or fixed < 1)) or prefix_cache_bytes < 0:
             raise InputError(f"the prefill chunk must be >= 1 token and the prefix cache >= 0 bytes, got "
                              f"{prefill_chunk} and {prefix_cache_bytes}")
         self.engine, self.max_queue = engine, int(max_queue)
@@ -175,6 +182,8 @@ class ContinuousBatcher:
         engine.rows(self.state, 0, 1)  # refuses a cache that is not in place, before anything is submitted
         self.capacity = int(self.state.capacity)
         self.prefill_chunk = prefill_chunk
+        #: the time-budgeted chunk's measurements (``prefill_chunk == "auto"``), else None
+        self.chunk_budget = ChunkBudget() if prefill_chunk == AUTO else None
         #: the engine can copy cache rows (n > 1, the prefix cache): ONNX Runtime's CPU provider, not its CUDA one yet
         self.copies_rows = _copies_rows(engine, self.state)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and self.copies_rows else None
@@ -351,9 +360,22 @@ class ContinuousBatcher:
             lead.done = lead.reused = reused
         self._prefilling.append(lead)
 
+    def _chunk_tokens(self) -> tuple[float, bool]:
+        """``(tokens, timed)``: the most prompt tokens this step prefills, and whether the time budget sized them
+        (a chunk run while sequences decode, which it then measures)."""
+        if self.chunk_budget is None:
+            return self.prefill_chunk or float("inf"), False
+        if not any(t is not None and t.phase == DECODE for t in self.slots):
+            return IDLE_CHUNK, False
+        return self.chunk_budget.size(), True
+
     def _prefill(self) -> None:
-        """Prefill the admitted prompts, first admitted first, at most :attr:`prefill_chunk` tokens in all."""
-        budget = self.prefill_chunk or float("inf")
+        """Prefill the admitted prompts, first admitted first, at most :meth:`_chunk_tokens` tokens in all."""
+        if not self._prefilling:
+            return
+        budget, timed = self._chunk_tokens()
+        self.stats.chunk_tokens = int(min(budget, sum(t.prompt_length - t.done for t in self._prefilling)))
+        began, ran = time.perf_counter(), 0
         while budget > 0 and self._prefilling:
             lead = self._prefilling[0]
             take = int(min(lead.prompt_length - lead.done, budget))
@@ -368,6 +390,7 @@ class ContinuousBatcher:
                     logits = logits[:, take - 1]
                 lead.done += take
                 budget -= take
+                ran += take
                 self.stats.prefill_calls += 1
                 self.stats.prefill_tokens += take
                 if lead.done == lead.prompt_length:
@@ -379,6 +402,8 @@ class ContinuousBatcher:
                 self._fail_group(lead.group, str(exc))
             finally:
                 self.stats.step_seconds += time.perf_counter() - start
+        if timed:
+            self.chunk_budget.prefilled(ran, time.perf_counter() - began)
 
     def _start(self, lead: Ticket, logits) -> None:
         """``lead``'s prompt is prefilled: keep its blocks in the prefix cache, copy its rows to its group's other
@@ -418,6 +443,8 @@ class ContinuousBatcher:
             return
         finally:
             self.stats.step_seconds += time.perf_counter() - start
+        if self.chunk_budget is not None:
+            self.chunk_budget.decoded(time.perf_counter() - start)
         self.stats.decode_steps += 1
         self.stats.decode_rows += sum(t is not None for t in tickets)
         for row, ticket in enumerate(tickets):

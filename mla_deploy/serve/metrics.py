@@ -60,6 +60,7 @@ class _BatcherCollector:
             "batch_rows_in_use": ("rows holding a running sequence", stats.active),
             "cache_rows_in_use": ("latent cache rows held by running sequences", held),
             "cache_rows": ("latent cache rows in all (rows of the batch x tokens per row)", stats.rows * batcher.capacity),
+            "prefill_chunk_tokens": ("the most prompt tokens the last prefilling step could run", stats.chunk_tokens),
             "engine_tokens_per_second": ("generated tokens per second of engine step time",
                                          stats.generated_tokens / stats.step_seconds if stats.step_seconds else 0.0),
         }

@@ -53,7 +53,8 @@ class ServeOptions:
             stay idle between requests.
         max_header_bytes: the largest request line and headers (the connection is answered 400 and closed past it).
         prefill_chunk: the most prompt tokens prefilled between two decode steps of the running batch (0: a prompt
-            whole, holding the batch meanwhile).
+            whole, holding the batch meanwhile; None: as many as take about 0.4 of a decode step, sized from the
+            measured costs: :mod:`~mla_deploy.generate.chunk_budget`).
         prefix_cache_mb: the prefix cache's budget of host memory, in MiB (0: no prefix cache).
     """
 
@@ -73,7 +74,7 @@ class ServeOptions:
     grace: float = 30.0
     client_timeout: float = 15.0
     max_header_bytes: int = 64 << 10
-    prefill_chunk: int = 64
+    prefill_chunk: int | None = None
     prefix_cache_mb: int = 512
 
 
@@ -125,7 +126,7 @@ class Service:
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (/health), one of many
         self.batcher = ContinuousBatcher(self.engine, options.max_batch, options.max_cache_length, options.max_queue,
-                                         options.prefill_chunk or None, options.prefix_cache_mb << 20)
+                                         _chunk(options.prefill_chunk), options.prefix_cache_mb << 20)
         self._token_texts: dict[int, tuple[str, bytes]] = {}  # log probability entries' token texts, by id
         self.capacity = self.batcher.capacity
         # no text of more characters than this can fit in a row, whatever it says: the cheap check that comes
@@ -161,7 +162,7 @@ class Service:
             raise CacheCapacityError(f"{artifact} has a {manifest.layout.mode} cache, which has no rows to batch in: "
                                      f"export it with --cache-mode static to serve it")
         capacity = manifest.capacity
-        if min(options.prefill_chunk, options.prefix_cache_mb) < 0:
+        if min(options.prefill_chunk or 0, options.prefix_cache_mb) < 0:
             raise InputError(f"--prefill-chunk and --prefix-cache-mb must be >= 0, got {options.prefill_chunk} and "
                              f"{options.prefix_cache_mb}")
         if min(options.max_batch, options.max_queue) < 1 or (options.max_cache_length or 1) < 1:
@@ -335,6 +336,13 @@ class Service:
                 out.append(self.entry(logprobs[i - 1], offset))
             offset += len(detokenizer.push(int(token)))
         return out
+
+
+def _chunk(prefill_chunk: int | None):
+    """The batcher's ``prefill_chunk`` for ``--prefill-chunk`` (None: the time-budgeted chunk; 0: a prompt whole)."""
+    from ..generate.chunk_budget import AUTO
+
+    return AUTO if prefill_chunk is None else prefill_chunk or None
 
 
 def _tokenizer(artifact: str | Path):

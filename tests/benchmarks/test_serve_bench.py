@@ -44,15 +44,20 @@ def test_the_features_bench_measures_the_prefix_cache_and_chunked_prefill(tmp_pa
     out = tmp_path / "features.json"
     result = subprocess.run([sys.executable, str(SCRIPT), str(text_artifact("static")), "--features",
                              "--system-length", "100", "--hits", "2", "--long-prompt", "200", "--long-count", "1",
-                             "--streams", "2", "--prefill-chunk", "32", "--threads", "1", "--json", str(out)],
+                             "--streams", "2", "--prefill-chunk", "32,auto", "--threads", "1", "--json", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "faster than without the prefix cache" in result.stdout and "| --prefill-chunk 32 |" in result.stdout
+    assert "| time-budgeted (default) |" in result.stdout
     rows = json.loads(out.read_text())
     prefix, chunks = rows["prefix_cache"], rows["chunked_prefill"]
     assert prefix["tokens_reused"] == 2 * 96 and prefix["ttft_hit_ms"] > 0 and prefix["speedup"] > 0
-    for name in ("whole", "chunked"):
-        assert chunks[name]["gaps"] > 0 and chunks[name]["max_ms"] >= chunks[name]["p99_ms"] > 0
+    servers = chunks["servers"]
+    assert list(servers) == ["--prefill-chunk 0", "--prefill-chunk 32", "time-budgeted (default)"]
+    for row in servers.values():
+        assert row["gaps"] > 0 and row["max_ms"] >= row["p99_ms"] > 0
+        assert row["p99_over_steady"] == pytest.approx(row["p99_ms"] / row["steady_p50_ms"])
+        assert row["p99_over_after"] == pytest.approx(row["p99_ms"] / row["after_p50_ms"])
 
 
 def test_an_artifact_without_a_tokenizer_is_refused_in_one_line():

@@ -1,7 +1,7 @@
 """Continuous batching's sharing of cache rows and its log probabilities, over a real ONNX Runtime engine (the tiny
-preset, static cache): rows copied between sequences and to and from the host, a prefill after cached rows equal to
-one prefill, prefix-cache hits equal to misses, chunked prefill equal to one call, ``n`` choices sharing a
-prefill, and log probabilities equal to a log-softmax of the engine's own logits."""
+preset, static cache): rows copied between sequences and to and from the host, a prefill after cached rows equal
+to one prefill, prefix-cache hits equal to misses, chunked prefill (fixed and time-budgeted chunks) equal to one
+call, ``n`` choices sharing a prefill, and log probabilities equal to a log-softmax of the engine's own logits."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from artifacts import tiny_artifact
 from mla_deploy.errors import InputError
 from mla_deploy.generate import ContinuousBatcher, SamplingConfig, generate_tokens
+from mla_deploy.generate.chunk_budget import FIRST_CHUNK
 from mla_deploy.generate.logprobs import log_softmax, top_tokens
 from mla_deploy.ort.engine import OrtEngine
 
@@ -111,6 +112,32 @@ def test_chunked_prefill_gives_the_tokens_of_one_call_and_lets_running_streams_d
         batcher.step()
     assert [e.token for e in long_events] == alone
     assert [e.token for e in running] == generate_tokens(engine, [[5, 6, 7]], 12).tokens[0]
+
+
+def test_the_time_budgeted_chunk_gives_the_tokens_of_one_call_and_lets_running_streams_decode(engine):
+    alone = generate_tokens(engine, [LONG], 6).tokens[0]
+    batcher = ContinuousBatcher(engine, max_batch=2, capacity=56, prefill_chunk="auto", prefix_cache_bytes=1 << 20)
+    ticket, _ = run(batcher, LONG[::-1], 2)  # nothing decodes: up to IDLE_CHUNK tokens in one call
+    assert batcher.stats.prefill_calls == 1 and batcher.stats.chunk_tokens == 40
+    running = []
+    batcher.submit([5, 6, 7], 12, on_event=running.append)
+    batcher.step()  # the short prompt: prefilled and decoding
+    long_events, sizes = [], []
+    batcher.submit(LONG, 6, on_event=long_events.append)
+    while not long_events:
+        batcher.step()
+        sizes.append(batcher.stats.chunk_tokens)
+    budget = batcher.chunk_budget
+    assert sizes[0] == FIRST_CHUNK and len(sizes) > 1 and budget.decode_seconds > 0 and budget.token_seconds > 0
+    assert len(running) >= len(sizes)  # a decode step between the chunks
+    while not batcher.idle:
+        batcher.step()
+    assert [e.token for e in long_events] == alone
+    assert [e.token for e in running] == generate_tokens(engine, [[5, 6, 7]], 12).tokens[0]
+    hit, _ = run(batcher, LONG, 6)  # the chunked prompt's blocks were kept
+    assert hit.reused == 32 and hit.tokens == alone
+    with pytest.raises(InputError, match="prefill chunk"):
+        ContinuousBatcher(engine, max_batch=1, capacity=56, prefill_chunk="fast")
 
 
 def test_n_choices_share_one_prefill(engine):

@@ -175,6 +175,7 @@ def test_a_prompt_prefilled_in_chunks_equals_one_call(server, alone):
     reply = client.completions.create(model=server.model, prompt=prompt, max_tokens=10, temperature=0)
     assert reply.choices[0].text == text and reply.choices[0].finish_reason == reason
     assert server.metric("mla_deploy_prefill_calls_total") - calls >= -(-len(ids) // CHUNK)
+    assert 0 < server.metric("mla_deploy_prefill_chunk_tokens") <= CHUNK
 
 
 def test_what_is_still_refused(server):
