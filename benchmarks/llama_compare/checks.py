@@ -16,7 +16,7 @@ from .settings import ARCHITECTURES, CompareError
 #: bytes of each weight file's end that go into the fingerprint beside its safetensors header
 SAMPLE_BYTES = 1 << 20
 #: changes with what :mod:`.convert_entry` writes, so GGUF files of an older revision are not reused
-CONVERTER_REVISION = "2"
+CONVERTER_REVISION = "3"
 #: files whose presence means the checkpoint has a tokenizer llama.cpp's converter can read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -35,8 +35,8 @@ def check_checkpoint(folder: Path) -> dict:
         raise CompareError(f"{config_file} does not read as JSON: {exc}") from None
     architectures = config.get("architectures") or []
     if not set(architectures) & set(ARCHITECTURES):
-        raise CompareError(f"{folder} is not a DeepSeek checkpoint: its architectures are {architectures or 'none'}, "
-                           f"the comparison takes {' or '.join(ARCHITECTURES)}")
+        raise CompareError(f"{folder} is not a checkpoint both engines take: its architectures are "
+                           f"{architectures or 'none'}, the comparison takes {', '.join(ARCHITECTURES)}")
     if not weight_files(folder):
         raise CompareError(f"{folder} has no *.safetensors weights")
     return config

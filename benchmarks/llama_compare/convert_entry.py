@@ -3,8 +3,8 @@ that runs the comparison, with the vendored ``gguf-py`` on its path):
 
     python convert_entry.py LLAMA_CPP_DIR CHECKPOINT [converter options ...]
 
-Four adaptations, all in a subclass of the converter's own class for the checkpoint's architecture, none
-changing a byte the converter writes:
+Five adaptations, all in a subclass of the converter's own class for the checkpoint's architecture, none
+changing a byte the converter writes for a checkpoint it converts without them:
 
 * A checkpoint without tokenizer files (the random ones `samples/03_random_checkpoint` writes) gets a GGUF whose
   tokenizer model is ``none`` with the config's vocabulary size (llama.cpp then holds that many placeholder
@@ -16,6 +16,9 @@ changing a byte the converter writes:
   ``attention.q_lora_rank = 0``: llama.cpp takes a model without that key for the "lite" layout only at 26 or 27
   layers, so the first N layers of V2-Lite would not load without it; with 0 it builds the same plain query
   projection it builds for the whole V2-Lite.
+* A config written by transformers 5 (GLM-4.7-Flash's, DeepSeek-V3.2's) gets the keys the converter reads and
+  transformers leaves out: ``first_k_dense_replace`` from ``mlp_layer_types``, ``scoring_func`` sigmoid for the
+  classes that route by sigmoid (:func:`_transformers_keys`).
 * A layer's routed experts are written one expert at a time. The converter stacks a layer's experts into one
   tensor and turns it to float32 before quantizing it: for DeepSeek-V3 (256 experts of 2048 x 7168) that is 15 GB
   for each of the three projections, and the kernel's out-of-memory killer stopped it on a 24 GiB machine. Here each
@@ -102,11 +105,32 @@ def _adapt(architecture: str, vocabless: bool) -> None:
                 raise ValueError(f"experts of an incomplete layer, not written: {left[:3]} ...")
 
         def set_gguf_parameters(self) -> None:
+            _transformers_keys(self.hparams, architecture)
             super().set_gguf_parameters()
             if "q_lora_rank" in self.hparams and self.hparams["q_lora_rank"] is None:
                 self.gguf_writer.add_q_lora_rank(0)
 
     ModelBase.register(architecture)(Adapted)
+
+
+#: architectures whose transformers class always routes by sigmoid scores (DeepSeek-V3's router)
+SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM")
+
+
+def _transformers_keys(hparams: dict, architecture: str) -> None:
+    """The keys llama.cpp's converter reads that a config written by transformers 5 leaves out, from what it says
+    instead: ``first_k_dense_replace`` from ``mlp_layer_types`` (GLM-4.7-Flash, DeepSeek-V3.2; without it the
+    converter writes no dense layers and llama.cpp cannot load the file), and ``scoring_func`` sigmoid where the
+    class routes by sigmoid (without it llama.cpp falls back to softmax routing). A config that names them is
+    left as it is."""
+    types = hparams.get("mlp_layer_types")
+    if types and hparams.get("first_k_dense_replace") is None:
+        lead = next((i for i, kind in enumerate(types) if kind != "dense"), len(types))
+        if "dense" in types[lead:]:
+            raise ValueError(f"mlp_layer_types {types}: llama.cpp takes dense layers only before the MoE ones")
+        hparams["first_k_dense_replace"] = lead
+    if architecture in SIGMOID_ROUTED and hparams.get("n_routed_experts") and not hparams.get("scoring_func"):
+        hparams["scoring_func"] = "sigmoid"
 
 
 def main(argv: list[str]) -> None:

@@ -16,8 +16,9 @@ CONVERTER_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
 #: what llama-quantize may read (``--quantize-from``): F32 as the issue's figures; BF16 gives the same Q4_0 from a
 #: bf16 checkpoint at half the disk; Q8_0 (requantized, not the same Q4_0) where even that does not fit
 QUANTIZE_SOURCES = ("F32", "BF16", "Q8_0")
-#: Hugging Face architectures both llama.cpp's converter and mla-deploy take
-ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+#: Hugging Face architectures both llama.cpp's converter and mla-deploy take (GLM-4.7-Flash's is DeepSeek-V3's
+#: attention, llama.cpp's ``deepseek2``; DeepSeek-V3.2's is its ``deepseek32``, the indexer included)
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM")
 #: the llama.cpp tools the comparisons need (llama-server: benchmarks/serve_bench.py --llama-server)
 TARGETS = ("llama-bench", "llama-quantize", "llama-server")
 #: changes with what :mod:`.ik` changes in ik_llama.cpp's source, so a build of an older change is not reused

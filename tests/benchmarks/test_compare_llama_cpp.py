@@ -586,7 +586,7 @@ def test_no_checkpoint_or_not_a_deepseek_one_is_one_line(tmp_path):
     _one_line_error(compare(str(tmp_path / "missing")), "no checkpoint folder at")
     _one_line_error(compare(str(tmp_path)), "has no config.json")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    _one_line_error(compare(str(tmp_path)), "is not a DeepSeek checkpoint: its architectures are ['LlamaForCausalLM']")
+    _one_line_error(compare(str(tmp_path)), "is not a checkpoint both engines take: its architectures are ['LlamaForCausalLM']")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV2ForCausalLM"]}))
     _one_line_error(compare(str(tmp_path)), "has no *.safetensors weights")
 
