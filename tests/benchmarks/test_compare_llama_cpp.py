@@ -371,6 +371,25 @@ def test_experts_written_one_at_a_time_make_the_file_the_converter_made_stacking
     assert (tmp_path / "chunked.gguf").read_bytes() == TINY_GGUF.read_bytes()
 
 
+def test_a_transformers_written_config_gets_the_keys_the_converter_reads():
+    """GLM-4.7-Flash's and DeepSeek-V3.2's configs as transformers 5 writes them name no first_k_dense_replace and no
+    scoring_func: llama.cpp's converter would write no dense layer (the file does not load) and softmax routing."""
+    from llama_compare.convert_entry import _transformers_keys
+
+    glm = {"mlp_layer_types": ["dense", "sparse", "sparse"], "n_routed_experts": 64}
+    _transformers_keys(glm, "Glm4MoeLiteForCausalLM")
+    assert glm["first_k_dense_replace"] == 1 and glm["scoring_func"] == "sigmoid"
+    named = {"mlp_layer_types": ["dense", "sparse"], "first_k_dense_replace": 1, "scoring_func": "softmax",
+             "n_routed_experts": 8}
+    _transformers_keys(named, "DeepseekV3ForCausalLM")  # what a config names is kept
+    assert named["first_k_dense_replace"] == 1 and named["scoring_func"] == "softmax"
+    lite = {"first_k_dense_replace": 1, "n_routed_experts": 64}
+    _transformers_keys(lite, "DeepseekV2ForCausalLM")  # V2 routes by softmax: nothing added
+    assert "scoring_func" not in lite
+    with pytest.raises(ValueError, match="dense layers only before the MoE ones"):
+        _transformers_keys({"mlp_layer_types": ["dense", "sparse", "dense"]}, "Glm4MoeLiteForCausalLM")
+
+
 def test_dry_run_with_interleave_compiles_the_stepper_and_plans_the_bursts(checkpoint, tmp_path):
     cache = tmp_path / "cache"
     proc = compare(str(checkpoint), "--dry-run", "--cache", str(cache), "--weights", "int4", "-n", "16", "--rounds",
