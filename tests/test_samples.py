@@ -40,3 +40,28 @@ def test_random_checkpoint_sample(tmp_path):
     refused = subprocess.run([sys.executable, str(SAMPLES / "03_random_checkpoint" / "make_checkpoint.py"),
                               str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 1 and "not an empty folder" in refused.stderr
+
+
+def test_transformers_checkpoint_sample(tmp_path):
+    """Any MLA type at its transformers class's defaults, cut to N layers, written by the class itself (tiny widths
+    through --set): GLM-4.7-Flash's keeps its dense first layer, and mla-deploy reads what it wrote."""
+    pytest.importorskip("transformers")
+    script = SAMPLES / "03_random_checkpoint" / "transformers_checkpoint.py"
+    tiny = ["--set", "hidden_size=64", "--set", "intermediate_size=96", "--set", "moe_intermediate_size=32",
+            "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4", "--set", "q_lora_rank=32",
+            "--set", "kv_lora_rank=32", "--set", "qk_nope_head_dim=16", "--set", "qk_rope_head_dim=8",
+            "--set", "v_head_dim=16", "--set", "n_routed_experts=8", "--set", "num_experts_per_tok=2",
+            "--set", "vocab_size=256"]
+    out = _run(script, str(tmp_path / "glm"), "--type", "glm4_moe_lite", "--layers", "2", *tiny)
+    assert "wrote" in out and "glm4_moe_lite" in out
+    from mla_deploy.checkpoint import load_checkpoint
+
+    config = load_checkpoint(tmp_path / "glm").config
+    assert (config.num_hidden_layers, config.hidden_size) == (2, 64)
+    assert [config.is_moe_layer(i) for i in range(2)] == [False, True]
+    for args, message in (((str(tmp_path / "glm"), "--type", "glm4_moe_lite"), "not an empty folder"),
+                          ((str(tmp_path / "x"), "--type", "glm4_moe_lite", "--layers", "99"), "has 47"),
+                          ((str(tmp_path / "y"), "--type", "glm4_moe_lite", "--set", "nope=1"), "no such key")):
+        refused = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 1 and message in refused.stderr and "Traceback" not in refused.stderr
+        assert not Path(args[0]).exists() or args[0] == str(tmp_path / "glm")
