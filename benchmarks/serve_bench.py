@@ -34,7 +34,7 @@ With ``--features`` it measures the prefix cache and chunked prefill instead, tw
   gaps between the running streams' chunks as the client sees them while the long prompts arrive (p50, p99, the
   largest; the steady state's p50 and p99 before, and its p50 for ``--steady`` seconds after, the streams' rows
   deeper then; and the p99 over either steady p50: the serving target is within 1.5x), on a server with
-  ``--prefill-chunk 0`` (a prompt whole) and one per entry of ``--prefill-chunk`` (``auto``: the server's default,
+  ``--prefill-chunk 0`` (a prompt whole) and one per entry of ``--prefill-chunk`` (``auto``: ``--prefill-chunk auto``,
   the time-budgeted chunk; N: ``--prefill-chunk N``), and the long prompts' mean time to first token on each. The
   issue's case is ``--streams 16``.
 
@@ -115,8 +115,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steady", type=float, default=2.0,
                    help="--features: seconds of the streams' steady state measured before the long prompts arrive")
     p.add_argument("--prefill-chunk", type=chunk_specs, default=["auto"],
-                   help="--features: the chunked servers' chunks, beside a server with --prefill-chunk 0 (auto: the "
-                        "server's default, the time-budgeted chunk)")
+                   help="--features: the chunked servers' chunks, beside a server with --prefill-chunk 0 (auto: "
+                        "--prefill-chunk auto, the time-budgeted chunk)")
     return p
 
 
@@ -400,8 +400,8 @@ def chunk_rows(args, vocabulary: int) -> dict:
     tokens = args.long_prompt + 8
     servers = {"--prefill-chunk 0": MlaServer(args, args.streams + 1, tokens, ("--prefill-chunk", "0"))}
     for spec in args.prefill_chunk:
-        label = "time-budgeted (default)" if spec == "auto" else f"--prefill-chunk {spec}"
-        servers[label] = MlaServer(args, args.streams + 1, tokens, () if spec == "auto" else ("--prefill-chunk", spec))
+        label = "--prefill-chunk auto (time-budgeted)" if spec == "auto" else f"--prefill-chunk {spec}"
+        servers[label] = MlaServer(args, args.streams + 1, tokens, ("--prefill-chunk", spec))
     out = {}
     try:
         for server in servers.values():

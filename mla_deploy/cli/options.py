@@ -21,6 +21,23 @@ def option_name(param) -> str:
 
 
 
+class IntOrAuto(click.ParamType):
+    """``auto`` (None) or one integer >= ``minimum``."""
+
+    name = "integer or auto"
+
+    def __init__(self, minimum: int = 0):
+        self.minimum = minimum
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None
+        return parse_int(value, option_name(param), self.minimum)
+
+
 class Int(click.ParamType):
     """One integer >= ``minimum``."""
 

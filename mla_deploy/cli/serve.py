@@ -7,7 +7,7 @@ import os
 import click
 
 from .groups import Runtime, RuntimeArgs
-from .options import Int, Positive
+from .options import Int, IntOrAuto, Positive
 
 
 @click.command()
@@ -35,12 +35,12 @@ from .options import Int, Positive
 @click.option("--client-timeout", default=15.0, show_default=True, type=Positive(),
               help="Seconds a client has to send a request's headers, then its body (408 past it), and that an idle "
                    "connection is kept open.")
-@click.option("--prefill-chunk", default=None, show_default="time-budgeted", type=Int(minimum=0),
+@click.option("--prefill-chunk", default="64", show_default=True, type=IntOrAuto(minimum=0),
               help="Prompt tokens prefilled between two decode steps of the running batch: a long prompt is prefilled "
-                   "in chunks so running streams keep their pace. By default each chunk is sized from the measured "
-                   "costs to take about 0.4 of a decode step (running streams' gaps stay within about 1.5x a decode "
-                   "step; a long prompt's first token comes later); N: at most N tokens; 0: each prompt whole, "
-                   "holding the batch.")
+                   "in chunks so running streams keep their pace. N: at most N tokens; 0: each prompt whole, holding "
+                   "the batch; auto: each chunk sized from the measured costs to take about 0.4 of a decode step "
+                   "(running streams' gaps stay near a decode step, but arriving prompts wait much longer for their "
+                   "first token and a busy server's batch fills more slowly).")
 @click.option("--prefix-cache-mb", default=512, show_default=True, type=Int(minimum=0),
               help="Host memory (MiB) for the prefix cache: prompts sharing a prefix with an earlier one (a system "
                    "prompt, earlier turns) reuse its latent cache rows instead of prefilling them (0: off).")

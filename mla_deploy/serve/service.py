@@ -53,8 +53,8 @@ class ServeOptions:
             stay idle between requests.
         max_header_bytes: the largest request line and headers (the connection is answered 400 and closed past it).
         prefill_chunk: the most prompt tokens prefilled between two decode steps of the running batch (0: a prompt
-            whole, holding the batch meanwhile; None: as many as take about 0.4 of a decode step, sized from the
-            measured costs: :mod:`~mla_deploy.generate.chunk_budget`).
+            whole, holding the batch meanwhile; None, ``--prefill-chunk auto``: as many as take about 0.4 of a decode
+            step, sized from the measured costs: :mod:`~mla_deploy.generate.chunk_budget`).
         prefix_cache_mb: the prefix cache's budget of host memory, in MiB (0: no prefix cache).
     """
 
@@ -74,7 +74,7 @@ class ServeOptions:
     grace: float = 30.0
     client_timeout: float = 15.0
     max_header_bytes: int = 64 << 10
-    prefill_chunk: int | None = None
+    prefill_chunk: int | None = 64
     prefix_cache_mb: int = 512
 
 
