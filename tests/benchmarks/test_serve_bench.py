@@ -48,12 +48,12 @@ def test_the_features_bench_measures_the_prefix_cache_and_chunked_prefill(tmp_pa
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "faster than without the prefix cache" in result.stdout and "| --prefill-chunk 32 |" in result.stdout
-    assert "| time-budgeted (default) |" in result.stdout
+    assert "| --prefill-chunk auto (time-budgeted) |" in result.stdout
     rows = json.loads(out.read_text())
     prefix, chunks = rows["prefix_cache"], rows["chunked_prefill"]
     assert prefix["tokens_reused"] == 2 * 96 and prefix["ttft_hit_ms"] > 0 and prefix["speedup"] > 0
     servers = chunks["servers"]
-    assert list(servers) == ["--prefill-chunk 0", "--prefill-chunk 32", "time-budgeted (default)"]
+    assert list(servers) == ["--prefill-chunk 0", "--prefill-chunk 32", "--prefill-chunk auto (time-budgeted)"]
     for row in servers.values():
         assert row["gaps"] > 0 and row["max_ms"] >= row["p99_ms"] > 0
         assert row["p99_over_steady"] == pytest.approx(row["p99_ms"] / row["steady_p50_ms"])
