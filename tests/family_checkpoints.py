@@ -31,7 +31,8 @@ DENSE_KEYS = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "
               "topk_group", "norm_topk_prob", "routed_scaling_factor")
 
 
-def _edit_json(path: Path, change) -> None:
+def edit_json(path: Path, change) -> None:
+    """Rewrite the JSON file ``path`` after ``change(data)``: how a test makes a bad checkpoint of a good one."""
     data = json.loads(path.read_text())
     change(data)
     path.write_text(json.dumps(data, indent=2))
@@ -53,7 +54,7 @@ def _sarvam_legacy(folder: Path) -> None:
         rope = d.pop("rope_parameters")
         d["rope_theta"] = rope.pop("rope_theta")
         d["rope_scaling"] = {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "deepseek_yarn"}
-    _edit_json(folder / "config.json", change)
+    edit_json(folder / "config.json", change)
 
 
 def _axk1_legacy(folder: Path) -> None:
@@ -65,7 +66,7 @@ def _axk1_legacy(folder: Path) -> None:
     def change(d):
         assert d.pop("mlp_layer_types") == ["dense", "dense", "sparse", "dense"]
         d.update(first_k_dense_replace=1, moe_layer_freq=2)
-    _edit_json(folder / "config.json", change)
+    edit_json(folder / "config.json", change)
     state = load_file(str(folder / "model.safetensors"))
     state["model.layers.0.post_mlp_layernorm.weight"] = torch.ones(SMALL["hidden_size"])
     state = {k: v for k, v in state.items() if not k.endswith("e_score_correction_bias")}
@@ -89,7 +90,7 @@ _mtp = _glm_mtp  # DeepSeek-V3.2 (layers.61) and GLM-5 (layers.78) carry one suc
 def _kimi_k2(folder: Path) -> None:
     """Kimi K2's text config names its type ``kimi_k2`` (DeepSeek-V3's config, renamed; transformers 5.24 does not
     register the name, Kimi K2.5's wrapper renames it back)."""
-    _edit_json(folder / "config.json", lambda d: d.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"]))
+    edit_json(folder / "config.json", lambda d: d.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"]))
 
 
 def _kimi_k25_published(folder: Path) -> None:
@@ -118,7 +119,7 @@ def _longcat_released(folder: Path) -> None:
     transformers skips on load."""
     from safetensors.torch import load_file, save_file
 
-    _edit_json(folder / "config.json", lambda d: d.update(zero_expert_type="identity", mla_scale_q_lora=True,
+    edit_json(folder / "config.json", lambda d: d.update(zero_expert_type="identity", mla_scale_q_lora=True,
                                                           mla_scale_kv_lora=True, router_bias=False))
     state = load_file(str(folder / "model.safetensors"))
     first = "model.layers.0."

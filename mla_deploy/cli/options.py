@@ -19,25 +19,6 @@ def option_name(param) -> str:
     return param.opts[0] if param is not None and param.opts else "the option"
 
 
-
-
-class IntOrAuto(click.ParamType):
-    """``auto`` (None) or one integer >= ``minimum``."""
-
-    name = "integer or auto"
-
-    def __init__(self, minimum: int = 0):
-        self.minimum = minimum
-
-    def get_metavar(self, param, ctx=None) -> str:
-        return "N|auto"
-
-    def convert(self, value, param, ctx):
-        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-            return None
-        return parse_int(value, option_name(param), self.minimum)
-
-
 class Int(click.ParamType):
     """One integer >= ``minimum``."""
 
@@ -51,6 +32,26 @@ class Int(click.ParamType):
 
     def convert(self, value, param, ctx):
         return parse_int(value, option_name(param), self.minimum)
+
+
+class IntOrAuto(Int):
+    """``auto`` (None) or one integer >= ``minimum``."""
+
+    name = "integer or auto"
+
+    def __init__(self, minimum: int = 0):
+        super().__init__(minimum)
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None
+        try:
+            return super().convert(value, param, ctx)
+        except InputError as exc:
+            raise InputError(f"{exc} (or auto)") from None
 
 
 class Threads(click.ParamType):

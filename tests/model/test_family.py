@@ -140,10 +140,7 @@ def _bad(folder, change_config=None, index=None):
     """The tiny youtu checkpoint, its config.json changed, or an index.json written beside it."""
     family_checkpoints.write("youtu", folder)
     if change_config is not None:
-        path = folder / "config.json"
-        data = json.loads(path.read_text())
-        change_config(data)
-        path.write_text(json.dumps(data))
+        family_checkpoints.edit_json(folder / "config.json", change_config)
     if index is not None:
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return folder

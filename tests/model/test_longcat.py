@@ -142,10 +142,7 @@ def _broken(folder, config=None, drop=None):
 
     family_checkpoints.write("longcat_flash", folder)
     if config is not None:
-        path = folder / "config.json"
-        data = json.loads(path.read_text())
-        config(data)
-        path.write_text(json.dumps(data))
+        family_checkpoints.edit_json(folder / "config.json", config)
     if drop is not None:
         state = load_file(str(folder / "model.safetensors"))
         del state[drop]
