@@ -220,6 +220,7 @@ class MainGroup(click.Group):
             command = next((a for a in args if a in self.commands), None)
             _fail(f"{wrong} (see `mla-deploy{' ' + command if command else ''} --help`)", 2)
         handlers = _install(_on_signal)
+        stopped = False
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             if sys.stdout is not None:
@@ -232,6 +233,7 @@ class MainGroup(click.Group):
             sys.exit(0)
         except (click.Abort, Interrupted) as exc:  # click.Abort: a KeyboardInterrupt while parsing, EOF at a prompt
             signum = getattr(exc, "signum", signal.SIGINT)
+            stopped = True
             stop_children()
             _fail(f"interrupted ({_signal_name(signum)}); temporary files were removed", 128 + signum)
         except Exception as exc:  # noqa: BLE001 - every other failure: one line (a bug's names the traceback file)
@@ -240,7 +242,9 @@ class MainGroup(click.Group):
             _fail(*_error_line(exc))
         finally:
             _Redelivery.disarm()
-            _install(handlers)
+            # once stopped, the stop signals stay ignored to the exit: a redelivery already on its way (or a second
+            # Ctrl-C) reaching Python's default handler would turn exit 130 into a death by the signal
+            _install(signal.SIG_IGN if stopped else handlers)
 
     def invoke(self, ctx):
         """Run the command; a KeyboardInterrupt leaving it is the interrupt of the contract (not click's Abort,
