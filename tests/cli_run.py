@@ -40,3 +40,12 @@ def ok(result: subprocess.CompletedProcess) -> str:
     """The standard output of a command that must have succeeded."""
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
+
+
+def fails(result: subprocess.CompletedProcess, message: str) -> str:
+    """The one error line of a command that must have failed with exit status 1 and said ``message`` (no traceback,
+    nothing else on stderr)."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert message in lines[0]
+    return lines[0]

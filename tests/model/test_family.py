@@ -13,7 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import family_checkpoints  # noqa: E402
-from cli_run import cli, ok  # noqa: E402
+from cli_run import cli, fails, ok  # noqa: E402
 from hf_oracle import assert_engine_matches_hf  # noqa: E402
 from mla_deploy.ort.engine import OrtEngine  # noqa: E402
 
@@ -161,7 +161,4 @@ def _bad(folder, change_config=None, index=None):
 def test_bad_checkpoint_is_one_line(tmp_path, change, index, message):
     """A malformed checkpoint of the new types: `export --hf` exits 1 with one line, never a traceback."""
     ckpt = _bad(tmp_path / "ckpt", change, index)
-    done = cli("export", "--hf", ckpt, "--out", tmp_path / "out")
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1 and len(lines) == 1, done.stderr
-    assert message in lines[0]
+    fails(cli("export", "--hf", ckpt, "--out", tmp_path / "out"), message)

@@ -13,7 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import family_checkpoints  # noqa: E402
-from cli_run import cli, ok  # noqa: E402
+from cli_run import cli, fails, ok  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [64, 2, 11]]
 E = family_checkpoints.LONGCAT["n_routed_experts"]
@@ -167,8 +167,5 @@ def _broken(folder, config=None, drop=None):
 def test_bad_checkpoint_is_one_line(tmp_path, config, drop, message):
     """A malformed LongCat-Flash checkpoint: `export --hf` exits 1 with one line naming what is wrong."""
     ckpt = _broken(tmp_path / "ckpt", config, drop)
-    done = cli("export", "--hf", ckpt, "--out", tmp_path / "out")
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1 and len(lines) == 1, done.stderr
-    assert message in lines[0]
+    fails(cli("export", "--hf", ckpt, "--out", tmp_path / "out"), message)
     assert not (tmp_path / "out").exists()
